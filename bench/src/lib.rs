@@ -1,0 +1,1 @@
+//! bench: filled by a later issue. Dependency direction is fixed now (see STYLE.md).

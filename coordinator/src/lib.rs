@@ -1,0 +1,1 @@
+//! coordinator: filled by a later issue. Dependency direction is fixed now (see STYLE.md).

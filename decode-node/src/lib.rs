@@ -1,0 +1,1 @@
+//! decode-node: filled by a later issue. Dependency direction is fixed now (see STYLE.md).

@@ -1,0 +1,126 @@
+//! Compute kernels of cleave behind one [`Backend`] trait.
+//!
+//! The model code in `engine` calls a `Backend` for every operation on activations, weights and
+//! the KV cache, so a second backend (CUDA through cudarc, feature `cuda`) slots in without
+//! touching the model. Every op also has a naive, obviously-correct implementation in
+//! [`reference`] that tests compare backends against.
+//!
+//! Allowed dependencies: none of cleave's other crates. Buffers hold f32; layouts are row-major.
+//!
+//! Layout conventions (shared by every backend):
+//! - Activations of a batch are packed token-major: `[num_tokens, width]`.
+//! - Linear weights use Hugging Face's layout `[out_features, in_features]`.
+//! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
+//!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
+//!   at row `t % block_size`.
+
+pub mod cpu;
+pub mod reference;
+
+/// Errors of the kernels crate.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("shape mismatch in {op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+    #[error("backend out of memory allocating {bytes} bytes")]
+    OutOfMemory { bytes: usize },
+    #[error("backend `{backend}` failed: {detail}")]
+    Device { backend: &'static str, detail: String },
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// How RoPE frequencies are derived (Hugging Face `rope_scaling`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Llama 3.1 frequency-dependent scaling.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: u32 },
+}
+
+/// One sequence's share of a batched paged-attention call.
+///
+/// The sequence's queries are rows `q_start .. q_start + q_len` of the packed query tensor; they
+/// are the *last* `q_len` tokens of a context of `context_len` tokens whose K/V (new tokens
+/// included) are already written to the cache. Query `i` is at position `context_len - q_len + i`
+/// and attends causally to keys `0 ..= that position`. A decode step is `q_len == 1`; a prefill
+/// chunk over a cached prefix has `context_len > q_len`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    pub q_start: usize,
+    pub q_len: usize,
+    pub context_len: usize,
+    pub block_table: &'a [u32],
+}
+
+/// Shape facts of a paged attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// A compute backend. Methods take explicit sizes and check them against the buffers, returning
+/// [`KernelError::Shape`] rather than panicking.
+///
+/// This trait is wider than STYLE.md's ~8 methods on purpose: it is the op set of a transformer,
+/// one method per kernel, and splitting it would only scatter the same contract.
+pub trait Backend: Send + Sync + 'static {
+    /// A device buffer of f32.
+    type Buf: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    fn alloc_zeros(&self, len: usize) -> Result<Self::Buf>;
+    fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// Copies `len` elements from `src[src_off..]` to `dst[dst_off..]`.
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
+    /// Writes host data into `dst[dst_off..]`.
+    fn write(&self, dst: &mut Self::Buf, dst_off: usize, host: &[f32]) -> Result<()>;
+    /// Reads `len` elements of `src[src_off..]` into host memory.
+    fn read(&self, src: &Self::Buf, src_off: usize, len: usize) -> Result<Vec<f32>>;
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
+    fn linear(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf) -> Result<()>;
+    /// Row-wise RMSNorm: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight`.
+    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, eps: f32, rows: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
+    /// In-place RoPE in Hugging Face's rotate-half form on `x: [num_tokens, num_heads, head_dim]`.
+    /// `cos_sin` is `[max_positions, head_dim]`: the first `head_dim/2` entries of a row are cos,
+    /// the last `head_dim/2` are sin (see [`rope_table`]).
+    fn rope(&self, x: &mut Self::Buf, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Self::Buf) -> Result<()>;
+    /// `out[t, i] = silu(gate[t, i]) * up[t, i]`.
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) -> Result<()>;
+    /// `x += y` over the first `len` elements.
+    fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize) -> Result<()>;
+    /// Row-wise softmax of `x: [rows, dim]` in place.
+    fn softmax(&self, x: &mut Self::Buf, rows: usize, dim: usize) -> Result<()>;
+    /// `out[t] = table[ids[t]]` for a table `[vocab, dim]`.
+    fn embedding(&self, table: &Self::Buf, ids: &[u32], vocab: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
+    /// `out[i] = x[rows[i]]` for `x: [_, dim]`.
+    fn gather_rows(&self, x: &Self::Buf, rows: &[u32], dim: usize, out: &mut Self::Buf) -> Result<()>;
+    /// Writes `k, v: [num_tokens, num_kv_heads, head_dim]` into the cache pools at the flat slots
+    /// `slots[t] = block_id * block_size + row`.
+    fn write_kv(&self, k: &Self::Buf, v: &Self::Buf, slots: &[u32], kv_width: usize, k_cache: &mut Self::Buf, v_cache: &mut Self::Buf) -> Result<()>;
+    /// Causal paged attention for a packed batch of sequences (prefill chunks and decode tokens
+    /// alike). `q, out: [num_tokens, num_heads, head_dim]`; GQA maps query head `h` to KV head
+    /// `h / (num_heads / num_kv_heads)`.
+    fn paged_attention(&self, q: &Self::Buf, k_cache: &Self::Buf, v_cache: &Self::Buf, seqs: &[AttnSeq<'_>], shape: AttnShape, out: &mut Self::Buf) -> Result<()>;
+}
+
+/// Inverse frequencies of RoPE for `head_dim`, with Hugging Face's scaling rules applied.
+pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f32> {
+    reference::rope_inv_freq(head_dim, theta, scaling)
+}
+
+/// The `[max_positions, head_dim]` cos|sin table that [`Backend::rope`] reads.
+pub fn rope_table(inv_freq: &[f32], max_positions: usize) -> Vec<f32> {
+    reference::rope_table(inv_freq, max_positions)
+}

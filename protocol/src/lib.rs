@@ -1,0 +1,242 @@
+//! Domain types shared by every crate of cleave: request ids, sampling parameters, token events,
+//! finish reasons and the KV layout description.
+//!
+//! Allowed dependencies: serde and thiserror only. This crate holds data, not behaviour: anything
+//! with a clock, a socket or a model belongs elsewhere.
+
+use serde::{Deserialize, Serialize};
+
+/// Identifies one request across every process of a cleave cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{:016x}", self.0)
+    }
+}
+
+/// How the next token is chosen. Validated once at the edge (see [`SamplingParams::validate`]);
+/// code past that point trusts the ranges.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1 disables it.
+    pub top_p: f32,
+    /// Keep only the k most likely tokens; 0 disables it.
+    pub top_k: u32,
+    /// Drop tokens whose probability is below `min_p * p_max`; 0 disables it.
+    pub min_p: f32,
+    /// Multiplicative penalty (>1 discourages) on tokens seen in prompt or output; 1 disables it.
+    pub repetition_penalty: f32,
+    /// Subtracted from a logit once per earlier occurrence in the output.
+    pub frequency_penalty: f32,
+    /// Subtracted from a logit once if the token occurred in the output.
+    pub presence_penalty: f32,
+    /// Per-request seed: the same seed, prompt and parameters give the same tokens.
+    pub seed: Option<u64>,
+    /// Return the log-probability of each chosen token and this many alternatives (None: none).
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+            logprobs: None,
+        }
+    }
+}
+
+/// A parameter outside its allowed range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid parameter `{param}`: {message}")]
+pub struct ParamError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+/// Most alternatives a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+impl SamplingParams {
+    /// Checks every range once; the engine relies on it afterwards.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        let bad = |param: &'static str, message: String| Err(ParamError { param, message });
+        if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
+            return bad("temperature", format!("must be in [0, 100], got {}", self.temperature));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
+            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return bad("repetition_penalty", format!("must be in (0, 10], got {}", self.repetition_penalty));
+        }
+        for (param, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return bad(param, format!("must be in [-2, 2], got {v}"));
+            }
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_TOP_LOGPROBS {
+                return bad("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {n}"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// When generation stops.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StopConditions {
+    /// Most new tokens to generate.
+    pub max_tokens: u32,
+    /// Strings that end generation; the matched string is not returned.
+    pub stop_strings: Vec<String>,
+    /// Token ids that end generation (in addition to the model's EOS ids unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating through EOS (benchmarks need fixed output lengths).
+    pub ignore_eos: bool,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// Hit max_tokens or the context length.
+    Length,
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// The client went away or asked to cancel.
+    Cancelled,
+    /// The engine could not serve it (e.g. the prompt can never fit the KV cache).
+    Error,
+}
+
+impl FinishReason {
+    /// The OpenAI API's spelling.
+    pub fn as_openai(&self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// Log-probability of one token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+/// Log-probabilities of a chosen token and its top alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Logprobs {
+    pub chosen: TokenLogprob,
+    pub top: Vec<TokenLogprob>,
+}
+
+/// One generated token as it is streamed to whoever submitted the request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenEvent {
+    pub request_id: RequestId,
+    /// None for a final event that carries no token (e.g. cancellation).
+    pub token_id: Option<u32>,
+    /// Text that became final with this token (UTF-8 complete; held back stop-string prefixes
+    /// are released later or dropped).
+    pub text: String,
+    pub logprobs: Option<Logprobs>,
+    /// Set on the last event of a request, and only there.
+    pub finish_reason: Option<FinishReason>,
+    /// Number of prompt tokens (set on every event for convenience).
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u32,
+    /// Tokens generated so far, this one included.
+    pub completion_tokens: u32,
+}
+
+/// Describes the bytes of a KV cache block so that two processes can check they agree before
+/// moving any. Blocks are laid out per layer as `[block_size, num_kv_heads, head_dim]` for K and
+/// the same for V.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub model_fingerprint: u64,
+    pub dtype: KvDtype,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub block_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn size_bytes(&self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl KvLayout {
+    /// Bytes of K (or of V) of one block in one layer.
+    pub fn half_block_bytes(&self) -> usize {
+        self.block_size as usize * self.num_kv_heads as usize * self.head_dim as usize * self.dtype.size_bytes()
+    }
+    /// Bytes of K and V of one token across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers as usize * self.num_kv_heads as usize * self.head_dim as usize * self.dtype.size_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_params_are_valid_and_greedy() {
+        let p = SamplingParams::default();
+        p.validate().unwrap();
+        assert!(p.is_greedy());
+    }
+
+    #[test]
+    fn out_of_range_params_are_refused() {
+        let p = SamplingParams { top_p: 0.0, ..Default::default() };
+        assert_eq!(p.validate().unwrap_err().param, "top_p");
+        let p = SamplingParams { temperature: f32::NAN, ..Default::default() };
+        assert_eq!(p.validate().unwrap_err().param, "temperature");
+        let p = SamplingParams { logprobs: Some(21), ..Default::default() };
+        assert_eq!(p.validate().unwrap_err().param, "top_logprobs");
+    }
+
+    #[test]
+    fn llama3_8b_layout_is_128_kib_per_token() {
+        let l = KvLayout { model_fingerprint: 0, dtype: KvDtype::Bf16, num_layers: 32, num_kv_heads: 8, head_dim: 128, block_size: 16 };
+        assert_eq!(l.bytes_per_token(), 128 * 1024);
+    }
+}

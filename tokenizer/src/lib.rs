@@ -1,0 +1,1 @@
+//! Tokenizer shared by the engine and the coordinator.
