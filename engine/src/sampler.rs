@@ -61,8 +61,9 @@ pub struct SamplerScratch {
     work: Vec<f32>,
     chunk_sums: Vec<f64>,
     cand: Vec<(u32, f32)>,
-    sel: Vec<f32>,
+    sel: Vec<u32>,
     top: Vec<(f32, u32)>,
+    maxima: Vec<f32>,
 }
 
 /// Per-sequence sampling state: the seed and its random stream.
@@ -129,9 +130,15 @@ impl Sampler {
         } else {
             math::argmax(logits) as u32
         };
-        let logprobs = params
-            .logprobs
-            .map(|n| logprobs::raw_logprobs(logits, token, n as usize, &mut scratch.top));
+        let logprobs = params.logprobs.map(|n| {
+            logprobs::raw_logprobs(
+                logits,
+                token,
+                n as usize,
+                &mut scratch.top,
+                &mut scratch.maxima,
+            )
+        });
         Ok(Sampled { token, logprobs })
     }
 
@@ -184,12 +191,7 @@ impl SamplerScratch {
     /// Fills `work` with the sanitized logits, penalised and multiplied by `inv_temperature`
     /// (penalties are computed on the unscaled values, then scaled).
     fn penalised(&mut self, logits: &[f32], pen: &Penalties, h: History<'_>, inv_temperature: f32) {
-        self.work.clear();
-        self.work.extend(
-            logits
-                .iter()
-                .map(|&x| sanitize(sanitize(x) * inv_temperature)),
-        );
+        math::scaled_into(&mut self.work, logits, inv_temperature);
         let vocab = logits.len();
         let raw = |id: u32| logits.get(id as usize).map(|&x| sanitize(x));
         if pen.repetition != 1.0 {

@@ -19,7 +19,9 @@
 //! until the candidates provably contain the surviving set; chunks whose sum is below `tau`
 //! are skipped without being read.
 
-use super::math::CHUNK;
+use std::cmp::Reverse;
+
+use super::math::{sum_bits, CHUNK};
 
 /// Coarse collection levels, descending; the last one admits every non-zero weight.
 const LEVELS: [f32; 3] = [1.0 / 1024.0, 1.0 / 1_048_576.0, f32::from_bits(1)];
@@ -57,7 +59,7 @@ impl Filters {
 /// Collects into `cand`, in index order, the `(token, weight)` pairs that can survive the
 /// filters, and returns the threshold `theta`: the survivors are exactly the pairs of `cand`
 /// with weight `>= theta`. `total` is the sum of all weights and `chunk_sums` the per-[`CHUNK`]
-/// sums from `exp_weights`. `sel` is scratch.
+/// sums from `exp_weights`. `sel` is scratch (weights as bit patterns, see [`nucleus_threshold`]).
 ///
 /// Precondition: `weights` has a maximum of exactly 1 (so `cand` is never empty and `theta <= 1`).
 pub(super) fn truncate(
@@ -66,7 +68,7 @@ pub(super) fn truncate(
     total: f64,
     f: &Filters,
     cand: &mut Vec<(u32, f32)>,
-    sel: &mut Vec<f32>,
+    sel: &mut Vec<u32>,
 ) -> f32 {
     // With top-k and top-p both on, top-p's target needs the exact top-k mass, so the candidates
     // must hold the whole top-k set even where min-p would cut deeper.
@@ -89,16 +91,16 @@ pub(super) fn truncate(
     }
 
     sel.clear();
-    sel.extend(cand.iter().map(|&(_, w)| w));
+    sel.extend(cand.iter().map(|&(_, w)| w.to_bits()));
     let mut theta = 0.0f32;
     let mut reference_mass = total;
     if let Some(k) = f.top_k {
         if sel.len() > k {
-            let (_, kth, _) = sel.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-            theta = *kth;
-            sel.retain(|&w| w >= theta);
+            let (_, &mut kth, _) = sel.select_nth_unstable_by_key(k - 1, |&b| Reverse(b));
+            theta = f32::from_bits(kth);
+            sel.retain(|&b| b >= kth);
         }
-        reference_mass = sel.iter().map(|&w| f64::from(w)).sum();
+        reference_mass = sum_bits(sel);
     }
     if let Some(p) = f.top_p {
         if let Some(theta_p) = nucleus_threshold(sel, p * reference_mass) {
@@ -131,23 +133,27 @@ fn collect(weights: &[f32], chunk_sums: &[f64], tau: f32, cand: &mut Vec<(u32, f
 /// The weight at which the descending cumulative mass of `ws` first reaches `target`, found by a
 /// weighted quickselect in expected O(len); `None` when the whole slice has less mass than
 /// `target` (keep everything). Reorders `ws`. Precondition: `target > 0`.
-pub(super) fn nucleus_threshold(ws: &mut [f32], target: f64) -> Option<f32> {
+///
+/// Weights are non-negative floats passed as their bit patterns, which order the same way as
+/// the values and select faster (integer compares).
+pub(super) fn nucleus_threshold(ws: &mut [u32], target: f64) -> Option<f32> {
     // Invariant: the elements outside ws[lo..hi] that rank above it sum to `above < target`, and
     // those below it are not needed.
     let (mut lo, mut hi, mut above) = (0usize, ws.len(), 0.0f64);
     while lo < hi {
         let s = &mut ws[lo..hi];
         let mid = s.len() / 2;
-        let (upper, pivot, _) = s.select_nth_unstable_by(mid, |a, b| b.total_cmp(a));
-        let upper_mass: f64 = upper.iter().map(|&w| f64::from(w)).sum();
+        let (upper, &mut pivot, _) = s.select_nth_unstable_by_key(mid, |&b| Reverse(b));
+        let pivot = f32::from_bits(pivot);
+        let upper_mass = sum_bits(upper);
         if above + upper_mass >= target {
             // mid > 0 here, since upper_mass == 0 would contradict the invariant.
             hi = lo + mid;
             continue;
         }
-        let with_pivot = above + upper_mass + f64::from(*pivot);
+        let with_pivot = above + upper_mass + f64::from(pivot);
         if with_pivot >= target {
-            return Some(*pivot);
+            return Some(pivot);
         }
         above = with_pivot;
         lo += mid + 1;
@@ -219,14 +225,14 @@ mod tests {
                     acc >= target
                 })
                 .copied();
-            let mut work = ws;
+            let mut work = ws.map(f32::to_bits);
             assert_eq!(
                 nucleus_threshold(&mut work, target),
                 want,
                 "target {target}"
             );
         }
-        let mut work = ws;
+        let mut work = ws.map(f32::to_bits);
         assert_eq!(nucleus_threshold(&mut work, 2.0), None);
         assert_eq!(nucleus_threshold(&mut [], 0.5), None);
     }

@@ -5,7 +5,7 @@
 
 use cleave_protocol::{Logprobs, TokenLogprob};
 
-use super::math::{max, sanitize, sum_exp};
+use super::math::{chunk_maxima, max, sanitize, sum_exp, CHUNK};
 
 /// Computes the chosen token's logprob and the `n` most likely alternatives (sorted by logprob
 /// descending, lowest id first on ties) from raw `logits`.
@@ -13,7 +13,7 @@ use super::math::{max, sanitize, sum_exp};
 /// Conventions for degenerate logits: a NaN logit counts as `-inf` (logprob `-inf`), a `+inf`
 /// one as `f32::MAX` (so several `+inf` tokens share the mass equally); when no logit is finite
 /// or `+inf`, the distribution is taken as uniform (`-ln(vocab)` for every token). `n` is capped
-/// at the vocabulary size; `top` is scratch.
+/// at the vocabulary size; `top` and `maxima` are scratch.
 ///
 /// Precondition: `logits` is non-empty and `chosen < logits.len()`.
 pub(super) fn raw_logprobs(
@@ -21,6 +21,7 @@ pub(super) fn raw_logprobs(
     chosen: u32,
     n: usize,
     top: &mut Vec<(f32, u32)>,
+    maxima: &mut Vec<f32>,
 ) -> Logprobs {
     let m = sanitize(max(logits));
     let uniform = m == f32::NEG_INFINITY;
@@ -37,19 +38,28 @@ pub(super) fn raw_logprobs(
         }
     };
 
-    // Top-n by a single scan, keeping `top` sorted (value descending, id ascending). Ids arrive in
-    // ascending order, so a new value only displaces strictly smaller ones.
+    // Top-n by one scan, keeping `top` sorted (value descending, id ascending). Ids arrive in
+    // ascending order, so a new value only displaces strictly smaller ones; a chunk whose
+    // maximum cannot displace anything is skipped.
     let n = n.min(logits.len());
+    let displaces = |top: &Vec<(f32, u32)>, v: f32| {
+        top.len() < n || top.last().is_some_and(|&(last, _)| v > last)
+    };
     top.clear();
     if n > 0 {
-        for (id, &x) in logits.iter().enumerate() {
-            let v = sanitize(x);
-            if top.len() == n && top.last().is_some_and(|&(last, _)| v <= last) {
+        chunk_maxima(logits, maxima);
+        for (ci, (chunk, &cmax)) in logits.chunks(CHUNK).zip(maxima.iter()).enumerate() {
+            if !displaces(top, sanitize(cmax)) {
                 continue;
             }
-            let at = top.iter().position(|&(t, _)| t < v).unwrap_or(top.len());
-            top.insert(at, (v, id as u32));
-            top.truncate(n);
+            for (j, &x) in chunk.iter().enumerate() {
+                let v = sanitize(x);
+                if displaces(top, v) {
+                    let at = top.iter().position(|&(t, _)| t < v).unwrap_or(top.len());
+                    top.insert(at, (v, (ci * CHUNK + j) as u32));
+                    top.truncate(n);
+                }
+            }
         }
     }
 

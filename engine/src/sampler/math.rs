@@ -7,8 +7,41 @@
 /// Elements per chunk of [`exp_weights`]; the per-chunk sums let later passes skip whole chunks.
 pub(super) const CHUNK: usize = 64;
 
-/// Lane count of the reductions (8 f32 = one AVX register, two SSE registers).
-const LANES: usize = 8;
+/// Lane count of the reductions: 16 f32 lanes keep several vector registers in flight at every
+/// width. Results depend on this constant (summation order) but not on the instruction set.
+const LANES: usize = 16;
+
+/// Defines `$name` as a dispatcher over copies of one body compiled for AVX-512F, AVX2 and the
+/// baseline, picked at run time (the detection is cached by std), and `$portable` as the
+/// baseline copy for tests. No fast-math is involved, so every copy computes bit-identical
+/// results: the choice of instruction set never changes a sampled token.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* fn $name:ident / $portable:ident ($($arg:ident: $ty:ty),*) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        pub(super) fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                fn avx512($($arg: $ty),*) $(-> $ret)? { $portable($($arg),*) }
+                #[target_feature(enable = "avx2")]
+                fn avx2($($arg: $ty),*) $(-> $ret)? { $portable($($arg),*) }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU supports AVX-512F, checked just above.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU supports AVX2, checked just above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $portable($($arg),*)
+        }
+
+        /// The baseline copy of the function above (always inlined into its dispatched copies).
+        #[inline(always)]
+        pub(super) fn $portable($($arg: $ty),*) $(-> $ret)? $body
+    };
+}
 
 /// Maps a model logit onto the values the sampler works with: NaN becomes `-inf` (the token can
 /// never be chosen), `+inf` becomes `f32::MAX` (so that `x - max` stays finite), anything else is
@@ -24,9 +57,16 @@ pub(super) fn sanitize(x: f32) -> f32 {
     }
 }
 
-/// Largest element, `-inf` for an empty slice. Accepts unsanitized input: NaN never compares
-/// greater, so it is ignored.
-pub(super) fn max(xs: &[f32]) -> f32 {
+multiversion! {
+    /// Largest element, `-inf` for an empty slice. Accepts unsanitized input: NaN never
+    /// compares greater, so it is ignored.
+    fn max / max_portable(xs: &[f32]) -> f32 {
+        max_lanes(xs)
+    }
+}
+
+#[inline(always)]
+fn max_lanes(xs: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let mut chunks = xs.chunks_exact(LANES);
     for c in &mut chunks {
@@ -46,11 +86,58 @@ pub(super) fn max(xs: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
 }
 
-/// Index of the largest element after [`sanitize`], the lowest index on ties; 0 when every
-/// element is NaN or `-inf`, and 0 for an empty slice. Accepts unsanitized input.
-pub(super) fn argmax(xs: &[f32]) -> usize {
-    let m = sanitize(max(xs));
-    xs.iter().position(|&x| sanitize(x) == m).unwrap_or(0)
+multiversion! {
+    /// Index of the largest element after [`sanitize`], the lowest index on ties; 0 when every
+    /// element is NaN or `-inf`, and 0 for an empty slice. Accepts unsanitized input.
+    fn argmax / argmax_portable(xs: &[f32]) -> usize {
+        let m = max_lanes(xs);
+        if m == f32::NEG_INFINITY {
+            return 0;
+        }
+        // A vectorised "contains" per chunk, then a short scalar search in the first hit.
+        for (ci, c) in xs.chunks(CHUNK).enumerate() {
+            if c.iter().fold(false, |hit, &x| hit | (x == m)) {
+                return ci * CHUNK + c.iter().position(|&x| x == m).unwrap_or(0);
+            }
+        }
+        0
+    }
+}
+
+multiversion! {
+    /// Overwrites `out` with `sanitize(sanitize(x) * scale)` for each logit `x`.
+    fn scaled_into / scaled_into_portable(out: &mut Vec<f32>, xs: &[f32], scale: f32) {
+        out.clear();
+        out.extend(xs.iter().map(|&x| sanitize(sanitize(x) * scale)));
+    }
+}
+
+multiversion! {
+    /// Sum in f64 of non-negative weights given as their bit patterns.
+    fn sum_bits / sum_bits_portable(ws: &[u32]) -> f64 {
+        let mut lanes = [0.0f64; LANES];
+        let mut it = ws.chunks_exact(LANES);
+        for c in &mut it {
+            for j in 0..LANES {
+                lanes[j] += f64::from(f32::from_bits(c[j]));
+            }
+        }
+        let rest: f64 = it.remainder().iter().map(|&b| f64::from(f32::from_bits(b))).sum();
+        lanes.iter().sum::<f64>() + rest
+    }
+}
+
+/// Sum of (up to a chunk of) f32 values in [`LANES`] f32 lanes.
+#[inline(always)]
+fn sum_lanes(xs: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut it = xs.chunks_exact(LANES);
+    for c in &mut it {
+        for j in 0..LANES {
+            lanes[j] += c[j];
+        }
+    }
+    lanes.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
 }
 
 /// `e^x` for `x <= 0` (a logit minus the maximum), with a relative error below 3e-7 on
@@ -82,54 +169,52 @@ pub(super) fn exp_nonpos(x: f32) -> f32 {
     }
 }
 
-/// Replaces each `xs[i]` (sanitized, `<= m`) by its unnormalised probability `e^(xs[i] - m)`,
-/// writes the sum of every [`CHUNK`] elements into `chunk_sums` and returns their total. The
-/// total is the sequential f64 sum of `chunk_sums`, so a walk over `chunk_sums` reaches it
-/// exactly. Each chunk sum is at least the largest weight in its chunk (rounding is monotone).
-pub(super) fn exp_weights(xs: &mut [f32], m: f32, chunk_sums: &mut Vec<f64>) -> f64 {
-    chunk_sums.clear();
-    let mut total = 0.0f64;
-    for chunk in xs.chunks_mut(CHUNK) {
-        let mut lanes = [0.0f32; LANES];
-        let mut it = chunk.chunks_exact_mut(LANES);
-        for c in &mut it {
-            for j in 0..LANES {
-                let e = exp_nonpos(c[j] - m);
-                c[j] = e;
-                lanes[j] += e;
+multiversion! {
+    /// Replaces each `xs[i]` (sanitized, `<= m`) by its unnormalised probability
+    /// `e^(xs[i] - m)`, writes the sum of every [`CHUNK`] elements into `chunk_sums` and returns
+    /// their total. The total is the sequential f64 sum of `chunk_sums`, so a walk over
+    /// `chunk_sums` reaches it exactly. Each chunk sum is at least the largest weight in its
+    /// chunk (rounding is monotone).
+    fn exp_weights / exp_weights_portable(xs: &mut [f32], m: f32, chunk_sums: &mut Vec<f64>) -> f64 {
+        chunk_sums.clear();
+        let mut total = 0.0f64;
+        for chunk in xs.chunks_mut(CHUNK) {
+            // Two simple loops rather than one fused one: LLVM vectorises these, not the fusion.
+            for x in chunk.iter_mut() {
+                *x = exp_nonpos(*x - m);
             }
+            let s = f64::from(sum_lanes(chunk));
+            chunk_sums.push(s);
+            total += s;
         }
-        let mut s: f32 = lanes.iter().sum();
-        for x in it.into_remainder() {
-            let e = exp_nonpos(*x - m);
-            *x = e;
-            s += e;
-        }
-        chunk_sums.push(f64::from(s));
-        total += f64::from(s);
+        total
     }
-    total
 }
 
-/// `sum_i e^(sanitize(xs[i]) - m)` without writing anything; `m` is the sanitized maximum.
-/// Accepts unsanitized input.
-pub(super) fn sum_exp(xs: &[f32], m: f32) -> f64 {
-    let mut total = 0.0f64;
-    for chunk in xs.chunks(CHUNK) {
-        let mut lanes = [0.0f32; LANES];
-        let mut it = chunk.chunks_exact(LANES);
-        for c in &mut it {
-            for j in 0..LANES {
-                lanes[j] += exp_nonpos(sanitize(c[j]) - m);
+multiversion! {
+    /// `sum_i e^(sanitize(xs[i]) - m)` without writing anything; `m` is the sanitized maximum.
+    /// Accepts unsanitized input.
+    fn sum_exp / sum_exp_portable(xs: &[f32], m: f32) -> f64 {
+        let mut buf = [0.0f32; CHUNK];
+        let mut total = 0.0f64;
+        for chunk in xs.chunks(CHUNK) {
+            let buf = &mut buf[..chunk.len()];
+            for (b, &x) in buf.iter_mut().zip(chunk) {
+                *b = exp_nonpos(sanitize(x) - m);
             }
+            total += f64::from(sum_lanes(buf));
         }
-        let mut s: f32 = lanes.iter().sum();
-        for &x in it.remainder() {
-            s += exp_nonpos(sanitize(x) - m);
-        }
-        total += f64::from(s);
+        total
     }
-    total
+}
+
+multiversion! {
+    /// The largest element of each [`CHUNK`] of `xs` into `out` (for skipping chunks).
+    /// Accepts unsanitized input (NaN ignored).
+    fn chunk_maxima / chunk_maxima_portable(xs: &[f32], out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(xs.chunks(CHUNK).map(max_lanes));
+    }
 }
 
 #[cfg(test)]
@@ -171,11 +256,21 @@ mod tests {
         let mut xs: Vec<f32> = (0..1000).map(|i| -((i % 37) as f32) * 0.25).collect();
         xs[5] = f32::NEG_INFINITY;
         let want: f64 = xs.iter().map(|&x| f64::from(x).exp()).sum();
+        let mut portable = xs.clone();
+        let mut portable_sums = Vec::new();
+        let portable_total = exp_weights_portable(&mut portable, 0.0, &mut portable_sums);
         let mut sums = Vec::new();
         let total = exp_weights(&mut xs, 0.0, &mut sums);
         assert_eq!(sums.len(), 1000usize.div_ceil(CHUNK));
         assert!((total - want).abs() / want < 1e-6);
         assert_eq!(xs[5], 0.0);
         assert_eq!(total, sums.iter().sum::<f64>());
+        // The dispatched copy (AVX-512 or AVX2 here) is bit-identical to the baseline one.
+        assert_eq!(total.to_bits(), portable_total.to_bits());
+        assert_eq!(sums, portable_sums);
+        assert!(xs
+            .iter()
+            .zip(&portable)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -635,3 +635,64 @@ fn bench_150k_vocab() {
         );
     }
 }
+
+#[test]
+#[ignore]
+fn tmp_breakdown() {
+    use std::time::Instant;
+    const VOCAB: usize = 151_936;
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let logits: Vec<f32> = (0..VOCAB).map(|_| rng.random::<f32>() * 10.0).collect();
+    let mut s = SamplerScratch::default();
+    let pen = Penalties::new(&params(1.0));
+    let h = History {
+        prompt: &[],
+        output: &[],
+    };
+    let iters = 500;
+    let time = |name: &str, f: &mut dyn FnMut()| {
+        f();
+        let t = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        println!(
+            "{name:<20} {:8.1} us",
+            t.elapsed().as_secs_f64() * 1e6 / iters as f64
+        );
+    };
+    time("penalised", &mut || s.penalised(&logits, &pen, h, 1.0));
+    time("max", &mut || {
+        std::hint::black_box(math::max(&s.work));
+    });
+    time("argmax", &mut || {
+        std::hint::black_box(math::argmax(&s.work));
+    });
+    let mut w = s.work.clone();
+    let mut sums = Vec::new();
+    time("exp_weights", &mut || {
+        w.copy_from_slice(&logits);
+        std::hint::black_box(math::exp_weights(&mut w, 10.0, &mut sums));
+    });
+    time("copy only", &mut || {
+        w.copy_from_slice(&logits);
+    });
+    time("sum_exp", &mut || {
+        std::hint::black_box(math::sum_exp(&logits, 10.0));
+    });
+    w.copy_from_slice(&logits);
+    let total = math::exp_weights(&mut w, 10.0, &mut sums);
+    time("draw_from_all", &mut || {
+        std::hint::black_box(filter::draw_from_all(&w, &sums, total, 0.77));
+    });
+    let f = Filters::new(0, 0.9, 0.0, VOCAB);
+    let (mut cand, mut sel) = (Vec::new(), Vec::new());
+    time("truncate p0.9", &mut || {
+        std::hint::black_box(filter::truncate(&w, &sums, total, &f, &mut cand, &mut sel));
+    });
+    println!("cand {}", cand.len());
+    let mut top = Vec::new();
+    time("logprobs 5", &mut || {
+        std::hint::black_box(logprobs::raw_logprobs(&logits, 3, 5, &mut top, &mut Vec::new()));
+    });
+}
