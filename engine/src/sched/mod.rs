@@ -101,6 +101,8 @@ pub enum SchedError {
         need_blocks: usize,
         num_blocks: usize,
     },
+    #[error("{max_num_seqs} sequences already run")]
+    NoSeqSlot { max_num_seqs: usize },
     #[error("unknown sequence {id}")]
     UnknownSeq { id: u64 },
     #[error("a batch is in flight: commit it before scheduling again")]

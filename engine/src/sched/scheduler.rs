@@ -43,6 +43,23 @@ impl Seq {
     fn num_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
+
+    /// Whether the last token ends the sequence: stop token ids, then EOS unless
+    /// `ignore_eos` -> `Stop`; `max_tokens` or `max_model_len` -> `Length`.
+    fn finish_reason(&self, max_model_len: usize) -> Option<FinishReason> {
+        let &token = self.tokens.last()?;
+        if self.stop_token_ids.contains(&token)
+            || (!self.ignore_eos && self.eos_token_ids.contains(&token))
+        {
+            Some(FinishReason::Stop)
+        } else if self.num_generated() >= self.max_tokens as usize
+            || self.tokens.len() >= max_model_len
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
 }
 
 /// Continuous-batching scheduler owning the KV [`BlockPool`]. See the module docs for the
@@ -159,6 +176,68 @@ impl Scheduler {
     /// `max_tokens`, longer than `max_model_len`, or needing more blocks than the whole pool
     /// (`ceil((prompt + max_tokens) / block_size)`, which also covers one copy-on-write block).
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
+        self.validate(&req)?;
+        let id = req.id;
+        let seq = self.new_seq(req);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Blocks for `num_tokens` token slots of a sequence whose K/V will arrive from elsewhere
+    /// (a prefill node). Hand them to [`Scheduler::add_prefilled`] once filled, or back with
+    /// [`Scheduler::release_reserved`].
+    pub fn reserve_blocks(&mut self, num_tokens: usize) -> Result<Vec<u32>, SchedError> {
+        Ok(self.kv.reserve(self.kv.blocks_for(num_tokens))?)
+    }
+
+    /// Returns reserved blocks that will not be used (e.g. the transfer failed).
+    pub fn release_reserved(&mut self, blocks: &[u32]) -> Result<(), SchedError> {
+        Ok(self.kv.release_blocks(blocks)?)
+    }
+
+    /// Adds a sequence whose prompt K/V is already in `blocks` (from
+    /// [`Scheduler::reserve_blocks`], position order) and whose first token was sampled
+    /// elsewhere. It joins `running` directly and decodes from the next step; its full prompt
+    /// blocks are registered in the prefix cache. Returns `Some(reason)` when `first_token`
+    /// already ends it (it is then not added).
+    ///
+    /// On `Ok` the blocks belong to the scheduler (released by it, now or later); on `Err` they
+    /// are still the caller's. Fails with `NoSeqSlot` while `max_num_seqs` sequences run.
+    pub fn add_prefilled(
+        &mut self,
+        req: SeqRequest,
+        blocks: &[u32],
+        first_token: u32,
+    ) -> Result<Option<FinishReason>, SchedError> {
+        self.validate(&req)?;
+        if self.running.len() >= self.cfg.max_num_seqs {
+            return Err(SchedError::NoSeqSlot {
+                max_num_seqs: self.cfg.max_num_seqs,
+            });
+        }
+        let id = req.id;
+        let mut seq = self.new_seq(req);
+        let table = self
+            .kv
+            .table_from_blocks(blocks.to_vec(), &seq.tokens, seq.prompt_len)?;
+        seq.table = table;
+        seq.first_cached = Some(0);
+        seq.tokens.push(first_token);
+        if let Some(reason) = seq.finish_reason(self.cfg.max_model_len) {
+            self.kv.free(seq.table)?;
+            return Ok(Some(reason));
+        }
+        let priority = seq.priority();
+        self.seqs.insert(id, seq);
+        let at = self
+            .running
+            .partition_point(|r| self.seqs[r].priority() < priority);
+        self.running.insert(at, id);
+        Ok(None)
+    }
+
+    fn validate(&self, req: &SeqRequest) -> Result<(), SchedError> {
         let id = req.id;
         if self.seqs.contains_key(&id) {
             return Err(SchedError::DuplicateSeq { id });
@@ -186,29 +265,28 @@ impl Scheduler {
                 num_blocks: self.kv.num_blocks(),
             });
         }
+        Ok(())
+    }
+
+    fn new_seq(&mut self, req: SeqRequest) -> Seq {
         let order = self.next_order;
         self.next_order += 1;
-        self.seqs.insert(
-            id,
-            Seq {
-                arrival: req.arrival,
-                order,
-                prompt_len: req.prompt.len(),
-                tokens: req.prompt,
-                max_tokens: req.max_tokens,
-                eos_token_ids: req.eos_token_ids,
-                stop_token_ids: req.stop_token_ids,
-                ignore_eos: req.ignore_eos,
-                table: BlockTable::default(),
-                first_cached: None,
-                cached_now: 0,
-                scheduled: 0,
-                copies: Vec::new(),
-                finishing: None,
-            },
-        );
-        self.waiting.push_back(id);
-        Ok(())
+        Seq {
+            arrival: req.arrival,
+            order,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            max_tokens: req.max_tokens,
+            eos_token_ids: req.eos_token_ids,
+            stop_token_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+            table: BlockTable::default(),
+            first_cached: None,
+            cached_now: 0,
+            scheduled: 0,
+            copies: Vec::new(),
+            finishing: None,
+        }
     }
 
     /// Ends a sequence with `reason` (e.g. `Stop` for a stop string found in the text). Takes
@@ -441,17 +519,7 @@ impl Scheduler {
             }
             let token = sampled[&id];
             seq.tokens.push(token);
-            let finish = if seq.stop_token_ids.contains(&token)
-                || (!seq.ignore_eos && seq.eos_token_ids.contains(&token))
-            {
-                Some(FinishReason::Stop)
-            } else if seq.num_generated() >= seq.max_tokens as usize
-                || seq.tokens.len() >= self.cfg.max_model_len
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = seq.finish_reason(self.cfg.max_model_len);
             updates.push(SeqUpdate {
                 seq_id: id,
                 token,

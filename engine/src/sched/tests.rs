@@ -293,3 +293,52 @@ fn youngest_is_preempted_and_resumes_with_its_tokens() {
     assert!(s.is_idle());
     assert_eq!(s.kv_free_blocks(), 4);
 }
+
+#[test]
+fn prefilled_sequences_join_running_and_decode() {
+    let t0 = Instant::now();
+    let mut s = Scheduler::new(SchedulerConfig {
+        max_num_seqs: 1,
+        ..cfg(8, 4)
+    })
+    .unwrap();
+    let blocks = s.reserve_blocks(6).unwrap();
+    assert_eq!(blocks.len(), 2);
+    assert_eq!(s.kv_free_blocks(), 6);
+    let r = req(1, 6, 3, t0);
+    assert_eq!(s.add_prefilled(r.clone(), &blocks, 9).unwrap(), None);
+    assert_eq!(s.block_ids(1), Some(&blocks[..]));
+    assert_eq!(s.cached_hashes().count(), 1);
+    // No free sequence slot: the caller keeps its blocks.
+    let more = s.reserve_blocks(2).unwrap();
+    assert_eq!(
+        s.add_prefilled(req(2, 2, 3, t0), &more, 9),
+        Err(SchedError::NoSeqSlot { max_num_seqs: 1 })
+    );
+    s.release_reserved(&more).unwrap();
+    let b = s.schedule(t0).unwrap();
+    let it = &b.items[0];
+    assert_eq!(
+        (it.start_pos, it.token_ids.clone(), it.sample),
+        (6, vec![9], true)
+    );
+    assert_eq!(it.block_table, blocks);
+    s.commit(&sevens(&b), t0).unwrap();
+    let b = s.schedule(t0).unwrap();
+    let u = s.commit(&sevens(&b), t0).unwrap();
+    assert_eq!(
+        (u[0].num_generated, u[0].finish),
+        (3, Some(FinishReason::Length))
+    );
+    // A first token that already ends the sequence: not added, blocks released.
+    let blocks = s.reserve_blocks(2).unwrap();
+    let mut r = req(3, 2, 3, t0);
+    r.stop_token_ids = vec![9];
+    assert_eq!(
+        s.add_prefilled(r, &blocks, 9).unwrap(),
+        Some(FinishReason::Stop)
+    );
+    assert!(s.is_idle());
+    assert_eq!(s.kv_free_blocks() + s.kv_cached_blocks(), 8);
+    s.kv().check_invariants().unwrap();
+}
