@@ -35,7 +35,7 @@ use cleave_protocol::{Logprobs, SamplingParams};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 
-use self::filter::Filters;
+use self::filter::{Filters, Weights};
 use self::math::sanitize;
 
 /// Why no token could be sampled.
@@ -59,9 +59,11 @@ pub struct Sampled {
 pub struct SamplerScratch {
     /// Penalised, scaled logits, then weights `e^(s - max)`.
     work: Vec<f32>,
+    /// Per-chunk sums of all weights, then of the surviving ones, and per-chunk maxima.
     chunk_sums: Vec<f64>,
-    cand: Vec<(u32, f32)>,
-    sel: Vec<u32>,
+    kept_sums: Vec<f64>,
+    chunk_max: Vec<f32>,
+    threshold: filter::ThresholdScratch,
     top: Vec<(f32, u32)>,
     maxima: Vec<f32>,
 }
@@ -174,17 +176,17 @@ fn sample_random(
     let total = math::exp_weights(&mut s.work, m, &mut s.chunk_sums);
     let filters = Filters::new(params.top_k, params.top_p, params.min_p, logits.len());
     if !filters.any() {
-        return filter::draw_from_all(&s.work, &s.chunk_sums, total, u);
+        return filter::draw(&s.work, &s.chunk_sums, total, 0.0, u);
     }
-    let theta = filter::truncate(
-        &s.work,
-        &s.chunk_sums,
+    math::chunk_maxima(&s.work, &mut s.chunk_max);
+    let weights = Weights {
+        w: &s.work,
+        chunk_max: &s.chunk_max,
         total,
-        &filters,
-        &mut s.cand,
-        &mut s.sel,
-    );
-    filter::draw_from_candidates(&s.cand, theta, u)
+    };
+    let theta = filter::threshold(&weights, &filters, &mut s.threshold);
+    let kept = math::masked_chunk_sums(&s.work, &s.chunk_max, theta, &mut s.kept_sums);
+    filter::draw(&s.work, &s.kept_sums, kept, theta, u)
 }
 
 impl SamplerScratch {

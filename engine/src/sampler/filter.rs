@@ -7,24 +7,35 @@
 //! - top-k: `theta_k` is the k-th largest weight (ties with it are kept, as in HF and vLLM, so
 //!   more than k tokens can survive on exact ties);
 //! - top-p: `theta_p` is the weight at which the descending cumulative mass first reaches
-//!   `top_p` of the (top-k renormalised) total, found by a weighted quickselect (ties kept);
+//!   `top_p` of the (top-k renormalised) total (ties kept);
 //! - min-p: `theta_min = min_p`, i.e. `p_i >= min_p * p_max`.
 //!
 //! Applying them in HF's order (top-k, then top-p on the renormalised top-k set, then min-p)
 //! gives the same set as the largest threshold, because min-p's ratio is invariant under
 //! renormalisation and top-p's target is computed on the top-k mass.
 //!
-//! To avoid touching the whole vocabulary more than necessary, candidates are first collected
-//! above a coarse level `tau` (relative weight 2^-10, then 2^-20, then everything non-zero)
-//! until the candidates provably contain the surviving set; chunks whose sum is below `tau`
-//! are skipped without being read.
+//! How the thresholds are found without sorting the vocabulary:
+//! - top-k visits chunks by decreasing maximum: the first chunks give a provisional k-th
+//!   weight, then only chunks whose maximum reaches it are read, and a quickselect over the
+//!   collected weights gives the exact `theta_k` (and the top-k mass for top-p);
+//! - top-p alone: a *ladder* pass sums the weights above 8 thresholds at once (vectorised),
+//!   which brackets `theta_p`; up to two more passes subdivide the bracket (4 octaves, then 1/2,
+//!   then 1/16 of an octave), skipping chunks whose maximum lies below it. Only the weights in
+//!   the final bracket are collected, and a weighted quickselect among them gives `theta_p`.
+//!
+//! The draw then walks per-chunk sums of the surviving weights, so even a nucleus of 100k
+//! tokens is never listed.
 
 use std::cmp::Reverse;
 
-use super::math::{sum_bits, CHUNK};
+use super::math::{ladder, sum_bits, CHUNK, RUNGS};
 
-/// Coarse collection levels, descending; the last one admits every non-zero weight.
-const LEVELS: [f32; 3] = [1.0 / 1024.0, 1.0 / 1_048_576.0, f32::from_bits(1)];
+/// Weights are never below this unless they are 0 (see `exp_nonpos`); the bottom of every
+/// bracket.
+const BOTTOM: f32 = f32::MIN_POSITIVE;
+
+/// Stop refining a bracket once it provably holds at most this many weights.
+const SMALL_BRACKET: f64 = 2048.0;
 
 /// The truncation filters of one request, with disabled ones as `None`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -56,86 +67,179 @@ impl Filters {
     }
 }
 
-/// Collects into `cand`, in index order, the `(token, weight)` pairs that can survive the
-/// filters, and returns the threshold `theta`: the survivors are exactly the pairs of `cand`
-/// with weight `>= theta`. `total` is the sum of all weights and `chunk_sums` the per-[`CHUNK`]
-/// sums from `exp_weights`. `sel` is scratch (weights as bit patterns, see [`nucleus_threshold`]).
-///
-/// Precondition: `weights` has a maximum of exactly 1 (so `cand` is never empty and `theta <= 1`).
-pub(super) fn truncate(
-    weights: &[f32],
-    chunk_sums: &[f64],
-    total: f64,
-    f: &Filters,
-    cand: &mut Vec<(u32, f32)>,
-    sel: &mut Vec<u32>,
-) -> f32 {
-    // With top-k and top-p both on, top-p's target needs the exact top-k mass, so the candidates
-    // must hold the whole top-k set even where min-p would cut deeper.
-    let need_top_k_mass = f.top_k.is_some() && f.top_p.is_some();
-    let min_p = f.min_p.unwrap_or(0.0);
-    for (li, &level) in LEVELS.iter().enumerate() {
-        let tau = if need_top_k_mass {
-            level
-        } else {
-            level.max(min_p)
-        };
-        let mass = collect(weights, chunk_sums, tau, cand);
-        let enough = li + 1 == LEVELS.len()
-            || (!need_top_k_mass && tau <= min_p)
-            || f.top_k.is_some_and(|k| cand.len() >= k)
-            || (f.top_k.is_none() && f.top_p.is_some_and(|p| mass >= p * total));
-        if enough {
-            break;
-        }
-    }
-
-    sel.clear();
-    sel.extend(cand.iter().map(|&(_, w)| w.to_bits()));
-    let mut theta = 0.0f32;
-    let mut reference_mass = total;
-    if let Some(k) = f.top_k {
-        if sel.len() > k {
-            let (_, &mut kth, _) = sel.select_nth_unstable_by_key(k - 1, |&b| Reverse(b));
-            theta = f32::from_bits(kth);
-            sel.retain(|&b| b >= kth);
-        }
-        reference_mass = sum_bits(sel);
-    }
-    if let Some(p) = f.top_p {
-        if let Some(theta_p) = nucleus_threshold(sel, p * reference_mass) {
-            theta = theta.max(theta_p);
-        }
-    }
-    theta.max(min_p)
+/// The weights of one step with their per-[`CHUNK`] summaries.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Weights<'a> {
+    pub w: &'a [f32],
+    /// Largest weight of each chunk.
+    pub chunk_max: &'a [f32],
+    /// Sum of all weights.
+    pub total: f64,
 }
 
-/// Pushes every `(i, w_i)` with `w_i >= tau` into `cand` (cleared first) and returns their mass.
-fn collect(weights: &[f32], chunk_sums: &[f64], tau: f32, cand: &mut Vec<(u32, f32)>) -> f64 {
-    cand.clear();
-    let mut mass = 0.0f64;
-    for (ci, (chunk, &sum)) in weights.chunks(CHUNK).zip(chunk_sums).enumerate() {
-        // A chunk's sum bounds its largest weight from above.
-        if sum < f64::from(tau) {
-            continue;
-        }
-        let base = ci * CHUNK;
-        for (j, &w) in chunk.iter().enumerate() {
-            if w >= tau {
-                cand.push(((base + j) as u32, w));
-                mass += f64::from(w);
+impl Weights<'_> {
+    fn chunks(&self) -> impl Iterator<Item = (&[f32], f32)> + '_ {
+        self.w.chunks(CHUNK).zip(self.chunk_max.iter().copied())
+    }
+}
+
+/// Scratch of [`threshold`].
+#[derive(Debug, Default)]
+pub(super) struct ThresholdScratch {
+    /// Weights as bit patterns (non-negative floats order like their bits).
+    sel: Vec<u32>,
+    /// Chunk visiting order for top-k.
+    order: Vec<u64>,
+}
+
+/// The threshold `theta` of the filters: the survivors are exactly the tokens with weight
+/// `>= theta`, and 0-weight tokens are never drawn.
+///
+/// Precondition: the largest weight is exactly 1 (so `theta <= 1` and a survivor exists).
+pub(super) fn threshold(wts: &Weights<'_>, f: &Filters, s: &mut ThresholdScratch) -> f32 {
+    let theta = match (f.top_k, f.top_p) {
+        (Some(k), top_p) => {
+            let theta_k = top_k_set(wts, k, s);
+            // `sel` now holds exactly the weights >= theta_k.
+            match top_p {
+                Some(p) => {
+                    let target = p * sum_bits(&s.sel);
+                    nucleus_threshold(&mut s.sel, target).map_or(theta_k, |t| t.max(theta_k))
+                }
+                None => theta_k,
             }
         }
-    }
-    mass
+        (None, Some(p)) => top_p_threshold(wts, p * wts.total, &mut s.sel),
+        (None, None) => 0.0,
+    };
+    theta.max(f.min_p.unwrap_or(0.0))
 }
 
-/// The weight at which the descending cumulative mass of `ws` first reaches `target`, found by a
-/// weighted quickselect in expected O(len); `None` when the whole slice has less mass than
-/// `target` (keep everything). Reorders `ws`. Precondition: `target > 0`.
-///
-/// Weights are non-negative floats passed as their bit patterns, which order the same way as
-/// the values and select faster (integer compares).
+/// Collects into `s.sel` every weight `>= theta_k` and returns `theta_k`, the k-th largest
+/// weight ([`BOTTOM`] when fewer than k weights are positive: then all of them are kept).
+fn top_k_set(wts: &Weights<'_>, k: usize, s: &mut ThresholdScratch) -> f32 {
+    // Chunks by decreasing maximum (index as tie-break, so the order is deterministic).
+    s.order.clear();
+    s.order.extend(
+        wts.chunk_max
+            .iter()
+            .enumerate()
+            .filter(|&(_, &m)| m > 0.0)
+            .map(|(i, &m)| (u64::from(m.to_bits()) << 32) | u64::from(u32::MAX - i as u32)),
+    );
+    s.order.sort_unstable_by_key(|&key| Reverse(key));
+    let chunk = |key: u64| {
+        let i = (u32::MAX - key as u32) as usize;
+        &wts.w[i * CHUNK..((i + 1) * CHUNK).min(wts.w.len())]
+    };
+    let sel = &mut s.sel;
+    sel.clear();
+    let mut next = 0;
+    while sel.len() < k && next < s.order.len() {
+        sel.extend(chunk(s.order[next]).iter().map(|w| w.to_bits()));
+        next += 1;
+    }
+    if sel.len() < k {
+        sel.retain(|&b| b > 0);
+        return BOTTOM;
+    }
+    // A provisional k-th weight; only chunks whose maximum reaches it can change it.
+    let mut kth = kth_largest(sel, k);
+    while let Some(&key) = s.order.get(next) {
+        if f32::from_bits((key >> 32) as u32) < f32::from_bits(kth) {
+            break;
+        }
+        sel.extend(chunk(key).iter().map(|w| w.to_bits()).filter(|&b| b >= kth));
+        next += 1;
+    }
+    kth = kth_largest(sel, k);
+    sel.retain(|&b| b >= kth);
+    f32::from_bits(kth)
+}
+
+/// The k-th largest of the bit patterns (reorders them). Precondition: `1 <= k <= len`.
+fn kth_largest(bits: &mut [u32], k: usize) -> u32 {
+    *bits.select_nth_unstable_by_key(k - 1, |&b| Reverse(b)).1
+}
+
+/// `theta_p` for top-p alone: the largest weight `t` such that the weights `>= t` reach
+/// `target`. `sel` is scratch.
+fn top_p_threshold(wts: &Weights<'_>, target: f64, sel: &mut Vec<u32>) -> f32 {
+    let b = find_bracket(wts, target);
+    collect(wts, b.lo, b.hi, sel);
+    let rest = target - b.above_mass;
+    if rest <= 0.0 {
+        // Only through rounding: the weights above the bracket already reach the target.
+        return b.hi;
+    }
+    nucleus_threshold(sel, rest).unwrap_or(b.lo)
+}
+
+/// `[lo, hi)` holds `theta_p`: the weights `>= lo` reach the target (or `lo` is [`BOTTOM`]),
+/// those `>= hi` do not (or `hi` is infinite); `above_mass` is the mass of the weights `>= hi`.
+#[derive(Debug, Clone, Copy)]
+struct Bracket {
+    lo: f32,
+    hi: f32,
+    above_mass: f64,
+}
+
+/// Narrows the bracket of `theta_p` with up to three ladder passes.
+fn find_bracket(wts: &Weights<'_>, target: f64) -> Bracket {
+    let mut b = Bracket {
+        lo: BOTTOM,
+        hi: f32::INFINITY,
+        above_mass: 0.0,
+    };
+    // First pass: 1, 2^-4, ..., 2^-28; then each bracket is cut into RUNGS geometric steps.
+    let mut taus: [f32; RUNGS] = std::array::from_fn(|r| (-4.0 * r as f32).exp2());
+    let mut step_octaves = 4.0f32;
+    for pass in 0..3 {
+        let mass = ladder(wts.w, wts.chunk_max, &taus);
+        match (0..RUNGS).find(|&r| mass[r] >= target) {
+            Some(r) => {
+                b.lo = taus[r];
+                if r > 0 {
+                    b.hi = taus[r - 1];
+                    b.above_mass = mass[r - 1];
+                }
+                // Each weight in the bracket is >= lo, which bounds their number.
+                let inside = mass[r] - b.above_mass;
+                if b.hi == f32::INFINITY || inside <= SMALL_BRACKET * f64::from(b.lo) {
+                    break;
+                }
+            }
+            None => {
+                // Below the last rung: [previous lo, last rung), no finer ladder there.
+                b.hi = taus[RUNGS - 1];
+                b.above_mass = mass[RUNGS - 1];
+                if pass == 0 {
+                    break;
+                }
+            }
+        }
+        step_octaves /= RUNGS as f32;
+        let hi = b.hi;
+        taus = std::array::from_fn(|r| hi * (-(r as f32 + 1.0) * step_octaves).exp2());
+    }
+    b
+}
+
+/// The bit patterns of the weights in `[lo, hi)` into `sel` (cleared first).
+fn collect(wts: &Weights<'_>, lo: f32, hi: f32, sel: &mut Vec<u32>) {
+    sel.clear();
+    for (chunk, max) in wts.chunks() {
+        if max >= lo {
+            sel.extend(
+                chunk
+                    .iter()
+                    .filter(|&&w| w >= lo && w < hi)
+                    .map(|w| w.to_bits()),
+            );
+        }
+    }
+}
+
 pub(super) fn nucleus_threshold(ws: &mut [u32], target: f64) -> Option<f32> {
     // Invariant: the elements outside ws[lo..hi] that rank above it sum to `above < target`, and
     // those below it are not needed.
@@ -161,50 +265,29 @@ pub(super) fn nucleus_threshold(ws: &mut [u32], target: f64) -> Option<f32> {
     None
 }
 
-/// Draws a token from the pairs of `cand` with weight `>= theta`, proportionally to weight, with
-/// `u` uniform in `[0, 1)`. Precondition: at least one such pair has positive weight.
-pub(super) fn draw_from_candidates(cand: &[(u32, f32)], theta: f32, u: f64) -> u32 {
-    let z: f64 = cand
-        .iter()
-        .filter(|c| c.1 >= theta)
-        .map(|c| f64::from(c.1))
-        .sum();
-    let target = u * z;
-    let mut acc = 0.0f64;
-    let mut last = 0u32;
-    for &(id, w) in cand.iter().filter(|c| c.1 >= theta) {
-        acc += f64::from(w);
-        if w > 0.0 {
-            last = id;
-        }
-        if acc > target {
-            return id;
-        }
-    }
-    // Only reachable through rounding when u is within an ulp of 1.
-    last
-}
-
-/// Draws a token from all of `weights` proportionally, with `u` uniform in `[0, 1)`, walking
-/// `chunk_sums` (whose sequential sum is `total`) and then one chunk.
-pub(super) fn draw_from_all(weights: &[f32], chunk_sums: &[f64], total: f64, u: f64) -> u32 {
+pub(super) fn draw(weights: &[f32], sums: &[f64], total: f64, theta: f32, u: f64) -> u32 {
     let target = u * total;
     let mut acc = 0.0f64;
-    for (ci, &sum) in chunk_sums.iter().enumerate() {
+    for (ci, &sum) in sums.iter().enumerate() {
         if acc + sum <= target {
             acc += sum;
             continue;
         }
         let base = ci * CHUNK;
         for (j, &w) in weights[base..].iter().take(CHUNK).enumerate() {
-            acc += f64::from(w);
-            if acc > target {
-                return (base + j) as u32;
+            if w >= theta {
+                acc += f64::from(w);
+                if acc > target {
+                    return (base + j) as u32;
+                }
             }
         }
         // The chunk's lane-order sum rounded differently from this walk; go on to the next.
     }
-    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+    weights
+        .iter()
+        .rposition(|&w| w >= theta && w > 0.0)
+        .unwrap_or(0) as u32
 }
 
 #[cfg(test)]
@@ -238,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn draw_from_all_covers_chunk_boundaries() {
+    fn draw_covers_chunk_boundaries_and_respects_theta() {
         let mut ws = vec![0.0f32; 3 * CHUNK + 5];
         ws[CHUNK - 1] = 1.0;
         ws[CHUNK] = 1.0;
@@ -248,25 +331,66 @@ mod tests {
             .map(|c| c.iter().map(|&w| f64::from(w)).sum())
             .collect();
         let total: f64 = sums.iter().sum();
-        assert_eq!(draw_from_all(&ws, &sums, total, 0.0), (CHUNK - 1) as u32);
-        assert_eq!(draw_from_all(&ws, &sums, total, 0.2499), (CHUNK - 1) as u32);
-        assert_eq!(draw_from_all(&ws, &sums, total, 0.2501), CHUNK as u32);
+        assert_eq!(draw(&ws, &sums, total, 0.0, 0.0), (CHUNK - 1) as u32);
+        assert_eq!(draw(&ws, &sums, total, 0.0, 0.2499), (CHUNK - 1) as u32);
+        assert_eq!(draw(&ws, &sums, total, 0.0, 0.2501), CHUNK as u32);
+        assert_eq!(draw(&ws, &sums, total, 0.0, 0.5001), (3 * CHUNK + 4) as u32);
         assert_eq!(
-            draw_from_all(&ws, &sums, total, 0.5001),
+            draw(&ws, &sums, total, 0.0, 0.999_999),
             (3 * CHUNK + 4) as u32
         );
-        assert_eq!(
-            draw_from_all(&ws, &sums, total, 0.999_999),
-            (3 * CHUNK + 4) as u32
-        );
+        // Above theta = 1.5 only the last one survives; with theta = 1 the first two share half.
+        let masked = [0.0, 0.0, 0.0, 2.0];
+        assert_eq!(draw(&ws, &masked, 2.0, 1.5, 0.0), (3 * CHUNK + 4) as u32);
+        assert_eq!(draw(&ws, &sums, total, 1.0, 0.3), CHUNK as u32);
     }
 
+    /// A vocabulary where token i has weight `2^-(i / 1000)`, shuffled: every ladder pass and
+    /// both top-k phases are exercised, and the k-th largest is known.
     #[test]
-    fn draw_from_candidates_respects_theta() {
-        let cand = [(3u32, 0.5f32), (7, 1.0), (9, 0.25)];
-        assert_eq!(draw_from_candidates(&cand, 0.5, 0.0), 3);
-        assert_eq!(draw_from_candidates(&cand, 0.5, 0.34), 7);
-        assert_eq!(draw_from_candidates(&cand, 1.0, 0.0), 7);
-        assert_eq!(draw_from_candidates(&cand, 0.0, 0.99), 9);
+    fn thresholds_are_exact_on_a_long_tail() {
+        let n = 20_000;
+        let mut ws: Vec<f32> = (0..n).map(|i| (-(i as f32) / 1000.0).exp2()).collect();
+        for i in (1..n).rev() {
+            ws.swap(i, (i * 7919 + 13) % (i + 1));
+        }
+        let sums: Vec<f64> = ws
+            .chunks(CHUNK)
+            .map(|c| c.iter().map(|&w| f64::from(w)).sum())
+            .collect();
+        let maxima: Vec<f32> = ws
+            .chunks(CHUNK)
+            .map(|c| c.iter().copied().fold(0.0, f32::max))
+            .collect();
+        let total: f64 = sums.iter().sum();
+        let wts = Weights {
+            w: &ws,
+            chunk_max: &maxima,
+            total,
+        };
+        let mut sorted = ws.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let mut scratch = ThresholdScratch::default();
+        for k in [1usize, 2, 255, 256, 999, 5000, 19_999] {
+            let f = Filters::new(k as u32, 1.0, 0.0, n);
+            assert_eq!(
+                threshold(&wts, &f, &mut scratch),
+                sorted[k - 1],
+                "top_k {k}"
+            );
+        }
+        for p in [1e-6f32, 0.3, 0.9, 0.99, 0.999_9] {
+            let f = Filters::new(0, p, 0.0, n);
+            let target = f64::from(p) * total;
+            let mut acc = 0.0;
+            let want = *sorted
+                .iter()
+                .find(|&&w| {
+                    acc += f64::from(w);
+                    acc >= target
+                })
+                .unwrap();
+            assert_eq!(threshold(&wts, &f, &mut scratch), want, "top_p {p}");
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! otherwise, so no NaN reaches a comparison and no `+inf` reaches `x - max`.
 
 /// Elements per chunk of [`exp_weights`]; the per-chunk sums let later passes skip whole chunks.
-pub(super) const CHUNK: usize = 64;
+pub(super) const CHUNK: usize = 256;
 
 /// Lane count of the reductions: 16 f32 lanes keep several vector registers in flight at every
 /// width. Results depend on this constant (summation order) but not on the instruction set.
@@ -19,10 +19,14 @@ macro_rules! multiversion {
     ($(#[$meta:meta])* fn $name:ident / $portable:ident ($($arg:ident: $ty:ty),*) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
         pub(super) fn $name($($arg: $ty),*) $(-> $ret)? {
+            // Every copy is out of line, so that LLVM vectorises it on its own rather than after
+            // inlining it into a caller with known trip counts (which it does badly).
             #[cfg(target_arch = "x86_64")]
             {
+                #[inline(never)]
                 #[target_feature(enable = "avx512f")]
                 fn avx512($($arg: $ty),*) $(-> $ret)? { $portable($($arg),*) }
+                #[inline(never)]
                 #[target_feature(enable = "avx2")]
                 fn avx2($($arg: $ty),*) $(-> $ret)? { $portable($($arg),*) }
                 if std::arch::is_x86_feature_detected!("avx512f") {
@@ -34,7 +38,9 @@ macro_rules! multiversion {
                     return unsafe { avx2($($arg),*) };
                 }
             }
-            $portable($($arg),*)
+            #[inline(never)]
+            fn baseline($($arg: $ty),*) $(-> $ret)? { $portable($($arg),*) }
+            baseline($($arg),*)
         }
 
         /// The baseline copy of the function above (always inlined into its dispatched copies).
@@ -137,7 +143,66 @@ fn sum_lanes(xs: &[f32]) -> f32 {
             lanes[j] += c[j];
         }
     }
+    // A plain sequential sum: a pairwise tree here stops LLVM from vectorising the loop above.
     lanes.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
+}
+
+multiversion! {
+    /// Sum of the elements `>= tau` of a chunk.
+    fn mass_at_least / mass_at_least_portable(xs: &[f32], tau: f32) -> f32 {
+        let mut mass = [0.0f32; LANES];
+        let mut it = xs.chunks_exact(LANES);
+        for c in &mut it {
+            for j in 0..LANES {
+                mass[j] += if c[j] >= tau { c[j] } else { 0.0 };
+            }
+        }
+        // Plain sums: a pairwise tree here stops LLVM from vectorising the loop above.
+        mass.iter().sum::<f32>() + it.remainder().iter().filter(|&&x| x >= tau).sum::<f32>()
+    }
+}
+
+/// Thresholds evaluated per [`ladder`] pass.
+pub(super) const RUNGS: usize = 8;
+
+/// For each threshold `taus[r]`, the total of the `weights >= taus[r]`; chunks whose maximum
+/// (`chunk_max`) is below every threshold are skipped unread.
+pub(super) fn ladder(weights: &[f32], chunk_max: &[f32], taus: &[f32; RUNGS]) -> [f64; RUNGS] {
+    let floor = taus.iter().fold(f32::INFINITY, |a, &b| a.min(b));
+    let mut mass = [0.0f64; RUNGS];
+    for (chunk, &max) in weights.chunks(CHUNK).zip(chunk_max) {
+        if max < floor {
+            continue;
+        }
+        for r in 0..RUNGS {
+            if max >= taus[r] {
+                mass[r] += f64::from(mass_at_least(chunk, taus[r]));
+            }
+        }
+    }
+    mass
+}
+
+/// Per chunk, the total of the `weights >= theta` into `out` (0 for a chunk whose maximum is
+/// below `theta`); returns the sequential f64 sum of `out`.
+pub(super) fn masked_chunk_sums(
+    weights: &[f32],
+    chunk_max: &[f32],
+    theta: f32,
+    out: &mut Vec<f64>,
+) -> f64 {
+    out.clear();
+    let mut total = 0.0f64;
+    for (chunk, &max) in weights.chunks(CHUNK).zip(chunk_max) {
+        let s = if max < theta {
+            0.0
+        } else {
+            f64::from(mass_at_least(chunk, theta))
+        };
+        out.push(s);
+        total += s;
+    }
+    total
 }
 
 /// `e^x` for `x <= 0` (a logit minus the maximum), with a relative error below 3e-7 on

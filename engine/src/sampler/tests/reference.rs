@@ -154,11 +154,15 @@ pub(super) fn surviving_set(
             .filter(|&i| s.work[i as usize] > 0.0)
             .collect();
     }
-    let theta = filter::truncate(&s.work, &s.chunk_sums, total, &f, &mut s.cand, &mut s.sel);
-    s.cand
-        .iter()
-        .filter(|c| c.1 >= theta)
-        .map(|c| c.0)
+    math::chunk_maxima(&s.work, &mut s.chunk_max);
+    let w = Weights {
+        w: &s.work,
+        chunk_max: &s.chunk_max,
+        total,
+    };
+    let theta = filter::threshold(&w, &f, &mut s.threshold);
+    (0..logits.len() as u32)
+        .filter(|&i| s.work[i as usize] >= theta && s.work[i as usize] > 0.0)
         .collect()
 }
 
