@@ -13,9 +13,17 @@
 //! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
 //!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
 //!   at row `t % block_size`.
+//! - Buffers may be longer than a call needs: an op reads and writes only the leading elements
+//!   its size arguments describe (so the engine can reuse max-size workspaces). Every op checks
+//!   sizes, token ids, positions, slots and block ids first and returns [`KernelError::Shape`]
+//!   without touching its outputs when one is out of range.
 
+mod check;
 pub mod cpu;
+pub mod measure;
 pub mod reference;
+
+pub use cpu::CpuBackend;
 
 /// Errors of the kernels crate.
 #[derive(Debug, thiserror::Error)]
@@ -25,7 +33,10 @@ pub enum KernelError {
     #[error("backend out of memory allocating {bytes} bytes")]
     OutOfMemory { bytes: usize },
     #[error("backend `{backend}` failed: {detail}")]
-    Device { backend: &'static str, detail: String },
+    Device {
+        backend: &'static str,
+        detail: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
@@ -35,9 +46,16 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1 frequency-dependent scaling.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: u32 },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: u32,
+    },
 }
 
 /// One sequence's share of a batched paged-attention call.
@@ -82,37 +100,103 @@ pub trait Backend: Send + Sync + 'static {
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Copies `len` elements from `src[src_off..]` to `dst[dst_off..]`.
-    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Writes host data into `dst[dst_off..]`.
     fn write(&self, dst: &mut Self::Buf, dst_off: usize, host: &[f32]) -> Result<()>;
     /// Reads `len` elements of `src[src_off..]` into host memory.
     fn read(&self, src: &Self::Buf, src_off: usize, len: usize) -> Result<Vec<f32>>;
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
-    fn linear(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf) -> Result<()>;
+    fn linear(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// Row-wise RMSNorm: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight`.
-    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, eps: f32, rows: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// In-place RoPE in Hugging Face's rotate-half form on `x: [num_tokens, num_heads, head_dim]`.
     /// `cos_sin` is `[max_positions, head_dim]`: the first `head_dim/2` entries of a row are cos,
     /// the last `head_dim/2` are sin (see [`rope_table`]).
-    fn rope(&self, x: &mut Self::Buf, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Self::Buf) -> Result<()>;
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &Self::Buf,
+    ) -> Result<()>;
     /// `out[t, i] = silu(gate[t, i]) * up[t, i]`.
-    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) -> Result<()>;
+    fn silu_mul(
+        &self,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+        len: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// `x += y` over the first `len` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize) -> Result<()>;
     /// Row-wise softmax of `x: [rows, dim]` in place.
     fn softmax(&self, x: &mut Self::Buf, rows: usize, dim: usize) -> Result<()>;
     /// `out[t] = table[ids[t]]` for a table `[vocab, dim]`.
-    fn embedding(&self, table: &Self::Buf, ids: &[u32], vocab: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
+    fn embedding(
+        &self,
+        table: &Self::Buf,
+        ids: &[u32],
+        vocab: usize,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// `out[i] = x[rows[i]]` for `x: [_, dim]`.
-    fn gather_rows(&self, x: &Self::Buf, rows: &[u32], dim: usize, out: &mut Self::Buf) -> Result<()>;
+    fn gather_rows(
+        &self,
+        x: &Self::Buf,
+        rows: &[u32],
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// Writes `k, v: [num_tokens, num_kv_heads, head_dim]` into the cache pools at the flat slots
     /// `slots[t] = block_id * block_size + row`.
-    fn write_kv(&self, k: &Self::Buf, v: &Self::Buf, slots: &[u32], kv_width: usize, k_cache: &mut Self::Buf, v_cache: &mut Self::Buf) -> Result<()>;
+    fn write_kv(
+        &self,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        slots: &[u32],
+        kv_width: usize,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+    ) -> Result<()>;
     /// Causal paged attention for a packed batch of sequences (prefill chunks and decode tokens
     /// alike). `q, out: [num_tokens, num_heads, head_dim]`; GQA maps query head `h` to KV head
     /// `h / (num_heads / num_kv_heads)`.
-    fn paged_attention(&self, q: &Self::Buf, k_cache: &Self::Buf, v_cache: &Self::Buf, seqs: &[AttnSeq<'_>], shape: AttnShape, out: &mut Self::Buf) -> Result<()>;
+    fn paged_attention(
+        &self,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        seqs: &[AttnSeq<'_>],
+        shape: AttnShape,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 }
 
 /// Inverse frequencies of RoPE for `head_dim`, with Hugging Face's scaling rules applied.

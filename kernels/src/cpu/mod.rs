@@ -1,0 +1,371 @@
+//! The CPU backend: f32 `Vec` buffers, a private rayon pool, AVX-512/AVX2 inner loops chosen at
+//! runtime.
+//!
+//! Every method validates with the same `check` functions as [`crate::reference`], then runs a
+//! parallel kernel. Element-wise ops go parallel only above `PAR_MIN_ELEMS`, where the fork/join
+//! cost (a few microseconds) is repaid. Results match the reference to f32 rounding: the
+//! element-wise ops and RoPE use the same formulas in the same order (bit-identical), reductions
+//! differ only in summation order.
+
+mod attention;
+mod matmul;
+pub mod simd;
+
+use crate::{check, AttnSeq, AttnShape, Backend, KernelError, Result};
+use rayon::prelude::*;
+pub use simd::Isa;
+use std::sync::Arc;
+
+/// Element count below which element-wise ops stay on the calling thread.
+const PAR_MIN_ELEMS: usize = 1 << 15;
+
+/// The CPU backend. Cheap to clone (the pool is shared).
+#[derive(Clone)]
+pub struct CpuBackend {
+    pool: Arc<rayon::ThreadPool>,
+    isa: Isa,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("threads", &self.threads())
+            .field("isa", &self.isa)
+            .finish()
+    }
+}
+
+impl Default for CpuBackend {
+    /// One thread per available core.
+    ///
+    /// # Panics
+    /// If the OS refuses to start the pool's threads; use [`CpuBackend::new`] to handle that.
+    fn default() -> Self {
+        CpuBackend::new(None).expect("failed to start the CPU backend's thread pool")
+    }
+}
+
+impl CpuBackend {
+    /// A backend with its own pool of `threads` threads (`None`: one per available core).
+    pub fn new(threads: Option<usize>) -> Result<Self> {
+        let threads = threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cleave-cpu-{i}"))
+            .build()
+            .map_err(|e| KernelError::Device {
+                backend: "cpu",
+                detail: format!("thread pool: {e}"),
+            })?;
+        Ok(CpuBackend {
+            pool: Arc::new(pool),
+            isa: Isa::detect(),
+        })
+    }
+
+    /// The same backend restricted to a given instruction set (for tests and benchmarks of the
+    /// fallbacks). An ISA the CPU lacks is replaced by the detected one.
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        let ok = match isa {
+            Isa::Portable => true,
+            Isa::Avx2Fma => self.isa != Isa::Portable,
+            Isa::Avx512 => self.isa == Isa::Avx512,
+        };
+        if ok {
+            self.isa = isa;
+        }
+        self
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Runs `f` inside this backend's pool (so rayon calls in `f` use its threads).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// Runs `f(chunk)` over `chunk`-sized pieces of `x`, in parallel when `x` is large.
+    fn for_chunks(&self, x: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Send + Sync) {
+        if chunk == 0 {
+            return;
+        }
+        if x.len() < PAR_MIN_ELEMS {
+            x.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+        } else {
+            let per_task = chunk * (PAR_MIN_ELEMS / 4 / chunk).max(1);
+            self.pool.install(|| {
+                x.par_chunks_mut(per_task).enumerate().for_each(|(i, c)| {
+                    let first = i * (per_task / chunk);
+                    c.chunks_mut(chunk)
+                        .enumerate()
+                        .for_each(|(j, c)| f(first + j, c))
+                })
+            });
+        }
+    }
+}
+
+fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
+    let end = off
+        .checked_add(count)
+        .ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
+    if end > len {
+        return Err(check::err(
+            op,
+            format!("{what} range {off}..{end} exceeds buffer of {len}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc_zeros(&self, len: usize) -> Result<Vec<f32>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(len)
+            .map_err(|_| KernelError::OutOfMemory {
+                bytes: len.saturating_mul(std::mem::size_of::<f32>()),
+            })?;
+        v.resize(len, 0.0);
+        Ok(v)
+    }
+
+    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+        let mut v = self.alloc_zeros(0)?;
+        v.try_reserve_exact(host.len())
+            .map_err(|_| KernelError::OutOfMemory {
+                bytes: host.len().saturating_mul(std::mem::size_of::<f32>()),
+            })?;
+        v.extend_from_slice(host);
+        Ok(v)
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+        self.upload(buf)
+    }
+
+    fn len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    fn copy(
+        &self,
+        src: &Vec<f32>,
+        src_off: usize,
+        dst: &mut Vec<f32>,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        range_check("copy", "src", src.len(), src_off, len)?;
+        range_check("copy", "dst", dst.len(), dst_off, len)?;
+        dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
+        Ok(())
+    }
+
+    fn write(&self, dst: &mut Vec<f32>, dst_off: usize, host: &[f32]) -> Result<()> {
+        range_check("write", "dst", dst.len(), dst_off, host.len())?;
+        dst[dst_off..dst_off + host.len()].copy_from_slice(host);
+        Ok(())
+    }
+
+    fn read(&self, src: &Vec<f32>, src_off: usize, len: usize) -> Result<Vec<f32>> {
+        range_check("read", "src", src.len(), src_off, len)?;
+        self.upload(&src[src_off..src_off + len])
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check::linear(x.len(), w.len(), bias.map(Vec::len), (m, k, n), out.len())?;
+        let bias = bias.map(|b| &b[..n]);
+        matmul::linear(
+            &self.pool,
+            self.isa,
+            &x[..m * k],
+            &w[..n * k],
+            bias,
+            (m, k, n),
+            &mut out[..m * n],
+        );
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check::rms_norm(x.len(), weight.len(), rows, dim, out.len())?;
+        let weight = &weight[..dim];
+        self.for_chunks(&mut out[..rows * dim], dim, |r, o| {
+            let row = &x[r * dim..(r + 1) * dim];
+            let mean_sq = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64;
+            let inv = 1.0 / (mean_sq as f32 + eps).sqrt();
+            for ((o, &v), &g) in o.iter_mut().zip(row).zip(weight) {
+                *o = g * (v * inv);
+            }
+        });
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &Vec<f32>,
+    ) -> Result<()> {
+        check::rope(x.len(), positions, num_heads, head_dim, cos_sin.len())?;
+        let half = head_dim / 2;
+        let width = num_heads * head_dim;
+        self.for_chunks(&mut x[..positions.len() * width], width, |t, tok| {
+            let p = positions[t] as usize;
+            let (cos, sin) = cos_sin[p * head_dim..(p + 1) * head_dim].split_at(half);
+            for v in tok.chunks_exact_mut(head_dim) {
+                let (lo, hi) = v.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (lo[i], hi[i]);
+                    lo[i] = a * cos[i] + -b * sin[i];
+                    hi[i] = b * cos[i] + a * sin[i];
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn silu_mul(
+        &self,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+        len: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check::silu_mul(gate.len(), up.len(), len, out.len())?;
+        const CHUNK: usize = 4096;
+        self.for_chunks(&mut out[..len], CHUNK, |c, o| {
+            let base = c * CHUNK;
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = crate::reference::silu(gate[base + i]) * up[base + i];
+            }
+        });
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) -> Result<()> {
+        check::add_assign(x.len(), y.len(), len)?;
+        const CHUNK: usize = 4096;
+        self.for_chunks(&mut x[..len], CHUNK, |c, xs| {
+            xs.iter_mut()
+                .zip(&y[c * CHUNK..])
+                .for_each(|(x, y)| *x += y);
+        });
+        Ok(())
+    }
+
+    fn softmax(&self, x: &mut Vec<f32>, rows: usize, dim: usize) -> Result<()> {
+        check::softmax(x.len(), rows, dim)?;
+        self.for_chunks(&mut x[..rows * dim], dim, |_, row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f64;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            row.iter_mut().for_each(|v| *v *= inv);
+        });
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        table: &Vec<f32>,
+        ids: &[u32],
+        vocab: usize,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check::embedding(table.len(), ids, vocab, dim, out.len())?;
+        self.for_chunks(&mut out[..ids.len() * dim], dim, |t, o| {
+            let id = ids[t] as usize;
+            o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+        });
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Vec<f32>,
+        rows: &[u32],
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check::gather_rows(x.len(), rows, dim, out.len())?;
+        self.for_chunks(&mut out[..rows.len() * dim], dim, |i, o| {
+            let r = rows[i] as usize;
+            o.copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        });
+        Ok(())
+    }
+
+    fn write_kv(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[u32],
+        kv_width: usize,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> Result<()> {
+        // Scattered writes of a few KiB per token: a serial copy is memory-bound already.
+        crate::reference::write_kv(k, v, slots, kv_width, k_cache, v_cache)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        seqs: &[AttnSeq<'_>],
+        shape: AttnShape,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let dims = check::paged_attention(
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            seqs,
+            &shape,
+            out.len(),
+        )?;
+        attention::paged_attention(
+            &self.pool, self.isa, q, k_cache, v_cache, seqs, &shape, dims, out,
+        );
+        Ok(())
+    }
+}

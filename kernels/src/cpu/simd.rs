@@ -1,0 +1,431 @@
+//! Vector inner loops (dot products, axpy, sum) with runtime ISA dispatch.
+//!
+//! The ISA is detected once when a backend is built ([`Isa::detect`]) and passed to every call,
+//! so the hot loops pay one `match` rather than a feature check. Each kernel has an AVX-512F
+//! version, an AVX2+FMA version and a portable fallback written with fixed-width lane arrays that
+//! the compiler vectorizes for the baseline target.
+//!
+//! Invariant of every function here: the slices it pairs up have at least the length of the one
+//! that sets the loop count (`w` / `x`); the safe wrappers slice to that length, so a violation
+//! is a bounds panic, never an out-of-bounds read.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// The instruction set the kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+impl Isa {
+    /// The best ISA this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Portable
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2Fma => "avx2+fma",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+/// `Σ a[i] * b[i]` over `b.len()` elements.
+#[inline]
+pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    let a = &a[..b.len()];
+    match isa {
+        // SAFETY: `detect` returned this ISA only if the CPU supports it; lengths are equal.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
+        _ => portable::dot(a, b),
+    }
+}
+
+/// `[Σ xs[r][i] * w[i] for r in 0..M]`: `M` dot products that share one pass over `w`.
+#[inline]
+pub fn dots<const M: usize>(isa: Isa, xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
+    if M == 1 {
+        let mut out = [0f32; M];
+        out[0] = dot(isa, xs[0], w);
+        return out;
+    }
+    let xs: [&[f32]; M] = std::array::from_fn(|r| &xs[r][..w.len()]);
+    match isa {
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dots(&xs, w) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::dots(&xs, w) },
+        _ => std::array::from_fn(|r| portable::dot(xs[r], w)),
+    }
+}
+
+/// `y[i] += a * x[i]` over `x.len()` elements.
+#[inline]
+pub fn axpy(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
+    let y = &mut y[..x.len()];
+    match isa {
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy(y, a, x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::axpy(y, a, x) },
+        _ => y.iter_mut().zip(x).for_each(|(y, &x)| *y += a * x),
+    }
+}
+
+/// `Σ x[i]` (used to measure read bandwidth).
+#[inline]
+pub fn sum(isa: Isa, x: &[f32]) -> f32 {
+    match isa {
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::sum(x) },
+        _ => portable::sum(x),
+    }
+}
+
+mod portable {
+    const LANES: usize = 16;
+
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; LANES];
+        let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        let tail: f32 = ac
+            .remainder()
+            .iter()
+            .zip(bc.remainder())
+            .map(|(x, y)| x * y)
+            .sum();
+        for (x, y) in ac.zip(bc) {
+            for l in 0..LANES {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    pub fn sum(x: &[f32]) -> f32 {
+        let mut acc = [0f32; LANES];
+        let chunks = x.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for c in chunks {
+            for l in 0..LANES {
+                acc[l] += c[l];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+
+    /// Mask selecting the first `n < 16` lanes.
+    #[inline(always)]
+    fn tail_mask(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+
+    /// # Safety
+    /// AVX-512F available; `a.len() == b.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = b.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`, or are masked to it.
+        unsafe {
+            while i + 64 <= n {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    let o = i + 16 * u;
+                    *acc = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(pa.add(o)),
+                        _mm512_loadu_ps(pb.add(o)),
+                        *acc,
+                    );
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                acc[0] = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(pa.add(i)),
+                    _mm512_loadu_ps(pb.add(i)),
+                    acc[0],
+                );
+                i += 16;
+            }
+            if i < n {
+                let m = tail_mask(n - i);
+                acc[1] = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(m, pa.add(i)),
+                    _mm512_maskz_loadu_ps(m, pb.add(i)),
+                    acc[1],
+                );
+            }
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    /// # Safety
+    /// AVX-512F available; every `xs[r].len() == w.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dots<const M: usize>(xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
+        let n = w.len();
+        let pw = w.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); M];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`, or are masked to it.
+        unsafe {
+            while i + 16 <= n {
+                let wv = _mm512_loadu_ps(pw.add(i));
+                for r in 0..M {
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[r].as_ptr().add(i)), wv, acc[r]);
+                }
+                i += 16;
+            }
+            if i < n {
+                let m = tail_mask(n - i);
+                let wv = _mm512_maskz_loadu_ps(m, pw.add(i));
+                for r in 0..M {
+                    acc[r] = _mm512_fmadd_ps(
+                        _mm512_maskz_loadu_ps(m, xs[r].as_ptr().add(i)),
+                        wv,
+                        acc[r],
+                    );
+                }
+            }
+        }
+        std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+    }
+
+    /// # Safety
+    /// AVX-512F available; `y.len() == x.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = x.len();
+        let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+        let av = _mm512_set1_ps(a);
+        let mut i = 0;
+        // SAFETY (all accesses): offsets stay below `n`, or are masked to it.
+        unsafe {
+            while i + 16 <= n {
+                let r = _mm512_fmadd_ps(av, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i)));
+                _mm512_storeu_ps(py.add(i), r);
+                i += 16;
+            }
+            if i < n {
+                let m = tail_mask(n - i);
+                let r = _mm512_fmadd_ps(
+                    av,
+                    _mm512_maskz_loadu_ps(m, px.add(i)),
+                    _mm512_maskz_loadu_ps(m, py.add(i)),
+                );
+                _mm512_mask_storeu_ps(py.add(i), m, r);
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn sum(x: &[f32]) -> f32 {
+        let n = x.len();
+        let p = x.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`, or are masked to it.
+        unsafe {
+            while i + 64 <= n {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_add_ps(_mm512_loadu_ps(p.add(i + 16 * u)), *acc);
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                acc[0] = _mm512_add_ps(_mm512_loadu_ps(p.add(i)), acc[0]);
+                i += 16;
+            }
+            if i < n {
+                acc[1] = _mm512_add_ps(_mm512_maskz_loadu_ps(tail_mask(n - i), p.add(i)), acc[1]);
+            }
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = b.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`.
+        unsafe {
+            while i + 32 <= n {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * u;
+                    *acc = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(pa.add(o)),
+                        _mm256_loadu_ps(pb.add(o)),
+                        *acc,
+                    );
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i)),
+                    _mm256_loadu_ps(pb.add(i)),
+                    acc[0],
+                );
+                i += 8;
+            }
+            let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            hsum(s) + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; every `xs[r].len() == w.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots<const M: usize>(xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
+        let n = w.len();
+        let pw = w.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); M];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`.
+        unsafe {
+            while i + 8 <= n {
+                let wv = _mm256_loadu_ps(pw.add(i));
+                for r in 0..M {
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r].as_ptr().add(i)), wv, acc[r]);
+                }
+                i += 8;
+            }
+            std::array::from_fn(|r| {
+                hsum(acc[r])
+                    + xs[r][i..]
+                        .iter()
+                        .zip(&w[i..])
+                        .map(|(x, y)| x * y)
+                        .sum::<f32>()
+            })
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; `y.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = x.len();
+        let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        // SAFETY (all accesses): offsets stay below `n`.
+        unsafe {
+            while i + 8 <= n {
+                let r = _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+                _mm256_storeu_ps(py.add(i), r);
+                i += 8;
+            }
+        }
+        for j in i..n {
+            y[j] += a * x[j];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 16) % 1000) as f32
+                    / 500.0
+                    - 1.0
+            })
+            .collect()
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2Fma);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn every_isa_matches_scalar_sums() {
+        for isa in isas() {
+            for n in [0, 1, 7, 8, 15, 16, 17, 63, 64, 65, 100, 257] {
+                let (a, b, c) = (data(n, 1), data(n, 2), data(n, 3));
+                let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+                assert!(
+                    (dot(isa, &a, &b) as f64 - exact).abs() < 1e-4,
+                    "{isa:?} dot n={n}"
+                );
+                let [d0, d1, d2] = dots(isa, &[&a, &c, &b], &b);
+                assert!((d0 as f64 - exact).abs() < 1e-4, "{isa:?} dots n={n}");
+                let exact_cb: f64 = c.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+                assert!((d1 as f64 - exact_cb).abs() < 1e-4);
+                let exact_bb: f64 = b.iter().map(|x| *x as f64 * *x as f64).sum();
+                assert!((d2 as f64 - exact_bb).abs() < 1e-4);
+                let s: f64 = a.iter().map(|&x| x as f64).sum();
+                assert!((sum(isa, &a) as f64 - s).abs() < 1e-4);
+                let mut y = c.clone();
+                axpy(isa, &mut y, 0.5, &a);
+                for i in 0..n {
+                    assert!((y[i] - (c[i] + 0.5 * a[i])).abs() < 1e-6);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! Every CPU op against the reference on seeded random shapes, for every instruction set the
+//! machine has; and every op's size checks.
+
+mod common;
+
+use cleave_kernels::{
+    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, KernelError, RopeScaling,
+};
+use common::{assert_close, backends, Rng};
+
+/// Sentinel that fills the tail of output buffers longer than an op needs.
+const SENTINEL: f32 = 12345.0;
+
+fn padded(n: usize, pad: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    v.extend(std::iter::repeat_n(SENTINEL, pad));
+    v
+}
+
+#[test]
+fn linear_matches_reference() {
+    let mut rng = Rng::new(1);
+    for b in backends() {
+        for &m in &[1, 2, 3, 5, 8, 9, 17, 40] {
+            for &(k, n) in &[(1, 1), (7, 5), (16, 31), (33, 64), (100, 130), (256, 17)] {
+                for with_bias in [false, true] {
+                    let x = rng.vec(m * k);
+                    let w = rng.vec(n * k);
+                    let bias = with_bias.then(|| rng.vec(n));
+                    let mut want = vec![0f32; m * n];
+                    reference::linear(&x, &w, bias.as_deref(), m, k, n, &mut want).unwrap();
+                    let mut got = padded(m * n, 3);
+                    b.linear(&x, &w, bias.as_ref(), m, k, n, &mut got).unwrap();
+                    assert_close(
+                        &got[..m * n],
+                        &want,
+                        1e-5,
+                        1e-5,
+                        &format!("{b:?} linear {m}x{k}x{n}"),
+                    );
+                    assert_eq!(&got[m * n..], &[SENTINEL; 3], "linear wrote past m*n");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_large_paths_match_reference() {
+    let mut rng = Rng::new(2);
+    let b = &backends()[backends().len() - 1];
+    for &(m, k, n) in &[
+        (1, 1024, 700),
+        (4, 576, 1536),
+        (8, 333, 2049),
+        (64, 200, 300),
+    ] {
+        let x = rng.vec(m * k);
+        let w = rng.vec(n * k);
+        let mut want = vec![0f32; m * n];
+        reference::linear(&x, &w, None, m, k, n, &mut want).unwrap();
+        let mut got = vec![0f32; m * n];
+        b.linear(&x, &w, None, m, k, n, &mut got).unwrap();
+        assert_close(&got, &want, 1e-4, 1e-5, &format!("linear {m}x{k}x{n}"));
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let mut rng = Rng::new(3);
+    for b in backends() {
+        for &(rows, dim) in &[(1, 1), (3, 64), (5, 576), (80, 1024)] {
+            let x = rng.vec(rows * dim);
+            let g = rng.vec(dim);
+            let mut want = vec![0f32; rows * dim];
+            reference::rms_norm(&x, &g, 1e-5, rows, dim, &mut want).unwrap();
+            let mut got = padded(rows * dim, 2);
+            b.rms_norm(&x, &g, 1e-5, rows, dim, &mut got).unwrap();
+            assert_close(&got[..rows * dim], &want, 1e-6, 1e-6, "rms_norm");
+            assert_eq!(&got[rows * dim..], &[SENTINEL; 2]);
+        }
+    }
+}
+
+#[test]
+fn rope_is_bit_identical_to_reference() {
+    let mut rng = Rng::new(4);
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    };
+    for b in backends() {
+        for &(tokens, heads, hd) in &[(1, 1, 2), (3, 4, 16), (7, 9, 64), (300, 4, 64)] {
+            let table = rope_table(&rope_inv_freq(hd, 10000.0, &scaling), 512);
+            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(512) as u32).collect();
+            let x = rng.vec(tokens * heads * hd);
+            let mut want = x.clone();
+            reference::rope(&mut want, &positions, heads, hd, &table).unwrap();
+            let mut got = x.clone();
+            b.rope(&mut got, &positions, heads, hd, &table).unwrap();
+            assert_eq!(got, want);
+        }
+    }
+}
+
+#[test]
+fn elementwise_ops_match_reference() {
+    let mut rng = Rng::new(5);
+    for b in backends() {
+        for &len in &[0, 1, 17, 4096, 100_003] {
+            let (gate, up) = (rng.vec(len), rng.vec(len));
+            let mut want = vec![0f32; len];
+            reference::silu_mul(&gate, &up, len, &mut want).unwrap();
+            let mut got = padded(len, 1);
+            b.silu_mul(&gate, &up, len, &mut got).unwrap();
+            assert_eq!(&got[..len], &want[..]);
+            assert_eq!(got[len], SENTINEL);
+
+            let mut want = gate.clone();
+            reference::add_assign(&mut want, &up, len).unwrap();
+            let mut got = gate.clone();
+            b.add_assign(&mut got, &up, len).unwrap();
+            assert_eq!(got, want);
+        }
+    }
+}
+
+#[test]
+fn softmax_matches_reference() {
+    let mut rng = Rng::new(6);
+    for b in backends() {
+        for &(rows, dim) in &[(1, 1), (2, 10), (3, 49152), (40, 1000)] {
+            let x: Vec<f32> = rng.vec(rows * dim).iter().map(|v| v * 20.0).collect();
+            let mut want = x.clone();
+            reference::softmax(&mut want, rows, dim).unwrap();
+            let mut got = x.clone();
+            b.softmax(&mut got, rows, dim).unwrap();
+            assert_close(&got, &want, 1e-7, 1e-5, "softmax");
+        }
+    }
+}
+
+#[test]
+fn embedding_gather_and_write_kv_match_reference() {
+    let mut rng = Rng::new(7);
+    let b = &backends()[0];
+    let (vocab, dim) = (50, 24);
+    let table = rng.vec(vocab * dim);
+    let ids: Vec<u32> = (0..2000).map(|_| rng.below(vocab) as u32).collect();
+    let mut want = vec![0f32; ids.len() * dim];
+    reference::embedding(&table, &ids, vocab, dim, &mut want).unwrap();
+    let mut got = vec![0f32; ids.len() * dim];
+    b.embedding(&table, &ids, vocab, dim, &mut got).unwrap();
+    assert_eq!(got, want);
+
+    let rows = [3u32, 0, 49, 3];
+    let mut want = vec![0f32; rows.len() * dim];
+    reference::gather_rows(&table, &rows, dim, &mut want).unwrap();
+    let mut got = vec![0f32; rows.len() * dim];
+    b.gather_rows(&table, &rows, dim, &mut got).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(&got[dim..2 * dim], &table[..dim]);
+
+    let kv_width = 12;
+    let slots = [5u32, 0, 9];
+    let (k, v) = (rng.vec(3 * kv_width), rng.vec(3 * kv_width));
+    let (mut kc, mut vc) = (vec![0f32; 10 * kv_width], vec![0f32; 10 * kv_width]);
+    b.write_kv(&k, &v, &slots, kv_width, &mut kc, &mut vc)
+        .unwrap();
+    assert_eq!(&kc[5 * kv_width..6 * kv_width], &k[..kv_width]);
+    assert_eq!(&vc[9 * kv_width..], &v[2 * kv_width..]);
+}
+
+fn is_shape<T: std::fmt::Debug>(r: Result<T, KernelError>) -> bool {
+    matches!(r, Err(KernelError::Shape { .. }))
+}
+
+#[test]
+fn bad_sizes_are_shape_errors() {
+    let b = &backends()[0];
+    let v = |n: usize| vec![1f32; n];
+    let mut out = v(4);
+    assert!(is_shape(b.linear(&v(5), &v(6), None, 2, 3, 2, &mut out)));
+    assert!(is_shape(b.linear(
+        &v(6),
+        &v(6),
+        Some(&v(1)),
+        2,
+        3,
+        2,
+        &mut out
+    )));
+    assert!(is_shape(b.linear(&v(6), &v(6), None, 2, 3, 2, &mut v(3))));
+    assert!(is_shape(b.linear(
+        &v(6),
+        &v(6),
+        None,
+        usize::MAX,
+        3,
+        2,
+        &mut out
+    )));
+    assert_eq!(out, v(4), "a rejected call must not write");
+    assert!(is_shape(b.rms_norm(&v(4), &v(1), 1e-5, 2, 2, &mut out)));
+    assert!(
+        is_shape(b.rope(&mut v(4), &[0], 1, 3, &v(6))),
+        "odd head_dim"
+    );
+    assert!(
+        is_shape(b.rope(&mut v(4), &[2], 1, 4, &v(8))),
+        "position beyond table"
+    );
+    assert!(
+        is_shape(b.rope(&mut v(4), &[0, 0], 1, 4, &v(8))),
+        "x too short"
+    );
+    assert!(is_shape(b.silu_mul(&v(3), &v(4), 4, &mut out)));
+    assert!(is_shape(b.add_assign(&mut v(3), &v(4), 4)));
+    assert!(is_shape(b.softmax(&mut v(3), 2, 2)));
+    assert!(
+        is_shape(b.embedding(&v(8), &[4], 4, 2, &mut out)),
+        "token id out of range"
+    );
+    assert!(
+        is_shape(b.embedding(&v(7), &[0], 4, 2, &mut out)),
+        "table too short"
+    );
+    assert!(is_shape(b.gather_rows(&v(8), &[4], 2, &mut out)));
+    assert!(
+        is_shape(b.write_kv(&v(4), &v(4), &[0, 2], 2, &mut v(4), &mut v(4))),
+        "slot beyond cache"
+    );
+    assert!(is_shape(b.write_kv(
+        &v(4),
+        &v(3),
+        &[0, 1],
+        2,
+        &mut v(4),
+        &mut v(4)
+    )));
+    assert!(is_shape(b.copy(&v(4), 2, &mut out, 0, 3)));
+    assert!(is_shape(b.copy(&v(4), 0, &mut out, usize::MAX, 3)));
+    assert!(is_shape(b.write(&mut out, 3, &[1.0, 2.0])));
+    assert!(is_shape(b.read(&out, 5, 0)));
+}
+
+#[test]
+fn bad_attention_calls_are_shape_errors() {
+    let b = &backends()[0];
+    let shape = AttnShape {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 4,
+        block_size: 2,
+        scale: 0.5,
+    };
+    // Cache of 3 blocks of 2 tokens x 1 kv head x 4.
+    let cache = vec![0f32; 3 * 2 * 4];
+    let q = vec![0f32; 4 * 8];
+    let mut out = vec![0f32; 4 * 8];
+    let ok = AttnSeq {
+        q_start: 0,
+        q_len: 2,
+        context_len: 5,
+        block_table: &[2, 0, 1],
+    };
+    b.paged_attention(&q, &cache, &cache, &[ok], shape, &mut out)
+        .unwrap();
+    let bad = [
+        AttnSeq {
+            block_table: &[2, 0, 3],
+            ..ok
+        },
+        AttnSeq {
+            block_table: &[2, 0],
+            ..ok
+        },
+        AttnSeq {
+            q_len: 6,
+            context_len: 5,
+            ..ok
+        },
+        AttnSeq { q_start: 3, ..ok },
+    ];
+    for s in bad {
+        assert!(
+            is_shape(b.paged_attention(&q, &cache, &cache, &[s], shape, &mut out)),
+            "{s:?}"
+        );
+        assert!(
+            is_shape(reference::paged_attention(
+                &q,
+                &cache,
+                &cache,
+                &[s],
+                shape,
+                &mut out
+            )),
+            "{s:?}"
+        );
+    }
+    let overlap = [ok, AttnSeq { q_start: 1, ..ok }];
+    assert!(is_shape(
+        b.paged_attention(&q, &cache, &cache, &overlap, shape, &mut out)
+    ));
+    let three_heads = AttnShape {
+        num_heads: 3,
+        num_kv_heads: 2,
+        ..shape
+    };
+    assert!(is_shape(b.paged_attention(
+        &q,
+        &cache,
+        &cache,
+        &[ok],
+        three_heads,
+        &mut out
+    )));
+    let zero = AttnShape {
+        block_size: 0,
+        ..shape
+    };
+    assert!(is_shape(b.paged_attention(
+        &q,
+        &cache,
+        &cache,
+        &[ok],
+        zero,
+        &mut out
+    )));
+}
