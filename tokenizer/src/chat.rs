@@ -1,0 +1,558 @@
+//! Chat template rendering, compatible with Hugging Face `transformers`' conventions.
+//!
+//! HF renders `tokenizer_config.json`'s `chat_template` with Jinja2 configured as
+//! `trim_blocks=True, lstrip_blocks=True` plus the `loopcontrols` extension, and exposes
+//! `raise_exception(msg)`, `strftime_now(fmt)` and a `tojson` filter that behaves like
+//! Python's `json.dumps(..., ensure_ascii=False)`. Templates are written against Python
+//! objects, so they call string/dict methods (`.strip()`, `.items()`); minijinja-contrib's
+//! `pycompat` callback provides those. The context has `messages`, `add_generation_prompt`,
+//! `bos_token`, `eos_token`, `unk_token`, `pad_token`; `tools` and `documents` are left
+//! undefined.
+//!
+//! No wall clock is read unless the caller leaves [`ChatOptions::now_unix_secs`] unset.
+//! A template that fails to compile does not prevent the tokenizer from loading: the
+//! error is kept and returned by every render that selects that template.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind, State};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{NamedTemplate, DEFAULT_TEMPLATE_NAME};
+use crate::error::{Result, TokenizerError};
+
+/// The template used when a model ships none: ChatML, as used by SmolLM2 and Qwen
+/// (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
+/// `<|im_start|>assistant\n` when a generation prompt is asked for). No BOS is emitted.
+pub const CHATML_FALLBACK_TEMPLATE: &str = "{% for message in messages %}\
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
+{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Name under which [`CHATML_FALLBACK_TEMPLATE`] is registered when a model has no template.
+pub const FALLBACK_TEMPLATE_NAME: &str = "cleave_chatml_fallback";
+
+/// Context variable carrying the render's clock for `strftime_now`. Reserved: a
+/// template reading it gets seconds since the Unix epoch.
+const NOW_VAR: &str = "__cleave_now_unix_secs";
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// How to render a conversation. `Default` = no generation prompt, the model's default
+/// template, the system clock.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChatOptions {
+    /// Append the header that starts the assistant's turn.
+    pub add_generation_prompt: bool,
+    /// Template to use; `None` picks `"default"` if present, else the model's first one.
+    pub template_name: Option<String>,
+    /// What `strftime_now` formats (UTC, seconds since the Unix epoch); `None` reads the
+    /// system clock when rendering.
+    pub now_unix_secs: Option<i64>,
+}
+
+/// Special-token texts exposed to templates as variables.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TemplateTokens {
+    pub bos: Option<String>,
+    pub eos: Option<String>,
+    pub unk: Option<String>,
+    pub pad: Option<String>,
+}
+
+/// A model's compiled chat templates.
+///
+/// Invariant: every name in `names` is either compiled in `env` or has an entry in
+/// `broken`; `names` is never empty (the fallback is registered when the model has none).
+pub(crate) struct ChatTemplates {
+    env: Environment<'static>,
+    names: Vec<String>,
+    broken: BTreeMap<String, String>,
+    tokens: TemplateTokens,
+}
+
+impl std::fmt::Debug for ChatTemplates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplates")
+            .field("names", &self.names)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Marker attached to the minijinja error produced by `raise_exception`, so that a
+/// deliberate rejection can be told apart from a template bug.
+#[derive(Debug)]
+struct RaisedException(String);
+
+impl std::fmt::Display for RaisedException {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RaisedException {}
+
+impl ChatTemplates {
+    pub(crate) fn new(templates: &[NamedTemplate], tokens: TemplateTokens) -> Self {
+        let mut env = hf_environment();
+        let mut names = Vec::new();
+        let mut broken = BTreeMap::new();
+        let fallback = [NamedTemplate {
+            name: FALLBACK_TEMPLATE_NAME.to_owned(),
+            template: CHATML_FALLBACK_TEMPLATE.to_owned(),
+        }];
+        let templates = if templates.is_empty() {
+            &fallback[..]
+        } else {
+            templates
+        };
+        for t in templates {
+            if let Err(e) = env.add_template_owned(t.name.clone(), t.template.clone()) {
+                broken.insert(t.name.clone(), e.to_string());
+            }
+            names.push(t.name.clone());
+        }
+        ChatTemplates {
+            env,
+            names,
+            broken,
+            tokens,
+        }
+    }
+
+    /// Template names in the order the model lists them.
+    pub(crate) fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Whether the model shipped no template and the ChatML fallback is in use.
+    pub(crate) fn is_fallback(&self) -> bool {
+        self.names == [FALLBACK_TEMPLATE_NAME]
+    }
+
+    fn resolve(&self, requested: Option<&str>) -> Result<&str> {
+        match requested {
+            Some(name) => self
+                .names
+                .iter()
+                .find(|n| *n == name)
+                .map(String::as_str)
+                .ok_or_else(|| TokenizerError::UnknownTemplate {
+                    name: name.to_owned(),
+                    available: self.names.clone(),
+                }),
+            None => Ok(self
+                .names
+                .iter()
+                .find(|n| *n == DEFAULT_TEMPLATE_NAME)
+                .unwrap_or(&self.names[0])),
+        }
+    }
+
+    pub(crate) fn render(&self, messages: &[ChatMessage], opts: &ChatOptions) -> Result<String> {
+        let name = self.resolve(opts.template_name.as_deref())?;
+        if let Some(reason) = self.broken.get(name) {
+            return Err(TokenizerError::TemplateSyntax {
+                name: name.to_owned(),
+                reason: reason.clone(),
+            });
+        }
+        let template = self
+            .env
+            .get_template(name)
+            .map_err(|e| TokenizerError::TemplateSyntax {
+                name: name.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let now = opts.now_unix_secs.unwrap_or_else(system_now_unix_secs);
+        let t = &self.tokens;
+        let ctx = minijinja::context! {
+            messages => Value::from_serialize(messages),
+            add_generation_prompt => opts.add_generation_prompt,
+            bos_token => t.bos.as_deref().unwrap_or(""),
+            eos_token => t.eos.as_deref().unwrap_or(""),
+            unk_token => t.unk.as_deref(),
+            pad_token => t.pad.as_deref(),
+            __cleave_now_unix_secs => now,
+        };
+        template.render(ctx).map_err(|e| classify(name, e))
+    }
+}
+
+/// Turns a render error into ours, recognizing `raise_exception`.
+fn classify(name: &str, err: minijinja::Error) -> TokenizerError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = source {
+        if let Some(raised) = e.downcast_ref::<RaisedException>() {
+            return TokenizerError::TemplateException {
+                name: name.to_owned(),
+                message: raised.0.clone(),
+            };
+        }
+        source = e.source();
+    }
+    TokenizerError::TemplateRender {
+        name: name.to_owned(),
+        reason: err.to_string(),
+    }
+}
+
+fn system_now_unix_secs() -> i64 {
+    // Only reached when the caller did not inject a clock (see ChatOptions::now_unix_secs).
+    match std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_secs()).unwrap_or(i64::MAX),
+    }
+}
+
+/// A minijinja environment configured like transformers' `_compile_jinja_template`.
+fn hf_environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_filter("tojson", tojson);
+    env
+}
+
+fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(
+        minijinja::Error::new(ErrorKind::InvalidOperation, "template raised an exception")
+            .with_source(RaisedException(message)),
+    )
+}
+
+fn strftime_now(state: &State, format: &str) -> std::result::Result<String, minijinja::Error> {
+    let now = state
+        .lookup(NOW_VAR)
+        .and_then(|v| v.as_i64())
+        .unwrap_or_else(system_now_unix_secs);
+    Ok(crate::strftime::format_utc(format, now))
+}
+
+/// `json.dumps(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`
+/// with the same keyword arguments as HF's override (`indent` may also be positional).
+fn tojson(
+    value: Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let indent = match kwargs.get::<Option<Value>>("indent")?.or(indent) {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            (None, Some(s)) => Some(s.to_owned()),
+            _ => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be an integer or a string",
+                ))
+            }
+        },
+    };
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        Some(seps) if seps.len() == 2 => Some((seps[0].clone(), seps[1].clone())),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair of strings",
+            ))
+        }
+        None => None,
+    };
+    let (item_sep, key_sep) = separators.unwrap_or_else(|| {
+        let item = if indent.is_some() { "," } else { ", " };
+        (item.to_owned(), ": ".to_owned())
+    });
+    let style = JsonStyle {
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    style.write(&mut out, &value, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// Python `json.dumps` formatting options.
+struct JsonStyle {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl JsonStyle {
+    fn newline(&self, out: &mut String, depth: usize) {
+        if let Some(unit) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(unit);
+            }
+        }
+    }
+
+    fn write(
+        &self,
+        out: &mut String,
+        v: &Value,
+        depth: usize,
+    ) -> std::result::Result<(), minijinja::Error> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => {
+                let s = v.to_string();
+                out.push_str(match s.as_str() {
+                    "inf" => "Infinity",
+                    "-inf" => "-Infinity",
+                    "NaN" | "nan" => "NaN",
+                    other => other,
+                });
+            }
+            ValueKind::String => self.write_str(out, v.as_str().unwrap_or_default()),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.write_container(out, '[', ']', items.len(), depth, |out, i| {
+                    self.write(out, &items[i], depth + 1)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                self.write_container(out, '{', '}', keys.len(), depth, |out, i| {
+                    let key = &keys[i];
+                    match key.as_str() {
+                        Some(s) => self.write_str(out, s),
+                        None => self.write_str(out, &key.to_string()),
+                    }
+                    out.push_str(&self.key_sep);
+                    self.write(out, &v.get_item(key)?, depth + 1)
+                })?;
+            }
+            _ => self.write_str(out, &v.to_string()),
+        }
+        Ok(())
+    }
+
+    fn write_container(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        len: usize,
+        depth: usize,
+        mut item: impl FnMut(&mut String, usize) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        if len == 0 {
+            out.push(close);
+            return Ok(());
+        }
+        for i in 0..len {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            self.newline(out, depth + 1);
+            item(out, i)?;
+        }
+        self.newline(out, depth);
+        out.push(close);
+        Ok(())
+    }
+
+    fn write_str(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        let _ = write!(out, "\\u{unit:04x}");
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn templates(src: &str) -> ChatTemplates {
+        ChatTemplates::new(
+            &[NamedTemplate {
+                name: "default".into(),
+                template: src.into(),
+            }],
+            TemplateTokens {
+                bos: Some("<s>".into()),
+                eos: Some("</s>".into()),
+                ..Default::default()
+            },
+        )
+    }
+
+    fn render(src: &str) -> Result<String> {
+        templates(src).render(
+            &[ChatMessage::user("hi")],
+            &ChatOptions {
+                now_unix_secs: Some(1_721_865_600), // 2024-07-25 00:00:00 UTC
+                ..Default::default()
+            },
+        )
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let out = render(r#"{{ {"a": 1, "b": [true, none, "x\"é"], "c": {}} | tojson }}"#);
+        assert_eq!(
+            out.unwrap(),
+            r#"{"a": 1, "b": [true, null, "x\"é"], "c": {}}"#
+        );
+        let out = render(r#"{{ {"b": [1, 2], "a": "<"} | tojson(indent=2) }}"#).unwrap();
+        assert_eq!(out, "{\n  \"b\": [\n    1,\n    2\n  ],\n  \"a\": \"<\"\n}");
+        let out =
+            render(r#"{{ {"b": 1, "a": 2} | tojson(sort_keys=true, separators=[",", ":"]) }}"#);
+        assert_eq!(out.unwrap(), r#"{"a":2,"b":1}"#);
+        let out = render(r#"{{ "é🎉" | tojson(ensure_ascii=true) }}"#);
+        assert_eq!(out.unwrap(), r#""\u00e9\ud83c\udf89""#);
+    }
+
+    #[test]
+    fn strftime_now_uses_injected_clock() {
+        let out = render(r#"{{ strftime_now("%d %b %Y") }}|{{ strftime_now("%Y-%m-%d %H:%M") }}"#);
+        assert_eq!(out.unwrap(), "25 Jul 2024|2024-07-25 00:00");
+    }
+
+    #[test]
+    fn pycompat_methods_and_loop_controls() {
+        let out = render(
+            "{% for m in messages %}{{ m['content'].upper() }}{{ '  x '.strip() }}{% endfor %}\
+             {% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}\
+             {% for k, v in {'a': 1}.items() %}{{ k }}={{ v }}{% endfor %}",
+        );
+        assert_eq!(out.unwrap(), "HIx1a=1");
+    }
+
+    #[test]
+    fn tools_is_undefined_and_tokens_are_set() {
+        let out = render("{% if tools is defined %}T{% endif %}{{ bos_token }}{{ eos_token }}");
+        assert_eq!(out.unwrap(), "<s></s>");
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_hf() {
+        let out = render("{% for m in messages %}\n    {% if true %}\n{{ m.role }}\n    {% endif %}\n{% endfor %}");
+        assert_eq!(out.unwrap(), "user\n");
+    }
+
+    #[test]
+    fn raise_exception_is_a_clear_error() {
+        let err = render(
+            "{% if messages[0].role == 'user' %}{{ raise_exception('no users here') }}{% endif %}",
+        )
+        .unwrap_err();
+        match err {
+            TokenizerError::TemplateException { name, message } => {
+                assert_eq!(name, "default");
+                assert_eq!(message, "no users here");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn broken_template_errors_at_render_not_load() {
+        let err = render("{% for %}").unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::TemplateSyntax { .. }),
+            "{err}"
+        );
+        let err = render("{{ 1 | no_such_filter }}").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TokenizerError::TemplateSyntax { .. } | TokenizerError::TemplateRender { .. }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_template_name_lists_available() {
+        let err = templates("x")
+            .render(
+                &[],
+                &ChatOptions {
+                    template_name: Some("tool_use".into()),
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("tool_use") && err.to_string().contains("default"));
+    }
+
+    #[test]
+    fn fallback_is_chatml() {
+        let t = ChatTemplates::new(&[], TemplateTokens::default());
+        assert!(t.is_fallback());
+        let out = t
+            .render(
+                &[ChatMessage::system("S"), ChatMessage::user("U")],
+                &ChatOptions {
+                    add_generation_prompt: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+}

@@ -1,0 +1,347 @@
+//! Golden tests against /work/shared/models/tiny-llama (transformers + tokenizers
+//! reference outputs in golden.json). The shared folder is found at
+//! `$CARGO_MANIFEST_DIR/../../shared` or `$CLEAVE_SHARED_DIR`.
+
+use std::path::PathBuf;
+
+use cleave_tokenizer::{
+    ChatMessage, ChatOptions, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError,
+};
+use serde::Deserialize;
+
+fn shared_dir() -> PathBuf {
+    match std::env::var_os("CLEAVE_SHARED_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"),
+    }
+}
+
+fn model_dir() -> PathBuf {
+    shared_dir().join("models/tiny-llama")
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    name: String,
+    prompt: Option<String>,
+    messages: Option<Vec<ChatMessage>>,
+    add_generation_prompt: Option<bool>,
+    rendered_prompt: Option<String>,
+    add_special_tokens: bool,
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    text_alone: String,
+    text_incremental: String,
+    text_alone_keep_special: String,
+}
+
+fn golden() -> Golden {
+    let path = model_dir().join("golden.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_model_dir(model_dir()).unwrap()
+}
+
+#[test]
+fn loads_tiny_llama() {
+    let tok = tokenizer();
+    assert_eq!(tok.vocab_size(), 32000);
+    assert_eq!(tok.bos_token(), Some("<s>"));
+    assert_eq!(tok.eos_token(), Some("</s>"));
+    assert_eq!(tok.bos_token_id(), Some(1));
+    assert_eq!(tok.eos_token_id(), Some(2));
+    assert_eq!(tok.token_to_id("▁Hello"), Some(22557));
+    assert_eq!(tok.id_to_token(22557).as_deref(), Some("▁Hello"));
+    assert_eq!(tok.config().add_bos_token, Some(true));
+    assert!(tok.has_chat_template());
+    assert_eq!(tok.chat_template_names(), ["default"]);
+}
+
+#[test]
+fn from_file_has_no_config() {
+    let tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
+    assert_eq!(tok.bos_token_id(), None);
+    assert!(!tok.has_chat_template());
+    assert_eq!(tok.encode("Hello", true).unwrap(), [1, 22557]);
+}
+
+#[test]
+fn golden_encode_and_decode() {
+    let tok = tokenizer();
+    let golden = golden();
+    assert_eq!(golden.cases.len(), 7);
+    for case in &golden.cases {
+        let text = case
+            .prompt
+            .as_deref()
+            .or(case.rendered_prompt.as_deref())
+            .unwrap();
+        let ids = tok.encode(text, case.add_special_tokens).unwrap();
+        assert_eq!(ids, case.prompt_ids, "case {}: prompt ids", case.name);
+        let alone = tok.decode(&case.generated_ids, true).unwrap();
+        assert_eq!(alone, case.text_alone, "case {}: text_alone", case.name);
+        let keep = tok.decode(&case.generated_ids, false).unwrap();
+        assert_eq!(keep, case.text_alone_keep_special, "case {}", case.name);
+    }
+}
+
+#[test]
+fn golden_incremental_one_by_one() {
+    let tok = tokenizer();
+    for case in &golden().cases {
+        let mut dec = tok.incremental_decoder(&case.prompt_ids);
+        let mut out = String::new();
+        for &id in &case.generated_ids {
+            let piece = dec.push(id).unwrap();
+            assert!(!piece.contains('\u{FFFD}'), "case {}: {piece:?}", case.name);
+            out.push_str(&piece);
+        }
+        out.push_str(&dec.finish().unwrap());
+        assert_eq!(out, case.text_incremental, "case {}", case.name);
+
+        // The same text when ids arrive in bursts.
+        let mut dec = tok.incremental_decoder(&case.prompt_ids);
+        let mut bursts = String::new();
+        for chunk in case.generated_ids.chunks(3) {
+            bursts.push_str(&dec.push_many(chunk).unwrap());
+        }
+        bursts.push_str(&dec.finish().unwrap());
+        assert_eq!(bursts, case.text_incremental, "case {} (bursts)", case.name);
+    }
+}
+
+/// Naive reference for the incremental decoder: decode everything, cut the prompt.
+fn reference_incremental(tok: &Tokenizer, prompt: &[u32], gen: &[u32], skip: bool) -> String {
+    let all: Vec<u32> = prompt.iter().chain(gen).copied().collect();
+    let full = tok.decode(&all, skip).unwrap();
+    let head = tok.decode(prompt, skip).unwrap();
+    full[head.len()..].to_owned()
+}
+
+#[test]
+fn incremental_handles_split_multibyte_characters() {
+    let tok = tokenizer();
+    let text = "héllo 日本語 🎉 naïve 🚀🤖 ok";
+    let ids = tok.encode(text, false).unwrap();
+    // The emoji are byte-fallback tokens (<0xF0> ...), i.e. split characters.
+    assert!(ids.iter().any(|&id| tok
+        .id_to_token(id)
+        .is_some_and(|t| t.starts_with("<0x"))));
+    let mut dec = tok.incremental_decoder(&[]);
+    let mut out = String::new();
+    for &id in &ids {
+        let piece = dec.push(id).unwrap();
+        assert!(!piece.contains('\u{FFFD}'), "broken UTF-8 emitted: {piece:?}");
+        out.push_str(&piece);
+    }
+    out.push_str(&dec.finish().unwrap());
+    assert_eq!(out, tok.decode(&ids, true).unwrap());
+    assert_eq!(out, text);
+
+    // After a prompt, and with every split of the text into prompt/generation.
+    for split in 0..ids.len() {
+        let (prompt, gen) = ids.split_at(split);
+        let mut dec = tok.incremental_decoder(prompt);
+        let mut out = String::new();
+        for &id in gen {
+            out.push_str(&dec.push(id).unwrap());
+        }
+        out.push_str(&dec.finish().unwrap());
+        assert!(!out.contains('\u{FFFD}'), "split {split}: {out:?}");
+        if tok.decode(prompt, true).unwrap().contains('\u{FFFD}') {
+            // The prompt ends inside a character: "the text after the prompt" is not
+            // well defined; the decoder completes the split character.
+            assert!(text.ends_with(&out), "split {split}: {out:?}");
+        } else {
+            assert_eq!(
+                out,
+                reference_incremental(&tok, prompt, gen, true),
+                "split {split}"
+            );
+        }
+    }
+}
+
+#[test]
+fn incremental_special_tokens_skip_or_keep() {
+    let tok = tokenizer();
+    let gen = tok.encode("Hello world", false).unwrap();
+    // EOS in the middle, then more text: skipped vs kept.
+    let seq: Vec<u32> = [gen.as_slice(), &[2], &gen].concat();
+    for skip in [true, false] {
+        let mut dec = tok.incremental_decoder(&[1]).with_skip_special_tokens(skip);
+        let mut out = String::new();
+        for &id in &seq {
+            out.push_str(&dec.push(id).unwrap());
+        }
+        out.push_str(&dec.finish().unwrap());
+        assert_eq!(
+            out,
+            reference_incremental(&tok, &[1], &seq, skip),
+            "skip={skip}"
+        );
+    }
+}
+
+#[test]
+fn incremental_unfinished_character_released_by_finish() {
+    let tok = tokenizer();
+    let ids = tok.encode("a🎉", false).unwrap();
+    let cut = &ids[..ids.len() - 1]; // drop the last byte of the emoji
+    let mut dec = tok.incremental_decoder(&[]);
+    let mut out = String::new();
+    for &id in cut {
+        out.push_str(&dec.push(id).unwrap());
+    }
+    assert!(!out.contains('\u{FFFD}'));
+    out.push_str(&dec.finish().unwrap());
+    assert_eq!(out, tok.decode(cut, true).unwrap());
+}
+
+#[test]
+fn golden_chat_template() {
+    let tok = tokenizer();
+    let golden = golden();
+    let case = golden.cases.iter().find(|c| c.name == "chat").unwrap();
+    let messages = case.messages.as_ref().unwrap();
+    let rendered = tok
+        .render_chat(messages, case.add_generation_prompt.unwrap())
+        .unwrap();
+    assert_eq!(Some(&rendered), case.rendered_prompt.as_ref());
+    assert_eq!(tok.encode(&rendered, false).unwrap(), case.prompt_ids);
+}
+
+#[test]
+fn tiny_llama_template_rejects_system_role() {
+    let tok = tokenizer();
+    let err = tok
+        .render_chat(&[ChatMessage::system("be brief"), ChatMessage::user("hi")], true)
+        .unwrap_err();
+    match &err {
+        TokenizerError::TemplateException { message, .. } => {
+            assert_eq!(message, "Only user and assistant roles are supported!")
+        }
+        other => panic!("expected TemplateException, got {other:?}"),
+    }
+    assert!(err.to_string().contains("Only user and assistant roles"));
+}
+
+/// SmolLM2-135M-Instruct's template (ChatML with a default system prompt).
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+fn with_template(template: &str) -> Tokenizer {
+    let hf = tokenizer().hf().clone();
+    let mut config = TokenizerConfig {
+        bos_token: Some("<|im_start|>".into()),
+        eos_token: Some("<|im_end|>".into()),
+        ..Default::default()
+    };
+    config.chat_templates.push(NamedTemplate {
+        name: "default".into(),
+        template: template.into(),
+    });
+    Tokenizer::from_hf(hf, config)
+}
+
+#[test]
+fn chatml_template_smollm2_style() {
+    let tok = with_template(SMOLLM2_TEMPLATE);
+    let msgs = [
+        ChatMessage::user("Hi!"),
+        ChatMessage::assistant("Hello."),
+        ChatMessage::user("2+2?"),
+    ];
+    let with_prompt = tok.render_chat(&msgs, true).unwrap();
+    assert_eq!(
+        with_prompt,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n\
+         <|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let without = tok.render_chat(&msgs, false).unwrap();
+    assert_eq!(format!("{without}<|im_start|>assistant\n"), with_prompt);
+
+    let sys = [ChatMessage::system("Be terse."), ChatMessage::user("Hi")];
+    assert_eq!(
+        tok.render_chat(&sys, true).unwrap(),
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn llama3_style_template_features() {
+    // Exercises what Llama 3.x / Mistral templates use: namespace, strftime_now,
+    // pycompat string methods, loop controls, `is defined` on tools, tojson.
+    let template = r#"{{- bos_token }}
+{%- set ns = namespace(system='') %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set ns.system = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- endif %}
+{%- if tools is not none and tools is defined %}{{ raise_exception('no tools') }}{% endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{{- "Today Date: " + strftime_now("%d %b %Y") + "\n" + ns.system + "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if message.content.startswith('STOP') %}{% break %}{% endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'].strip() + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+{{- {"n": messages | length} | tojson }}"#;
+    let tok = with_template(template);
+    let opts = ChatOptions {
+        add_generation_prompt: true,
+        now_unix_secs: Some(1_721_952_000), // 2024-07-26
+        ..Default::default()
+    };
+    let out = tok
+        .render_chat_with(
+            &[
+                ChatMessage::system("  Be terse. "),
+                ChatMessage::user(" Hi "),
+                ChatMessage::user("STOP here"),
+                ChatMessage::user("never"),
+            ],
+            &opts,
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|><|start_header_id|>system<|end_header_id|>\n\nToday Date: 26 Jul 2024\nBe terse.<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n{\"n\": 3}"
+    );
+}
+
+#[test]
+fn raise_exception_template_is_an_error_not_a_panic() {
+    let tok = with_template(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
+         {{ raise_exception('Conversation roles must be user/assistant, got ' + m.role) }}\
+         {% endif %}{{ m.content }}{% endfor %}",
+    );
+    assert_eq!(tok.render_chat(&[ChatMessage::user("ok")], false).unwrap(), "ok");
+    let err = tok
+        .render_chat(&[ChatMessage::new("tool", "x")], false)
+        .unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::TemplateException { message, .. }
+            if message == "Conversation roles must be user/assistant, got tool"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn model_without_template_uses_chatml_fallback() {
+    let tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
+    let out = tok.render_chat(&[ChatMessage::user("Hi")], true).unwrap();
+    assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
