@@ -314,7 +314,9 @@ impl Scheduler {
     }
 
     /// Plans the next forward pass. Errors with `BatchInFlight` if the previous non-empty
-    /// batch was not committed. An empty batch needs no commit.
+    /// batch was not committed. An empty batch needs no commit. `now` is not used yet (the
+    /// policy is pure FCFS by `SeqRequest::arrival`); it is taken so that time-based policies
+    /// (queue timeouts, metrics) need no API change.
     pub fn schedule(&mut self, _now: Instant) -> Result<Batch, SchedError> {
         if self.in_flight.is_some() {
             return Err(SchedError::BatchInFlight);
