@@ -1,0 +1,191 @@
+//! `model::synth`: synthetic models written to disk and read back by the engine's own loaders.
+
+use std::path::{Path, PathBuf};
+
+use cleave_engine::model::safetensors::SafetensorsSource;
+use cleave_engine::model::synth::{self, SynthDtype, SynthSpec};
+use cleave_engine::model::{ModelConfig, TensorSource};
+
+/// A fresh folder under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("cleave-synth-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tiny() -> SynthSpec {
+    synth::preset("tiny").unwrap()
+}
+
+fn read(dir: &Path, name: &str) -> Vec<u8> {
+    std::fs::read(dir.join(name)).unwrap()
+}
+
+const FILES: [&str; 5] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "model.safetensors",
+];
+
+#[test]
+fn same_seed_same_bytes_other_seed_other_weights() {
+    let (a, b, c) = (
+        TempDir::new("seed-a"),
+        TempDir::new("seed-b"),
+        TempDir::new("seed-c"),
+    );
+    let summary = synth::write_model(&tiny(), 42, SynthDtype::F32, &a.0).unwrap();
+    assert_eq!(summary.files.len(), FILES.len());
+    assert_eq!(summary.num_parameters, tiny().num_parameters());
+    synth::write_model(&tiny(), 42, SynthDtype::F32, &b.0).unwrap();
+    synth::write_model(&tiny(), 43, SynthDtype::F32, &c.0).unwrap();
+    for name in FILES {
+        assert_eq!(
+            read(&a.0, name),
+            read(&b.0, name),
+            "{name} differs between two writes with one seed"
+        );
+    }
+    assert_ne!(
+        read(&a.0, "model.safetensors"),
+        read(&c.0, "model.safetensors")
+    );
+    // Only the weights depend on the seed.
+    assert_eq!(read(&a.0, "tokenizer.json"), read(&c.0, "tokenizer.json"));
+}
+
+#[test]
+fn loaders_read_back_every_tensor_with_its_shape() {
+    for (tag, dtype, tied) in [
+        ("f32", SynthDtype::F32, false),
+        ("bf16", SynthDtype::BF16, true),
+        ("f16", SynthDtype::F16, false),
+    ] {
+        let dir = TempDir::new(tag);
+        let spec = SynthSpec {
+            tie_word_embeddings: tied,
+            ..tiny()
+        };
+        synth::write_model(&spec, 1, dtype, &dir.0).unwrap();
+
+        let c = ModelConfig::from_dir(&dir.0).unwrap();
+        assert_eq!(c.vocab_size, 4096);
+        assert_eq!(
+            (c.hidden_size, c.intermediate_size, c.num_layers),
+            (64, 172, 2)
+        );
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (4, 2, 16));
+        assert_eq!(c.max_position_embeddings, 2048);
+        assert_eq!(c.tie_word_embeddings, tied);
+        assert_eq!(c.bos_token_id, Some(synth::ENDOFTEXT_ID));
+        assert_eq!(c.eos_token_ids, vec![synth::ENDOFTEXT_ID, synth::IM_END_ID]);
+        assert_eq!(c.num_parameters(), spec.num_parameters());
+
+        let src = SafetensorsSource::open_dir(&dir.0).unwrap();
+        let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.kv_width());
+        let mut expected: Vec<(String, Vec<usize>)> = vec![
+            ("model.embed_tokens.weight".into(), vec![v, h]),
+            ("model.norm.weight".into(), vec![h]),
+        ];
+        if !tied {
+            expected.push(("lm_head.weight".into(), vec![v, h]));
+        }
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            for (name, shape) in [
+                ("input_layernorm", vec![h]),
+                ("post_attention_layernorm", vec![h]),
+                ("self_attn.q_proj", vec![qd, h]),
+                ("self_attn.k_proj", vec![kvd, h]),
+                ("self_attn.v_proj", vec![kvd, h]),
+                ("self_attn.o_proj", vec![h, qd]),
+                ("mlp.gate_proj", vec![i, h]),
+                ("mlp.up_proj", vec![i, h]),
+                ("mlp.down_proj", vec![h, i]),
+            ] {
+                expected.push((format!("{p}.{name}.weight"), shape));
+            }
+        }
+        assert_eq!(src.names().count(), expected.len());
+        for (name, shape) in &expected {
+            let w = src
+                .load(name, shape)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(w.iter().all(|x| x.is_finite()), "{name}");
+            if name.ends_with("norm.weight") {
+                assert!(
+                    w.iter().all(|&x| (0.59..=1.41).contains(&x)),
+                    "{name} gains out of U(0.6, 1.4)"
+                );
+            } else {
+                let rms = (w.iter().map(|&x| (x * x) as f64).sum::<f64>() / w.len() as f64).sqrt();
+                assert!(rms > 0.01 && rms < 2.0, "{name} rms {rms}");
+            }
+        }
+        assert_eq!(src.contains("lm_head.weight"), !tied);
+    }
+}
+
+#[test]
+fn tokenizer_has_exactly_vocab_size_tokens_and_round_trips() {
+    let dir = TempDir::new("tok");
+    synth::write_model(&tiny(), 0, SynthDtype::F32, &dir.0).unwrap();
+    let t = tokenizers::Tokenizer::from_file(dir.0.join("tokenizer.json")).unwrap();
+    assert_eq!(t.get_vocab_size(true), 4096);
+    let max_id = t.get_vocab(true).values().copied().max().unwrap();
+    assert_eq!(max_id, 4095, "ids are dense");
+    for text in [
+        "The capital of France is Paris.",
+        "héllo wörld ✓ — “quotes”",
+        "🦀 + 🚀 = ❤️",
+        "fn x() -> u32 { 42 }\n",
+    ] {
+        let ids = t.encode(text, false).unwrap().get_ids().to_vec();
+        assert!(ids.iter().all(|&id| id < 4096));
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&read(&dir.0, "tokenizer_config.json")).unwrap();
+    assert!(config["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
+    assert_eq!(config["eos_token"], "<|endoftext|>");
+    assert_eq!(config["bos_token"], "<|endoftext|>");
+}
+
+#[test]
+fn unknown_preset_lists_the_presets() {
+    assert!(synth::preset("huge").is_none());
+    let e = synth::preset_or_err("huge").unwrap_err().to_string();
+    assert!(e.contains("huge"), "{e}");
+    for p in synth::PRESETS {
+        assert!(e.contains(p.name), "{e}");
+    }
+}
+
+#[test]
+fn unwritable_output_is_a_clear_error() {
+    let dir = TempDir::new("unwritable");
+    let file = dir.0.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let out = file.join("model");
+    let e = synth::write_model(&tiny(), 0, SynthDtype::F32, &out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot write") && e.contains("a-file"), "{e}");
+}
