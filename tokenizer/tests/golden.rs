@@ -133,14 +133,17 @@ fn incremental_handles_split_multibyte_characters() {
     let text = "héllo 日本語 🎉 naïve 🚀🤖 ok";
     let ids = tok.encode(text, false).unwrap();
     // The emoji are byte-fallback tokens (<0xF0> ...), i.e. split characters.
-    assert!(ids.iter().any(|&id| tok
-        .id_to_token(id)
-        .is_some_and(|t| t.starts_with("<0x"))));
+    assert!(ids
+        .iter()
+        .any(|&id| tok.id_to_token(id).is_some_and(|t| t.starts_with("<0x"))));
     let mut dec = tok.incremental_decoder(&[]);
     let mut out = String::new();
     for &id in &ids {
         let piece = dec.push(id).unwrap();
-        assert!(!piece.contains('\u{FFFD}'), "broken UTF-8 emitted: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "broken UTF-8 emitted: {piece:?}"
+        );
         out.push_str(&piece);
     }
     out.push_str(&dec.finish().unwrap());
@@ -224,7 +227,10 @@ fn golden_chat_template() {
 fn tiny_llama_template_rejects_system_role() {
     let tok = tokenizer();
     let err = tok
-        .render_chat(&[ChatMessage::system("be brief"), ChatMessage::user("hi")], true)
+        .render_chat(
+            &[ChatMessage::system("be brief"), ChatMessage::user("hi")],
+            true,
+        )
         .unwrap_err();
     match &err {
         TokenizerError::TemplateException { message, .. } => {
@@ -328,7 +334,10 @@ fn raise_exception_template_is_an_error_not_a_panic() {
          {{ raise_exception('Conversation roles must be user/assistant, got ' + m.role) }}\
          {% endif %}{{ m.content }}{% endfor %}",
     );
-    assert_eq!(tok.render_chat(&[ChatMessage::user("ok")], false).unwrap(), "ok");
+    assert_eq!(
+        tok.render_chat(&[ChatMessage::user("ok")], false).unwrap(),
+        "ok"
+    );
     let err = tok
         .render_chat(&[ChatMessage::new("tool", "x")], false)
         .unwrap_err();
@@ -343,5 +352,36 @@ fn raise_exception_template_is_an_error_not_a_panic() {
 fn model_without_template_uses_chatml_fallback() {
     let tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
     let out = tok.render_chat(&[ChatMessage::user("Hi")], true).unwrap();
-    assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        out,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn incremental_prompt_ending_in_special_tokens() {
+    // The first window would hold only skipped special tokens; the decoder must widen
+    // it, or the Strip decoder would eat the generated text's leading space.
+    let tok = tokenizer();
+    let prompt: Vec<u32> = [tok.encode("Hello world", true).unwrap(), vec![2; 6]].concat();
+    let gen = tok.encode(" again and again", false).unwrap();
+    let mut dec = tok.incremental_decoder(&prompt);
+    let mut out = String::new();
+    for &id in &gen {
+        out.push_str(&dec.push(id).unwrap());
+    }
+    out.push_str(&dec.finish().unwrap());
+    assert_eq!(out, reference_incremental(&tok, &prompt, &gen, true));
+    assert!(out.starts_with(' '), "{out:?}");
+}
+
+#[test]
+fn out_of_vocabulary_ids_do_not_fail() {
+    let tok = tokenizer();
+    let hello = tok.encode("Hello", false).unwrap();
+    let ids = [hello.as_slice(), &[4_000_000]].concat();
+    assert_eq!(tok.decode(&ids, true).unwrap(), "Hello");
+    let mut dec = tok.incremental_decoder(&[1]);
+    assert_eq!(dec.push(4_000_000).unwrap(), "");
+    assert_eq!(dec.push(hello[0]).unwrap(), "Hello");
 }
