@@ -1,9 +1,14 @@
 //! Chooses the next token of one sequence from the model's logits.
 //!
-//! Allowed dependencies: protocol (for [`SamplingParams`] and [`Logprobs`]), `rand_chacha`.
-//! Sans-IO and deterministic: no OS randomness, no clock. A sequence's randomness comes from its
-//! [`Sampler`]; the vocabulary-sized buffers live in a [`SamplerScratch`] that one engine thread
-//! reuses for every sequence, so per-sequence state is a few hundred bytes.
+//! Allowed dependencies: protocol (for [`SamplingParams`] and [`Logprobs`]), `rand` (traits) and
+//! `rand_chacha`. Sans-IO and deterministic: no OS randomness, no clock. A sequence's randomness
+//! comes from its [`Sampler`]; the vocabulary-sized buffers live in a [`SamplerScratch`] that one
+//! engine thread reuses for every sequence, so per-sequence state is a few hundred bytes.
+//!
+//! Cost: a handful of vectorised passes over the vocabulary and no sort of it (see `filter` for
+//! how top-k and top-p thresholds are found); the passes are compiled for AVX-512F, AVX2 and
+//! the baseline and picked at run time, with bit-identical results (`math`). The only `unsafe`
+//! is that dispatch.
 //!
 //! Processing order (vLLM / HF):
 //! 1. penalties on the raw logits: repetition (HF: `l > 0 ? l / r : l * r`, once per distinct
@@ -98,8 +103,8 @@ impl Sampler {
     /// [`SamplingParams::validate`]; out-of-range values do not panic but their tokens are
     /// unspecified (still deterministic).
     ///
-    /// Cost: a few passes over the vocabulary, no sort of it; allocation-free once `scratch` is
-    /// warm. Errors only on empty `logits`.
+    /// Allocation-free once `scratch` is warm, except for the returned logprobs. Errors only on
+    /// empty `logits`.
     pub fn sample(
         &mut self,
         logits: &[f32],

@@ -134,25 +134,32 @@ fn top_k_set(wts: &Weights<'_>, k: usize, s: &mut ThresholdScratch) -> f32 {
     };
     let sel = &mut s.sel;
     sel.clear();
-    let mut next = 0;
-    while sel.len() < k && next < s.order.len() {
-        sel.extend(chunk(s.order[next]).iter().map(|w| w.to_bits()));
-        next += 1;
+    // `floor` is the k-th largest weight seen so far, a lower bound of theta_k: lighter weights
+    // are not collected, and once a chunk's maximum is below it, so are all later chunks'.
+    let mut floor = 0u32;
+    let mut prune_at = 2 * k + CHUNK;
+    for &key in &s.order {
+        if sel.len() >= k && ((key >> 32) as u32) < floor {
+            break;
+        }
+        sel.extend(
+            chunk(key)
+                .iter()
+                .map(|w| w.to_bits())
+                .filter(|&b| b >= floor),
+        );
+        if sel.len() >= prune_at {
+            floor = kth_largest(sel, k);
+            sel.retain(|&b| b >= floor);
+            // Ties with the floor survive pruning; growing the trigger keeps this linear.
+            prune_at = prune_at.max(2 * sel.len());
+        }
     }
     if sel.len() < k {
         sel.retain(|&b| b > 0);
         return BOTTOM;
     }
-    // A provisional k-th weight; only chunks whose maximum reaches it can change it.
-    let mut kth = kth_largest(sel, k);
-    while let Some(&key) = s.order.get(next) {
-        if f32::from_bits((key >> 32) as u32) < f32::from_bits(kth) {
-            break;
-        }
-        sel.extend(chunk(key).iter().map(|w| w.to_bits()).filter(|&b| b >= kth));
-        next += 1;
-    }
-    kth = kth_largest(sel, k);
+    let kth = kth_largest(sel, k);
     sel.retain(|&b| b >= kth);
     f32::from_bits(kth)
 }
@@ -229,17 +236,28 @@ fn find_bracket(wts: &Weights<'_>, target: f64) -> Bracket {
 fn collect(wts: &Weights<'_>, lo: f32, hi: f32, sel: &mut Vec<u32>) {
     sel.clear();
     for (chunk, max) in wts.chunks() {
-        if max >= lo {
-            sel.extend(
-                chunk
-                    .iter()
-                    .filter(|&&w| w >= lo && w < hi)
-                    .map(|w| w.to_bits()),
-            );
+        if max < lo {
+            continue;
         }
+        // Branch-free compaction: hits are common and unpredictable inside a bracket.
+        let start = sel.len();
+        sel.resize(start + chunk.len(), 0);
+        let out = &mut sel[start..];
+        let mut n = 0;
+        for &w in chunk {
+            out[n] = w.to_bits();
+            n += usize::from(w >= lo && w < hi);
+        }
+        sel.truncate(start + n);
     }
 }
 
+/// The weight at which the descending cumulative mass of `ws` first reaches `target`, found by a
+/// weighted quickselect in expected O(len); `None` when the whole slice has less mass than
+/// `target` (keep everything). Reorders `ws`. Precondition: `target > 0`.
+///
+/// Weights are non-negative floats passed as their bit patterns, which order the same way as
+/// the values and select faster (integer compares).
 pub(super) fn nucleus_threshold(ws: &mut [u32], target: f64) -> Option<f32> {
     // Invariant: the elements outside ws[lo..hi] that rank above it sum to `above < target`, and
     // those below it are not needed.
@@ -265,6 +283,10 @@ pub(super) fn nucleus_threshold(ws: &mut [u32], target: f64) -> Option<f32> {
     None
 }
 
+/// Draws a token among the `weights >= theta`, proportionally to weight, with `u` uniform in
+/// `[0, 1)`. `sums` are the per-[`CHUNK`] totals of those weights and `total` their sequential
+/// sum; the walk goes over `sums`, then inside one chunk. Precondition: some weight `>= theta`
+/// is positive.
 pub(super) fn draw(weights: &[f32], sums: &[f64], total: f64, theta: f32, u: f64) -> u32 {
     let target = u * total;
     let mut acc = 0.0f64;
