@@ -1,10 +1,15 @@
 //! Branch-light numeric passes over a vocabulary-sized slice, written so that the compiler
-//! vectorises them (fixed-width lane arrays, no early exits in the hot loops).
+//! vectorises them (fixed-width lane arrays, no early exits in the hot loops), each compiled for
+//! AVX-512F, AVX2 and the baseline and dispatched at run time by `multiversion!`. LLVM's
+//! vectoriser is fragile here: a pairwise lane reduction after a loop, or a kernel inlined into
+//! a caller with known trip counts, turned 16-wide loops into 2-wide ones, hence the plain sums
+//! and the out-of-line copies. Check `objdump` for `zmm`/`ymm` after touching a kernel.
 //!
 //! Invariant: every function here takes *sanitized* values (see [`sanitize`]) unless its doc says
 //! otherwise, so no NaN reaches a comparison and no `+inf` reaches `x - max`.
 
-/// Elements per chunk of [`exp_weights`]; the per-chunk sums let later passes skip whole chunks.
+/// Elements per chunk of [`exp_weights`]; per-chunk sums and maxima let later passes skip whole
+/// chunks.
 pub(super) const CHUNK: usize = 256;
 
 /// Lane count of the reductions: 16 f32 lanes keep several vector registers in flight at every

@@ -528,13 +528,14 @@ fn degenerate_logits_do_not_panic() {
 }
 
 /// `cargo test -p cleave-engine --release sampler::tests::bench -- --ignored --nocapture`
+/// Logits: a Gaussian bulk (sd 2.5) with five strong candidates, a sharper variant (bulk sd
+/// 1.5) and all-equal logits (the worst case for top-p: the nucleus is 90% of the vocabulary).
 #[test]
 #[ignore = "micro benchmark; run explicitly"]
 fn bench_150k_vocab() {
     use std::time::Instant;
     const VOCAB: usize = 151_936;
     let mut rng = ChaCha8Rng::seed_from_u64(9);
-    // Roughly LLM-shaped: a Gaussian bulk (sd 2.5) and a few strong candidates.
     let mut logits: Vec<f32> = (0..VOCAB)
         .map(|_| {
             let (a, b): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
@@ -544,11 +545,16 @@ fn bench_150k_vocab() {
     for i in 0..5 {
         logits[rng.random_range(0..VOCAB)] = 14.0 - i as f32;
     }
+    // Sharper: bulk sd 1.5, so the nucleus holds few tokens.
+    let peaked: Vec<f32> = logits
+        .iter()
+        .map(|&x| if x > 9.0 { x } else { x * 0.6 })
+        .collect();
     let flat = vec![0.0f32; VOCAB];
     let prompt: Vec<u32> = (0..1000)
         .map(|_| rng.random_range(0..VOCAB as u32))
         .collect();
-    let cases: [(&str, &[f32], SamplingParams); 8] = [
+    let cases: [(&str, &[f32], SamplingParams); 12] = [
         ("greedy", &logits, params(0.0)),
         (
             "greedy + repetition 1.1, 1000-token prompt",
@@ -558,7 +564,23 @@ fn bench_150k_vocab() {
                 ..params(0.0)
             },
         ),
+        (
+            "greedy logprobs=5",
+            &logits,
+            SamplingParams {
+                logprobs: Some(5),
+                ..params(0.0)
+            },
+        ),
         ("t=1", &logits, params(1.0)),
+        (
+            "t=1 min_p=0.05",
+            &logits,
+            SamplingParams {
+                min_p: 0.05,
+                ..params(1.0)
+            },
+        ),
         (
             "t=1 top_p=0.9",
             &logits,
@@ -587,6 +609,23 @@ fn bench_150k_vocab() {
             },
         ),
         (
+            "peaked t=1 top_p=0.9",
+            &peaked,
+            SamplingParams {
+                top_p: 0.9,
+                ..params(1.0)
+            },
+        ),
+        (
+            "peaked t=0.7 top_p=0.95 top_k=50",
+            &peaked,
+            SamplingParams {
+                top_p: 0.95,
+                top_k: 50,
+                ..params(0.7)
+            },
+        ),
+        (
             "flat logits t=1 top_p=0.9 (worst case)",
             &flat,
             SamplingParams {
@@ -611,6 +650,12 @@ fn bench_150k_vocab() {
         std::hint::black_box(&copy);
     }
     let floor = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+    #[cfg(target_arch = "x86_64")]
+    println!(
+        "avx512f {}, avx2 {}",
+        std::arch::is_x86_feature_detected!("avx512f"),
+        std::arch::is_x86_feature_detected!("avx2")
+    );
     println!(
         "vocab {VOCAB}: one pass over the logits ({} KiB) copies in {floor:.1} us",
         VOCAB * 4 / 1024
