@@ -171,6 +171,8 @@ pub struct TokenEvent {
     pub cached_tokens: u32,
     /// Tokens generated so far, this one included.
     pub completion_tokens: u32,
+    /// Why the request failed, on a final event whose reason is [`FinishReason::Error`].
+    pub error: Option<String>,
 }
 
 /// Describes the bytes of a KV cache block so that two processes can check they agree before
@@ -236,7 +238,14 @@ mod tests {
 
     #[test]
     fn llama3_8b_layout_is_128_kib_per_token() {
-        let l = KvLayout { model_fingerprint: 0, dtype: KvDtype::Bf16, num_layers: 32, num_kv_heads: 8, head_dim: 128, block_size: 16 };
+        let l = KvLayout {
+            model_fingerprint: 0,
+            dtype: KvDtype::Bf16,
+            num_layers: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+        };
         assert_eq!(l.bytes_per_token(), 128 * 1024);
     }
 }

@@ -1,0 +1,38 @@
+//! The engine's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong inside the engine, with the facts needed to act on it.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("invalid model config {path}: {detail}")]
+    Config { path: PathBuf, detail: String },
+    #[error("unsupported model architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")]
+    UnsupportedArchitecture { arch: String },
+    #[error("model file {path} is invalid: {detail}")]
+    ModelFile { path: PathBuf, detail: String },
+    #[error("tensor `{name}` is missing from the model files")]
+    MissingTensor { name: String },
+    #[error("tensor `{name}` has shape {actual:?}, expected {expected:?}")]
+    TensorShape { name: String, expected: Vec<usize>, actual: Vec<usize> },
+    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, BF16, F16)")]
+    TensorDtype { name: String, dtype: String },
+    #[error(transparent)]
+    Tokenizer(#[from] cleave_tokenizer::TokenizerError),
+    #[error(transparent)]
+    Kernel(#[from] cleave_kernels::KernelError),
+    #[error("request rejected: {0}")]
+    Rejected(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl EngineError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io { path: path.into(), source }
+    }
+}

@@ -1,0 +1,173 @@
+//! The decoder of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, TinyLlama): one
+//! forward pass over a packed batch of tokens from many sequences, reading and writing the paged
+//! KV cache. Every operation goes through the [`Backend`], so the same code runs on any device.
+
+use cleave_kernels::{AttnSeq, AttnShape, Backend};
+
+use super::{KvStorage, ModelConfig, TensorSource};
+use crate::Result;
+
+struct Layer<B: Backend> {
+    input_norm: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    q_bias: Option<B::Buf>,
+    k_bias: Option<B::Buf>,
+    v_bias: Option<B::Buf>,
+    q_norm: Option<B::Buf>,
+    k_norm: Option<B::Buf>,
+    o: B::Buf,
+    post_norm: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    down: B::Buf,
+}
+
+/// A loaded model on a backend.
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    embed: B::Buf,
+    layers: Vec<Layer<B>>,
+    norm: B::Buf,
+    /// None when the embeddings are tied.
+    lm_head: Option<B::Buf>,
+    /// `[max_positions, head_dim]` cos|sin table.
+    rope: B::Buf,
+    max_positions: usize,
+}
+
+/// One forward pass's inputs: tokens of several sequences packed together.
+///
+/// Invariants (checked by the kernels): `tokens`, `positions` and `slots` have one entry per
+/// token; `seqs` cover the tokens in order; `logit_rows` index into the tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardBatch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    /// Flat KV slot (`block * block_size + row`) each token's K/V is written to.
+    pub slots: &'a [u32],
+    pub seqs: &'a [AttnSeq<'a>],
+    /// Rows whose logits are wanted (the last token of each sequence that samples).
+    pub logit_rows: &'a [u32],
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads every weight the config calls for from `source`, checking names and shapes.
+    pub fn load(backend: &B, config: ModelConfig, source: &dyn TensorSource) -> Result<Self> {
+        let c = &config;
+        let (h, i, qd, kvd, hd) =
+            (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width(), c.head_dim);
+        let get = |name: &str, shape: &[usize]| -> Result<B::Buf> { Ok(backend.upload(&source.load(name, shape)?)?) };
+        let opt = |cond: bool, name: &str, shape: &[usize]| -> Result<Option<B::Buf>> {
+            if cond {
+                get(name, shape).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let embed = get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                input_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                q: get(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
+                k: get(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
+                v: get(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
+                q_bias: opt(c.attention_bias, &format!("{p}.self_attn.q_proj.bias"), &[qd])?,
+                k_bias: opt(c.attention_bias, &format!("{p}.self_attn.k_proj.bias"), &[kvd])?,
+                v_bias: opt(c.attention_bias, &format!("{p}.self_attn.v_proj.bias"), &[kvd])?,
+                q_norm: opt(c.qk_norm, &format!("{p}.self_attn.q_norm.weight"), &[hd])?,
+                k_norm: opt(c.qk_norm, &format!("{p}.self_attn.k_norm.weight"), &[hd])?,
+                o: get(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
+                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate: get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                up: get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                down: get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let norm = get("model.norm.weight", &[h])?;
+        // Some checkpoints say tie_word_embeddings but still ship lm_head; prefer what is there.
+        let lm_head = if source.contains("lm_head.weight") {
+            Some(get("lm_head.weight", &[c.vocab_size, h])?)
+        } else if c.tie_word_embeddings {
+            None
+        } else {
+            return Err(crate::EngineError::MissingTensor { name: "lm_head.weight".into() });
+        };
+        let max_positions = c.max_position_embeddings.max(1);
+        let inv_freq = cleave_kernels::rope_inv_freq(hd, c.rope_theta, &c.rope_scaling);
+        let rope = backend.upload(&cleave_kernels::rope_table(&inv_freq, max_positions))?;
+        Ok(Self { config, embed, layers, norm, lm_head, rope, max_positions })
+    }
+
+    /// Longest context the RoPE table covers.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Runs the batch, writing its K/V into `kv`, and returns the logits of `logit_rows` as
+    /// `[logit_rows.len(), vocab_size]` on the host.
+    pub fn forward(&self, backend: &B, batch: ForwardBatch<'_>, kv: &mut KvStorage<B>) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = batch.tokens.len();
+        let (h, i, qd, kvd, hd) =
+            (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width(), c.head_dim);
+        let shape = AttnShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: hd,
+            block_size: kv.block_size(),
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let mut x = backend.alloc_zeros(t * h)?;
+        backend.embedding(&self.embed, batch.tokens, c.vocab_size, h, &mut x)?;
+        let mut normed = backend.alloc_zeros(t * h)?;
+        let mut q = backend.alloc_zeros(t * qd)?;
+        let mut k = backend.alloc_zeros(t * kvd)?;
+        let mut v = backend.alloc_zeros(t * kvd)?;
+        let mut attn = backend.alloc_zeros(t * qd)?;
+        let mut proj = backend.alloc_zeros(t * h)?;
+        let mut gate = backend.alloc_zeros(t * i)?;
+        let mut up = backend.alloc_zeros(t * i)?;
+        let mut act = backend.alloc_zeros(t * i)?;
+        let mut qk_tmp = if c.qk_norm { Some(backend.alloc_zeros(t * qd)?) } else { None };
+        for (l, layer) in self.layers.iter().enumerate() {
+            backend.rms_norm(&x, &layer.input_norm, c.rms_norm_eps, t, h, &mut normed)?;
+            backend.linear(&normed, &layer.q, layer.q_bias.as_ref(), t, h, qd, &mut q)?;
+            backend.linear(&normed, &layer.k, layer.k_bias.as_ref(), t, h, kvd, &mut k)?;
+            backend.linear(&normed, &layer.v, layer.v_bias.as_ref(), t, h, kvd, &mut v)?;
+            if let (Some(qn), Some(kn), Some(tmp)) = (&layer.q_norm, &layer.k_norm, qk_tmp.as_mut()) {
+                backend.copy(&q, 0, tmp, 0, t * qd)?;
+                backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, &mut q)?;
+                backend.copy(&k, 0, tmp, 0, t * kvd)?;
+                backend.rms_norm(tmp, kn, c.rms_norm_eps, t * c.num_kv_heads, hd, &mut k)?;
+            }
+            backend.rope(&mut q, batch.positions, c.num_heads, hd, &self.rope)?;
+            backend.rope(&mut k, batch.positions, c.num_kv_heads, hd, &self.rope)?;
+            backend.write_kv(&k, &v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
+            backend.paged_attention(&q, &kv.k[l], &kv.v[l], batch.seqs, shape, &mut attn)?;
+            backend.linear(&attn, &layer.o, None, t, qd, h, &mut proj)?;
+            backend.add_assign(&mut x, &proj, t * h)?;
+            backend.rms_norm(&x, &layer.post_norm, c.rms_norm_eps, t, h, &mut normed)?;
+            backend.linear(&normed, &layer.gate, None, t, h, i, &mut gate)?;
+            backend.linear(&normed, &layer.up, None, t, h, i, &mut up)?;
+            backend.silu_mul(&gate, &up, t * i, &mut act)?;
+            backend.linear(&act, &layer.down, None, t, i, h, &mut proj)?;
+            backend.add_assign(&mut x, &proj, t * h)?;
+        }
+        let r = batch.logit_rows.len();
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let mut last = backend.alloc_zeros(r * h)?;
+        backend.gather_rows(&x, batch.logit_rows, h, &mut last)?;
+        let mut last_normed = backend.alloc_zeros(r * h)?;
+        backend.rms_norm(&last, &self.norm, c.rms_norm_eps, r, h, &mut last_normed)?;
+        let mut logits = backend.alloc_zeros(r * c.vocab_size)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        backend.linear(&last_normed, head, None, r, h, c.vocab_size, &mut logits)?;
+        Ok(backend.download(&logits)?)
+    }
+}

@@ -1,0 +1,167 @@
+//! `cleave bench engine`: prefill and decode throughput of the engine on one model, each printed
+//! beside the limit this machine sets, measured in the same run:
+//! - prefill against the GEMM library's peak (2 FLOPs per weight per token, plus attention);
+//! - decode against the memory-bandwidth floor (every weight byte read once per step).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use cleave_engine::model::ModelFiles;
+use cleave_engine::{EngineConfig, EngineCore, EngineRequest};
+use cleave_kernels::cpu::CpuBackend;
+use cleave_kernels::measure;
+use cleave_protocol::{RequestId, SamplingParams, StopConditions};
+
+use super::EngineArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchEngineArgs {
+    /// Model: a Hugging Face folder or a .gguf file.
+    #[arg(long, env = "CLEAVE_MODEL")]
+    model: PathBuf,
+    /// Prompt lengths to measure prefill at.
+    #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048])]
+    prefill: Vec<usize>,
+    /// Batch sizes to measure decode at.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8, 32])]
+    decode: Vec<usize>,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: u32,
+    /// Context length of each sequence when decode is timed.
+    #[arg(long, default_value_t = 128)]
+    decode_context: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Deterministic pseudo-random prompt ids (no tokenizer involved; avoid the first 256 ids, which
+/// are often special or byte tokens).
+fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (256 + s % (vocab as u64 - 256).max(1)) as u32
+        })
+        .collect()
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
+    EngineRequest {
+        id: RequestId(id),
+        prompt,
+        params: SamplingParams::default(),
+        stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+    }
+}
+
+pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
+    let backend = CpuBackend::new(args.engine.threads)?;
+    let threads = backend.threads();
+    eprintln!("measuring machine limits ({threads} threads)...");
+    let bandwidth = measure::memory_bandwidth_gbps_on(&backend, measure::BANDWIDTH_BYTES);
+    let gemm_peak = measure::gemm_peak_gflops(&backend, 1024, 1024, 1024);
+    let files = ModelFiles::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let cfg = files.config.clone();
+    let params = cfg.num_parameters();
+    let weight_bytes = params * 4;
+    let max_len =
+        args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_context + args.decode_steps as usize + 8);
+    let mut ecfg: EngineConfig = args.engine.to_config();
+    ecfg.enable_prefix_caching = false;
+    ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
+    ecfg.max_num_batched_tokens = ecfg.max_num_batched_tokens.max(max_len);
+    let mut core = EngineCore::load(backend, files, &ecfg)?;
+    println!(
+        "model: {} ({:.1}M parameters, {:.0} MB of f32 weights)",
+        args.model.display(),
+        params as f64 / 1e6,
+        weight_bytes as f64 / 1e6
+    );
+    println!(
+        "machine: {threads} threads, memory bandwidth {bandwidth:.1} GB/s, GEMM peak {gemm_peak:.1} GFLOP/s (1024^3)"
+    );
+    println!();
+    println!("{:<22} {:>12} {:>14} {:>14} {:>8}", "phase", "tokens/s", "achieved", "limit", "ratio");
+    let mut id = 0u64;
+    for &len in &args.prefill {
+        // Warm up once, then time a second prompt of the same length (no prefix reuse: caching is off).
+        for timed in [false, true] {
+            id += 1;
+            core.add_request(request(id, prompt(len, cfg.vocab_size, id), 1), Instant::now())?;
+            let t = Instant::now();
+            while core.has_work() {
+                core.step(Instant::now())?;
+            }
+            if timed {
+                let secs = t.elapsed().as_secs_f64();
+                let attn_flops = 2.0
+                    * 2.0
+                    * cfg.num_layers as f64
+                    * (cfg.num_heads * cfg.head_dim) as f64
+                    * (len as f64 * len as f64 / 2.0);
+                let flops = 2.0 * params as f64 * len as f64 + attn_flops;
+                let gflops = flops / secs / 1e9;
+                println!(
+                    "{:<22} {:>12.1} {:>9.1} GF/s {:>9.1} GF/s {:>7.0}%",
+                    format!("prefill {len}"),
+                    len as f64 / secs,
+                    gflops,
+                    gemm_peak,
+                    100.0 * gflops / gemm_peak
+                );
+            }
+        }
+    }
+    let mut batch1 = None;
+    for &batch in &args.decode {
+        for _ in 0..batch {
+            id += 1;
+            core.add_request(
+                request(id, prompt(args.decode_context, cfg.vocab_size, id), args.decode_steps + 2),
+                Instant::now(),
+            )?;
+        }
+        // Prefill everyone and take one decode step untimed, then time the decode steps.
+        let mut produced = 0usize;
+        while produced < 2 * batch && core.has_work() {
+            produced += core.step(Instant::now())?.iter().filter(|e| e.token_id.is_some()).count();
+        }
+        let t = Instant::now();
+        let mut tokens = 0usize;
+        let mut steps = 0u32;
+        while core.has_work() && steps < args.decode_steps {
+            tokens += core.step(Instant::now())?.iter().filter(|e| e.token_id.is_some()).count();
+            steps += 1;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        while core.has_work() {
+            core.step(Instant::now())?;
+        }
+        let rate = tokens as f64 / secs;
+        // Floor: each step reads every weight once (the KV cache reads are extra and small here),
+        // so `batch` tokens per `weight_bytes / bandwidth` seconds at most.
+        let step_floor = weight_bytes as f64 / (bandwidth * 1e9);
+        let limit = batch as f64 / step_floor;
+        let achieved_gbps = weight_bytes as f64 * steps as f64 / secs / 1e9;
+        if batch == 1 {
+            batch1 = Some(rate);
+        }
+        let vs1 = batch1.map(|b| format!("  ({:.1}x batch 1)", rate / b)).unwrap_or_default();
+        println!(
+            "{:<22} {:>12.1} {:>9.1} GB/s {:>9.1} GB/s {:>7.0}%{vs1}",
+            format!("decode batch {batch}"),
+            rate,
+            achieved_gbps,
+            bandwidth,
+            100.0 * rate / limit
+        );
+    }
+    println!();
+    println!("prefill limit: GEMM peak; decode limit: memory bandwidth (weights read once per step).");
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! Command-line interface: argument structs (their doc comments are the `--help` text) and the
+//! dispatch to each subcommand's module.
+
+mod bench_engine;
+mod generate;
+mod make_model;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "cleave",
+    version,
+    about = "Disaggregated LLM serving: prefill and decode pools exchanging paged KV cache"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a completion for one prompt, printing only the completion text to stdout.
+    Generate(generate::GenerateArgs),
+    /// Write a random-weight model in Hugging Face format (config, safetensors, tokenizer.json).
+    MakeModel(make_model::MakeModelArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the engine, printed beside this machine's limits.
+    Engine(bench_engine::BenchEngineArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::MakeModel(args) => make_model::run(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
+    }
+}
+
+/// Engine settings shared by every subcommand that runs a model.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Bytes of KV cache to allocate (suffixes k, m, g accepted: 512m, 2g).
+    #[arg(long, env = "CLEAVE_KV_CACHE_MEMORY", default_value = "1g", value_parser = parse_bytes)]
+    pub kv_cache_memory: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub block_size: u32,
+    /// Most tokens fed per engine step (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt + output); default: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Turn off automatic prefix caching.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "CLEAVE_THREADS")]
+    pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    pub fn to_config(&self) -> cleave_engine::EngineConfig {
+        cleave_engine::EngineConfig {
+            block_size: self.block_size as usize,
+            kv_cache_memory: self.kv_cache_memory,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            enable_prefix_caching: !self.no_prefix_caching,
+            seed: 0,
+        }
+    }
+}
+
+/// Parses `1024`, `64k`, `512m`, `2g` (binary units).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim().to_ascii_lowercase();
+    let (num, mult) = match s.trim_end_matches('b').chars().last() {
+        Some('k') => (&s[..s.trim_end_matches('b').len() - 1], 1usize << 10),
+        Some('m') => (&s[..s.trim_end_matches('b').len() - 1], 1 << 20),
+        Some('g') => (&s[..s.trim_end_matches('b').len() - 1], 1 << 30),
+        _ => (s.trim_end_matches('b'), 1),
+    };
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size like 512m or 2g"))?;
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("`{s}` must be a positive size"));
+    }
+    Ok((n * mult as f64) as usize)
+}
