@@ -41,12 +41,10 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
 
 /// Keys of every *full* block of `tokens` (a trailing partial block has none), in order.
 pub fn hash_chain(tokens: &[u32], block_size: usize) -> impl Iterator<Item = u64> + '_ {
-    tokens
-        .chunks_exact(block_size.max(1))
-        .scan(ROOT_HASH, |parent, chunk| {
-            *parent = block_hash(*parent, chunk);
-            Some(*parent)
-        })
+    tokens.chunks_exact(block_size.max(1)).scan(ROOT_HASH, |parent, chunk| {
+        *parent = block_hash(*parent, chunk);
+        Some(*parent)
+    })
 }
 
 /// A pass-through hasher for maps keyed by [`block_hash`] values, which are already mixed.

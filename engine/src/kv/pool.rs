@@ -54,14 +54,10 @@ impl BlockPool {
     /// A pool with every block free and prefix caching on.
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, KvError> {
         if num_blocks == 0 || num_blocks > u32::MAX as usize {
-            return Err(KvError::InvalidConfig {
-                what: "num_blocks must be in 1..=u32::MAX",
-            });
+            return Err(KvError::InvalidConfig { what: "num_blocks must be in 1..=u32::MAX" });
         }
         if block_size == 0 {
-            return Err(KvError::InvalidConfig {
-                what: "block_size must be at least 1",
-            });
+            return Err(KvError::InvalidConfig { what: "block_size must be at least 1" });
         }
         Ok(Self {
             block_size,
@@ -134,9 +130,7 @@ impl BlockPool {
 
     /// Whether `block` is registered in the prefix cache.
     pub fn is_cached(&self, block: u32) -> bool {
-        self.meta
-            .get(block as usize)
-            .is_some_and(|m| m.cached.is_some())
+        self.meta.get(block as usize).is_some_and(|m| m.cached.is_some())
     }
 
     /// Keys of every block registered in the prefix cache (in use or evictable), in no
@@ -147,9 +141,7 @@ impl BlockPool {
 
     fn meta_mut(&mut self, block: u32) -> Result<&mut BlockMeta, KvError> {
         let num_blocks = self.meta.len();
-        self.meta
-            .get_mut(block as usize)
-            .ok_or(KvError::UnknownBlock { block, num_blocks })
+        self.meta.get_mut(block as usize).ok_or(KvError::UnknownBlock { block, num_blocks })
     }
 
     /// Takes a fresh block (refcount 1): from the free list, else by evicting the least
@@ -165,10 +157,7 @@ impl BlockPool {
             }
             b
         } else {
-            return Err(KvError::OutOfBlocks {
-                need: 1,
-                available: 0,
-            });
+            return Err(KvError::OutOfBlocks { need: 1, available: 0 });
         };
         let m = &mut self.meta[block as usize];
         debug_assert!(m.refcount == 0 && m.cached.is_none() && m.lru_tick.is_none());
@@ -238,11 +227,7 @@ impl BlockPool {
             return Ok(false);
         }
         self.cache.insert(hash, block);
-        self.meta[block as usize].cached = Some(CacheEntry {
-            hash,
-            parent,
-            tokens: tokens.into(),
-        });
+        self.meta[block as usize].cached = Some(CacheEntry { hash, parent, tokens: tokens.into() });
         Ok(true)
     }
 
@@ -310,20 +295,8 @@ mod tests {
         let a = p.allocate_n(3).unwrap();
         assert_eq!(a, vec![0, 1, 2]);
         assert_eq!(p.num_free(), 0);
-        assert_eq!(
-            p.allocate(),
-            Err(KvError::OutOfBlocks {
-                need: 1,
-                available: 0
-            })
-        );
-        assert_eq!(
-            p.allocate_n(1),
-            Err(KvError::OutOfBlocks {
-                need: 1,
-                available: 0
-            })
-        );
+        assert_eq!(p.allocate(), Err(KvError::OutOfBlocks { need: 1, available: 0 }));
+        assert_eq!(p.allocate_n(1), Err(KvError::OutOfBlocks { need: 1, available: 0 }));
         p.retain(1).unwrap();
         p.release(1).unwrap();
         assert_eq!(p.refcount(1), Some(1));
@@ -333,10 +306,7 @@ mod tests {
         assert_eq!(p.num_free(), 3);
         assert_eq!(p.release(0), Err(KvError::NotAllocated { block: 0 }));
         assert_eq!(p.retain(0), Err(KvError::NotAllocated { block: 0 }));
-        assert!(matches!(
-            p.retain(9),
-            Err(KvError::UnknownBlock { block: 9, .. })
-        ));
+        assert!(matches!(p.retain(9), Err(KvError::UnknownBlock { block: 9, .. })));
         p.check_invariants().unwrap();
         assert!(BlockPool::new(0, 4).is_err());
         assert!(BlockPool::new(4, 0).is_err());
@@ -359,16 +329,10 @@ mod tests {
         p.release(c).unwrap();
         assert_eq!((p.num_free(), p.num_cached()), (3, 1));
         p.retain(b).unwrap();
-        assert_eq!(
-            (p.num_free(), p.num_cached(), p.refcount(b)),
-            (3, 0, Some(1))
-        );
+        assert_eq!((p.num_free(), p.num_cached(), p.refcount(b)), (3, 0, Some(1)));
         p.release(b).unwrap();
         p.check_invariants().unwrap();
-        assert_eq!(
-            p.cached_hashes().collect::<Vec<_>>(),
-            vec![block_hash(ROOT_HASH, &[7, 8])]
-        );
+        assert_eq!(p.cached_hashes().collect::<Vec<_>>(), vec![block_hash(ROOT_HASH, &[7, 8])]);
     }
 
     #[test]

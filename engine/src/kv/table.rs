@@ -86,18 +86,11 @@ impl BlockPool {
     /// the `ceil(num_tokens / block_size)` blocks, reviving evictable ones). `num_tokens` may
     /// end inside the last hit block; writing after it then copies that block first (see
     /// [`BlockPool::prepare_write`]), since a cached block is never written.
-    pub fn adopt_prefix(
-        &mut self,
-        hit: &PrefixHit,
-        num_tokens: usize,
-    ) -> Result<BlockTable, KvError> {
+    pub fn adopt_prefix(&mut self, hit: &PrefixHit, num_tokens: usize) -> Result<BlockTable, KvError> {
         let bs = self.block_size();
         let capacity = hit.num_tokens(bs);
         if num_tokens > capacity {
-            return Err(KvError::TableOverflow {
-                requested: num_tokens,
-                capacity,
-            });
+            return Err(KvError::TableOverflow { requested: num_tokens, capacity });
         }
         let n = num_tokens.div_ceil(bs);
         for (i, &b) in hit.blocks[..n].iter().enumerate() {
@@ -108,11 +101,7 @@ impl BlockPool {
                 return Err(e);
             }
         }
-        Ok(BlockTable {
-            blocks: hit.blocks[..n].to_vec(),
-            hashes: hit.hashes[..num_tokens / bs].to_vec(),
-            num_tokens,
-        })
+        Ok(BlockTable { blocks: hit.blocks[..n].to_vec(), hashes: hit.hashes[..num_tokens / bs].to_vec(), num_tokens })
     }
 
     /// Makes `table` writable for token positions `table.num_tokens()..end`: every block those
@@ -163,18 +152,10 @@ impl BlockPool {
     /// Records that the K/V of `tokens[..num_tokens]` is now computed in `table`, and registers
     /// every newly completed full block in the prefix cache. Call only after the step that
     /// computed them has run.
-    pub fn commit(
-        &mut self,
-        table: &mut BlockTable,
-        tokens: &[u32],
-        num_tokens: usize,
-    ) -> Result<(), KvError> {
+    pub fn commit(&mut self, table: &mut BlockTable, tokens: &[u32], num_tokens: usize) -> Result<(), KvError> {
         let capacity = table.blocks.len() * self.block_size();
         if num_tokens > capacity || num_tokens > tokens.len() || num_tokens < table.num_tokens {
-            return Err(KvError::TableOverflow {
-                requested: num_tokens,
-                capacity: capacity.min(tokens.len()),
-            });
+            return Err(KvError::TableOverflow { requested: num_tokens, capacity: capacity.min(tokens.len()) });
         }
         let bs = self.block_size();
         while table.hashes.len() < num_tokens / bs {
@@ -231,19 +212,11 @@ impl BlockPool {
         num_tokens: usize,
     ) -> Result<BlockTable, KvError> {
         for &b in &blocks {
-            if self.refcount(b).ok_or(KvError::UnknownBlock {
-                block: b,
-                num_blocks: self.num_blocks(),
-            })? == 0
-            {
+            if self.refcount(b).ok_or(KvError::UnknownBlock { block: b, num_blocks: self.num_blocks() })? == 0 {
                 return Err(KvError::NotAllocated { block: b });
             }
         }
-        let mut table = BlockTable {
-            blocks,
-            hashes: Vec::new(),
-            num_tokens: 0,
-        };
+        let mut table = BlockTable { blocks, hashes: Vec::new(), num_tokens: 0 };
         self.commit(&mut table, tokens, num_tokens)?;
         Ok(table)
     }
@@ -347,13 +320,7 @@ mod tests {
         let mut p = BlockPool::new(2, 4).unwrap();
         let mut a = BlockTable::default();
         let err = p.prepare_write(&mut a, 12, &mut vec![]).unwrap_err();
-        assert_eq!(
-            err,
-            KvError::OutOfBlocks {
-                need: 3,
-                available: 2
-            }
-        );
+        assert_eq!(err, KvError::OutOfBlocks { need: 3, available: 2 });
         assert!(a.is_empty());
         assert_eq!(p.num_free(), 2);
     }

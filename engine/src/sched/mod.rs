@@ -87,20 +87,9 @@ pub enum SchedError {
         "sequence {id}: prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds \
          max_model_len {max_model_len}"
     )]
-    TooLong {
-        id: u64,
-        prompt_len: usize,
-        max_tokens: u32,
-        max_model_len: usize,
-    },
-    #[error(
-        "sequence {id} needs {need_blocks} KV blocks at most, the whole pool has {num_blocks}"
-    )]
-    ExceedsKvCapacity {
-        id: u64,
-        need_blocks: usize,
-        num_blocks: usize,
-    },
+    TooLong { id: u64, prompt_len: usize, max_tokens: u32, max_model_len: usize },
+    #[error("sequence {id} needs {need_blocks} KV blocks at most, the whole pool has {num_blocks}")]
+    ExceedsKvCapacity { id: u64, need_blocks: usize, num_blocks: usize },
     #[error("{max_num_seqs} sequences already run")]
     NoSeqSlot { max_num_seqs: usize },
     #[error("unknown sequence {id}")]

@@ -48,13 +48,9 @@ impl Seq {
     /// `ignore_eos` -> `Stop`; `max_tokens` or `max_model_len` -> `Length`.
     fn finish_reason(&self, max_model_len: usize) -> Option<FinishReason> {
         let &token = self.tokens.last()?;
-        if self.stop_token_ids.contains(&token)
-            || (!self.ignore_eos && self.eos_token_ids.contains(&token))
-        {
+        if self.stop_token_ids.contains(&token) || (!self.ignore_eos && self.eos_token_ids.contains(&token)) {
             Some(FinishReason::Stop)
-        } else if self.num_generated() >= self.max_tokens as usize
-            || self.tokens.len() >= max_model_len
-        {
+        } else if self.num_generated() >= self.max_tokens as usize || self.tokens.len() >= max_model_len {
             Some(FinishReason::Length)
         } else {
             None
@@ -96,8 +92,7 @@ impl Scheduler {
         if cfg.long_prefill_threshold == Some(0) {
             return bad("long_prefill_threshold must be at least 1");
         }
-        let kv = BlockPool::new(cfg.num_blocks, cfg.block_size)?
-            .with_prefix_caching(cfg.enable_prefix_caching);
+        let kv = BlockPool::new(cfg.num_blocks, cfg.block_size)?.with_prefix_caching(cfg.enable_prefix_caching);
         Ok(Self {
             cfg,
             kv,
@@ -212,15 +207,11 @@ impl Scheduler {
     ) -> Result<Option<FinishReason>, SchedError> {
         self.validate(&req)?;
         if self.running.len() >= self.cfg.max_num_seqs {
-            return Err(SchedError::NoSeqSlot {
-                max_num_seqs: self.cfg.max_num_seqs,
-            });
+            return Err(SchedError::NoSeqSlot { max_num_seqs: self.cfg.max_num_seqs });
         }
         let id = req.id;
         let mut seq = self.new_seq(req);
-        let table = self
-            .kv
-            .table_from_blocks(blocks.to_vec(), &seq.tokens, seq.prompt_len)?;
+        let table = self.kv.table_from_blocks(blocks.to_vec(), &seq.tokens, seq.prompt_len)?;
         seq.table = table;
         seq.first_cached = Some(0);
         seq.tokens.push(first_token);
@@ -230,9 +221,7 @@ impl Scheduler {
         }
         let priority = seq.priority();
         self.seqs.insert(id, seq);
-        let at = self
-            .running
-            .partition_point(|r| self.seqs[r].priority() < priority);
+        let at = self.running.partition_point(|r| self.seqs[r].priority() < priority);
         self.running.insert(at, id);
         Ok(None)
     }
@@ -259,11 +248,7 @@ impl Scheduler {
         }
         let need_blocks = self.kv.blocks_for(total);
         if need_blocks > self.kv.num_blocks() {
-            return Err(SchedError::ExceedsKvCapacity {
-                id,
-                need_blocks,
-                num_blocks: self.kv.num_blocks(),
-            });
+            return Err(SchedError::ExceedsKvCapacity { id, need_blocks, num_blocks: self.kv.num_blocks() });
         }
         Ok(())
     }
@@ -293,10 +278,7 @@ impl Scheduler {
     /// effect at the next `schedule`, which frees its blocks and reports it in
     /// `Batch::finished`; a token committed in between is not appended. The first call wins.
     pub fn finish(&mut self, seq_id: u64, reason: FinishReason) -> Result<(), SchedError> {
-        let seq = self
-            .seqs
-            .get_mut(&seq_id)
-            .ok_or(SchedError::UnknownSeq { id: seq_id })?;
+        let seq = self.seqs.get_mut(&seq_id).ok_or(SchedError::UnknownSeq { id: seq_id })?;
         if seq.finishing.is_none() {
             seq.finishing = Some(reason);
             self.pending_finish.push(seq_id);
@@ -390,9 +372,7 @@ impl Scheduler {
             self.running.retain(|&x| x != id);
             self.waiting.retain(|&x| x != id);
             self.kv.free(seq.table)?;
-            batch
-                .finished
-                .push((id, seq.finishing.unwrap_or(FinishReason::Cancelled)));
+            batch.finished.push((id, seq.finishing.unwrap_or(FinishReason::Cancelled)));
         }
         Ok(())
     }
@@ -427,11 +407,7 @@ impl Scheduler {
     }
 
     /// Admits waiting sequences FCFS while budget, `max_num_seqs` and blocks allow.
-    fn admit_waiting(
-        &mut self,
-        budget: &mut usize,
-        order: &mut Vec<u64>,
-    ) -> Result<(), SchedError> {
+    fn admit_waiting(&mut self, budget: &mut usize, order: &mut Vec<u64>) -> Result<(), SchedError> {
         let bs = self.kv.block_size();
         while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
@@ -439,22 +415,13 @@ impl Scheduler {
             };
             let seq = self.seqs.get_mut(&id).expect("waiting sequences exist");
             let len = seq.tokens.len();
-            let hit = if self.kv.prefix_caching() {
-                self.kv.find_prefix(&seq.tokens)
-            } else {
-                PrefixHit::default()
-            };
+            let hit = if self.kv.prefix_caching() { self.kv.find_prefix(&seq.tokens) } else { PrefixHit::default() };
             // Never take the last token from the cache: its logits are needed.
             let cached = hit.num_tokens(bs).min(len - 1);
-            let k = (len - cached)
-                .min(*budget)
-                .min(self.cfg.long_prefill_threshold.unwrap_or(usize::MAX));
+            let k = (len - cached).min(*budget).min(self.cfg.long_prefill_threshold.unwrap_or(usize::MAX));
             // Check before touching the pool, so a blocked head leaves the LRU order alone.
             let used_hits = &hit.blocks[..cached.div_ceil(bs)];
-            let revived = used_hits
-                .iter()
-                .filter(|&&b| self.kv.refcount(b) == Some(0))
-                .count();
+            let revived = used_hits.iter().filter(|&&b| self.kv.refcount(b) == Some(0)).count();
             let cow = usize::from(cached % bs != 0);
             let need = (cached + k).div_ceil(bs) - used_hits.len() + cow;
             if need + revived > self.kv.num_available() {
@@ -477,9 +444,7 @@ impl Scheduler {
             seq.first_cached.get_or_insert(cached.min(prompt_len));
             let priority = seq.priority();
             self.waiting.pop_front();
-            let at = self
-                .running
-                .partition_point(|r| self.seqs[r].priority() < priority);
+            let at = self.running.partition_point(|r| self.seqs[r].priority() < priority);
             self.running.insert(at, id);
             *budget -= k;
             order.push(id);
@@ -493,11 +458,7 @@ impl Scheduler {
     /// (stop token ids, then EOS unless `ignore_eos` -> `Stop`; `max_tokens` or
     /// `max_model_len` -> `Length`) and frees finished sequences' blocks. On a malformed
     /// `outputs` nothing changes and the batch stays in flight.
-    pub fn commit(
-        &mut self,
-        outputs: &[(u64, u32)],
-        _now: Instant,
-    ) -> Result<Vec<SeqUpdate>, SchedError> {
+    pub fn commit(&mut self, outputs: &[(u64, u32)], _now: Instant) -> Result<Vec<SeqUpdate>, SchedError> {
         let Some(flight) = self.in_flight.take() else {
             return match outputs.first() {
                 Some(&(id, _)) => Err(SchedError::UnexpectedOutput { id }),
@@ -540,11 +501,7 @@ impl Scheduler {
     }
 
     fn validate_outputs(flight: &[(u64, bool)], outputs: &[(u64, u32)]) -> Result<(), SchedError> {
-        let mut seen: HashMap<u64, bool> = flight
-            .iter()
-            .filter(|f| f.1)
-            .map(|&(id, _)| (id, false))
-            .collect();
+        let mut seen: HashMap<u64, bool> = flight.iter().filter(|f| f.1).map(|&(id, _)| (id, false)).collect();
         for &(id, _) in outputs {
             match seen.get_mut(&id) {
                 Some(s) if !*s => *s = true,

@@ -20,72 +20,30 @@ fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
 }
 
 fn req(id: u64, prompt_len: u32, max_tokens: u32, t0: Instant) -> SeqRequest {
-    SeqRequest::new(
-        id,
-        (1..=prompt_len).collect(),
-        max_tokens,
-        t0 + Duration::from_millis(id),
-    )
+    SeqRequest::new(id, (1..=prompt_len).collect(), max_tokens, t0 + Duration::from_millis(id))
 }
 
 /// Samples token 7 for every sampled item.
 fn sevens(b: &Batch) -> Vec<(u64, u32)> {
-    b.items
-        .iter()
-        .filter(|i| i.sample)
-        .map(|i| (i.seq_id, 7))
-        .collect()
+    b.items.iter().filter(|i| i.sample).map(|i| (i.seq_id, 7)).collect()
 }
 
 #[test]
 fn rejects_requests_that_can_never_run() {
     let t0 = Instant::now();
     let mut s = Scheduler::new(cfg(4, 4)).unwrap();
-    assert_eq!(
-        s.add(req(1, 0, 1, t0)),
-        Err(SchedError::EmptyPrompt { id: 1 })
-    );
-    assert_eq!(
-        s.add(req(1, 3, 0, t0)),
-        Err(SchedError::ZeroMaxTokens { id: 1 })
-    );
+    assert_eq!(s.add(req(1, 0, 1, t0)), Err(SchedError::EmptyPrompt { id: 1 }));
+    assert_eq!(s.add(req(1, 3, 0, t0)), Err(SchedError::ZeroMaxTokens { id: 1 }));
     assert_eq!(
         s.add(req(1, 300, 1, t0)),
-        Err(SchedError::TooLong {
-            id: 1,
-            prompt_len: 300,
-            max_tokens: 1,
-            max_model_len: 256
-        })
+        Err(SchedError::TooLong { id: 1, prompt_len: 300, max_tokens: 1, max_model_len: 256 })
     );
-    assert_eq!(
-        s.add(req(1, 10, 7, t0)),
-        Err(SchedError::ExceedsKvCapacity {
-            id: 1,
-            need_blocks: 5,
-            num_blocks: 4
-        })
-    );
+    assert_eq!(s.add(req(1, 10, 7, t0)), Err(SchedError::ExceedsKvCapacity { id: 1, need_blocks: 5, num_blocks: 4 }));
     s.add(req(1, 10, 6, t0)).unwrap();
-    assert_eq!(
-        s.add(req(1, 2, 2, t0)),
-        Err(SchedError::DuplicateSeq { id: 1 })
-    );
-    assert!(Scheduler::new(SchedulerConfig {
-        max_num_seqs: 0,
-        ..cfg(4, 4)
-    })
-    .is_err());
-    assert!(Scheduler::new(SchedulerConfig {
-        max_num_batched_tokens: 2,
-        ..cfg(4, 4)
-    })
-    .is_err());
-    assert!(Scheduler::new(SchedulerConfig {
-        num_blocks: 0,
-        ..cfg(4, 4)
-    })
-    .is_err());
+    assert_eq!(s.add(req(1, 2, 2, t0)), Err(SchedError::DuplicateSeq { id: 1 }));
+    assert!(Scheduler::new(SchedulerConfig { max_num_seqs: 0, ..cfg(4, 4) }).is_err());
+    assert!(Scheduler::new(SchedulerConfig { max_num_batched_tokens: 2, ..cfg(4, 4) }).is_err());
+    assert!(Scheduler::new(SchedulerConfig { num_blocks: 0, ..cfg(4, 4) }).is_err());
 }
 
 #[test]
@@ -105,17 +63,11 @@ fn prefill_then_decode_until_length() {
     assert_eq!(u[0].token, 7);
     assert_eq!((u[0].num_generated, u[0].finish), (1, None));
     let b = s.schedule(t0).unwrap();
-    assert_eq!(
-        (b.items[0].start_pos, b.items[0].token_ids.clone()),
-        (5, vec![7])
-    );
+    assert_eq!((b.items[0].start_pos, b.items[0].token_ids.clone()), (5, vec![7]));
     s.commit(&sevens(&b), t0).unwrap();
     let b = s.schedule(t0).unwrap();
     let u = s.commit(&sevens(&b), t0).unwrap();
-    assert_eq!(
-        (u[0].num_generated, u[0].finish),
-        (3, Some(FinishReason::Length))
-    );
+    assert_eq!((u[0].num_generated, u[0].finish), (3, Some(FinishReason::Length)));
     assert!(s.is_idle());
     assert_eq!(s.kv_free_blocks() + s.kv_cached_blocks(), 8);
     // Block 0 (tokens 1..=4) and block 1 (5, 7, 7, ...) : only block 0 filled before the end.
@@ -126,55 +78,33 @@ fn prefill_then_decode_until_length() {
 #[test]
 fn chunked_prefill_respects_budget_and_threshold() {
     let t0 = Instant::now();
-    let c = SchedulerConfig {
-        max_num_batched_tokens: 6,
-        max_num_seqs: 2,
-        long_prefill_threshold: Some(4),
-        ..cfg(16, 4)
-    };
+    let c =
+        SchedulerConfig { max_num_batched_tokens: 6, max_num_seqs: 2, long_prefill_threshold: Some(4), ..cfg(16, 4) };
     let mut s = Scheduler::new(c).unwrap();
     s.add(req(1, 10, 2, t0)).unwrap();
     s.add(req(2, 3, 2, t0)).unwrap();
     let b = s.schedule(t0).unwrap();
-    let lens: Vec<(u64, usize, bool)> = b
-        .items
-        .iter()
-        .map(|i| (i.seq_id, i.token_ids.len(), i.sample))
-        .collect();
+    let lens: Vec<(u64, usize, bool)> = b.items.iter().map(|i| (i.seq_id, i.token_ids.len(), i.sample)).collect();
     assert_eq!(lens, vec![(1, 4, false), (2, 2, false)]);
-    assert_eq!(
-        s.commit(&[(1, 7)], t0),
-        Err(SchedError::UnexpectedOutput { id: 1 })
-    );
+    assert_eq!(s.commit(&[(1, 7)], t0), Err(SchedError::UnexpectedOutput { id: 1 }));
     assert!(s.commit(&[], t0).unwrap().is_empty());
     // Next step: seq 2 has one token left, which is scheduled like a decode (first).
     let b = s.schedule(t0).unwrap();
-    let lens: Vec<(u64, usize, bool)> = b
-        .items
-        .iter()
-        .map(|i| (i.seq_id, i.token_ids.len(), i.sample))
-        .collect();
+    let lens: Vec<(u64, usize, bool)> = b.items.iter().map(|i| (i.seq_id, i.token_ids.len(), i.sample)).collect();
     assert_eq!(lens, vec![(2, 1, true), (1, 4, false)]);
     assert_eq!(s.commit(&[], t0), Err(SchedError::MissingOutput { id: 2 }));
     s.commit(&[(2, 9)], t0).unwrap();
     // Seq 2 decodes first, then seq 1 finishes its prefill.
     let b = s.schedule(t0).unwrap();
-    let lens: Vec<(u64, usize, usize, bool)> = b
-        .items
-        .iter()
-        .map(|i| (i.seq_id, i.start_pos, i.token_ids.len(), i.sample))
-        .collect();
+    let lens: Vec<(u64, usize, usize, bool)> =
+        b.items.iter().map(|i| (i.seq_id, i.start_pos, i.token_ids.len(), i.sample)).collect();
     assert_eq!(lens, vec![(2, 3, 1, true), (1, 8, 2, true)]);
 }
 
 #[test]
 fn max_num_seqs_limits_admission() {
     let t0 = Instant::now();
-    let mut s = Scheduler::new(SchedulerConfig {
-        max_num_seqs: 2,
-        ..cfg(32, 4)
-    })
-    .unwrap();
+    let mut s = Scheduler::new(SchedulerConfig { max_num_seqs: 2, ..cfg(32, 4) }).unwrap();
     for id in 1..=3 {
         s.add(req(id, 2, 4, t0)).unwrap();
     }
@@ -201,10 +131,7 @@ fn stop_eos_and_ignore_eos() {
     assert_eq!(u[1].finish, None);
     s.schedule(t0).unwrap();
     let u = s.commit(&[(2, 8)], t0).unwrap();
-    assert_eq!(
-        (u[0].token, u[0].finish, u[0].num_generated),
-        (8, Some(FinishReason::Stop), 2)
-    );
+    assert_eq!((u[0].token, u[0].finish, u[0].num_generated), (8, Some(FinishReason::Stop), 2));
     assert!(s.is_idle());
 }
 
@@ -223,10 +150,7 @@ fn finish_and_abort_apply_at_next_schedule() {
     let u = s.commit(&sevens(&b), t0).unwrap();
     assert_eq!(u.iter().map(|u| u.seq_id).collect::<Vec<_>>(), vec![3]);
     let b = s.schedule(t0).unwrap();
-    assert_eq!(
-        b.finished,
-        vec![(1, FinishReason::Cancelled), (2, FinishReason::Stop)]
-    );
+    assert_eq!(b.finished, vec![(1, FinishReason::Cancelled), (2, FinishReason::Stop)]);
     assert_eq!(b.items.len(), 1);
     assert_eq!(s.abort(1), Err(SchedError::UnknownSeq { id: 1 }));
     s.commit(&sevens(&b), t0).unwrap();
@@ -249,15 +173,7 @@ fn fully_cached_prompt_recomputes_last_token_with_copy() {
     s.add(req(2, 8, 1, t0)).unwrap();
     let b = s.schedule(t0).unwrap();
     let it = &b.items[0];
-    assert_eq!(
-        (
-            it.start_pos,
-            it.token_ids.clone(),
-            it.cached_tokens,
-            it.sample
-        ),
-        (7, vec![8], 7, true)
-    );
+    assert_eq!((it.start_pos, it.token_ids.clone(), it.cached_tokens, it.sample), (7, vec![8], 7, true));
     assert_eq!(b.copies.len(), 1);
     assert_eq!(b.copies[0].1, it.block_table[1]);
     let u = s.commit(&sevens(&b), t0).unwrap();
@@ -270,10 +186,7 @@ fn fully_cached_prompt_recomputes_last_token_with_copy() {
 fn youngest_is_preempted_and_resumes_with_its_tokens() {
     let t0 = Instant::now();
     // 4 blocks of 2: two sequences of 3 prompt tokens + 4 new tokens each need 4 blocks.
-    let c = SchedulerConfig {
-        enable_prefix_caching: false,
-        ..cfg(4, 2)
-    };
+    let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(4, 2) };
     let mut s = Scheduler::new(c).unwrap();
     s.add(req(1, 3, 4, t0)).unwrap();
     s.add(req(2, 3, 4, t0)).unwrap();
@@ -297,11 +210,7 @@ fn youngest_is_preempted_and_resumes_with_its_tokens() {
 #[test]
 fn prefilled_sequences_join_running_and_decode() {
     let t0 = Instant::now();
-    let mut s = Scheduler::new(SchedulerConfig {
-        max_num_seqs: 1,
-        ..cfg(8, 4)
-    })
-    .unwrap();
+    let mut s = Scheduler::new(SchedulerConfig { max_num_seqs: 1, ..cfg(8, 4) }).unwrap();
     let blocks = s.reserve_blocks(6).unwrap();
     assert_eq!(blocks.len(), 2);
     assert_eq!(s.kv_free_blocks(), 6);
@@ -311,33 +220,21 @@ fn prefilled_sequences_join_running_and_decode() {
     assert_eq!(s.cached_hashes().count(), 1);
     // No free sequence slot: the caller keeps its blocks.
     let more = s.reserve_blocks(2).unwrap();
-    assert_eq!(
-        s.add_prefilled(req(2, 2, 3, t0), &more, 9),
-        Err(SchedError::NoSeqSlot { max_num_seqs: 1 })
-    );
+    assert_eq!(s.add_prefilled(req(2, 2, 3, t0), &more, 9), Err(SchedError::NoSeqSlot { max_num_seqs: 1 }));
     s.release_reserved(&more).unwrap();
     let b = s.schedule(t0).unwrap();
     let it = &b.items[0];
-    assert_eq!(
-        (it.start_pos, it.token_ids.clone(), it.sample),
-        (6, vec![9], true)
-    );
+    assert_eq!((it.start_pos, it.token_ids.clone(), it.sample), (6, vec![9], true));
     assert_eq!(it.block_table, blocks);
     s.commit(&sevens(&b), t0).unwrap();
     let b = s.schedule(t0).unwrap();
     let u = s.commit(&sevens(&b), t0).unwrap();
-    assert_eq!(
-        (u[0].num_generated, u[0].finish),
-        (3, Some(FinishReason::Length))
-    );
+    assert_eq!((u[0].num_generated, u[0].finish), (3, Some(FinishReason::Length)));
     // A first token that already ends the sequence: not added, blocks released.
     let blocks = s.reserve_blocks(2).unwrap();
     let mut r = req(3, 2, 3, t0);
     r.stop_token_ids = vec![9];
-    assert_eq!(
-        s.add_prefilled(r, &blocks, 9).unwrap(),
-        Some(FinishReason::Stop)
-    );
+    assert_eq!(s.add_prefilled(r, &blocks, 9).unwrap(), Some(FinishReason::Stop));
     assert!(s.is_idle());
     assert_eq!(s.kv_free_blocks() + s.kv_cached_blocks(), 8);
     s.kv().check_invariants().unwrap();
