@@ -13,17 +13,13 @@ pub(crate) fn err(op: &'static str, detail: String) -> KernelError {
 
 /// `a * b`, or a shape error when it overflows.
 pub(crate) fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b)
-        .ok_or_else(|| err(op, format!("size {a} x {b} overflows")))
+    a.checked_mul(b).ok_or_else(|| err(op, format!("size {a} x {b} overflows")))
 }
 
 /// Requires `len >= need` for the buffer called `what`.
 pub(crate) fn at_least(op: &'static str, what: &str, len: usize, need: usize) -> Result<()> {
     if len < need {
-        return Err(err(
-            op,
-            format!("{what} has {len} elements, needs at least {need}"),
-        ));
+        return Err(err(op, format!("{what} has {len} elements, needs at least {need}")));
     }
     Ok(())
 }
@@ -52,28 +48,15 @@ pub(crate) fn rms_norm(x: usize, weight: usize, rows: usize, dim: usize, out: us
     at_least(OP, "out", out, total)
 }
 
-pub(crate) fn rope(
-    x: usize,
-    positions: &[u32],
-    num_heads: usize,
-    head_dim: usize,
-    table: usize,
-) -> Result<()> {
+pub(crate) fn rope(x: usize, positions: &[u32], num_heads: usize, head_dim: usize, table: usize) -> Result<()> {
     const OP: &str = "rope";
     if head_dim == 0 || head_dim % 2 != 0 {
-        return Err(err(
-            OP,
-            format!("head_dim {head_dim} must be even and positive"),
-        ));
+        return Err(err(OP, format!("head_dim {head_dim} must be even and positive")));
     }
     let width = mul(OP, num_heads, head_dim)?;
     at_least(OP, "x", x, mul(OP, positions.len(), width)?)?;
     let max_positions = table / head_dim;
-    if let Some((t, &p)) = positions
-        .iter()
-        .enumerate()
-        .find(|(_, &p)| p as usize >= max_positions)
-    {
+    if let Some((t, &p)) = positions.iter().enumerate().find(|(_, &p)| p as usize >= max_positions) {
         return Err(err(
             OP,
             format!("position {p} of token {t} is outside the cos/sin table of {max_positions} positions"),
@@ -100,21 +83,12 @@ pub(crate) fn softmax(x: usize, rows: usize, dim: usize) -> Result<()> {
     at_least(OP, "x", x, mul(OP, rows, dim)?)
 }
 
-pub(crate) fn embedding(
-    table: usize,
-    ids: &[u32],
-    vocab: usize,
-    dim: usize,
-    out: usize,
-) -> Result<()> {
+pub(crate) fn embedding(table: usize, ids: &[u32], vocab: usize, dim: usize, out: usize) -> Result<()> {
     const OP: &str = "embedding";
     at_least(OP, "table", table, mul(OP, vocab, dim)?)?;
     at_least(OP, "out", out, mul(OP, ids.len(), dim)?)?;
     if let Some((t, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-        return Err(err(
-            OP,
-            format!("token id {id} at index {t} is outside the vocabulary of {vocab}"),
-        ));
+        return Err(err(OP, format!("token id {id} at index {t} is outside the vocabulary of {vocab}")));
     }
     Ok(())
 }
@@ -123,15 +97,8 @@ pub(crate) fn gather_rows(x: usize, rows: &[u32], dim: usize, out: usize) -> Res
     const OP: &str = "gather_rows";
     at_least(OP, "out", out, mul(OP, rows.len(), dim)?)?;
     let available = if dim == 0 { usize::MAX } else { x / dim };
-    if let Some((i, &r)) = rows
-        .iter()
-        .enumerate()
-        .find(|(_, &r)| r as usize >= available)
-    {
-        return Err(err(
-            OP,
-            format!("row {r} at index {i} is outside x of {available} rows"),
-        ));
+    if let Some((i, &r)) = rows.iter().enumerate().find(|(_, &r)| r as usize >= available) {
+        return Err(err(OP, format!("row {r} at index {i} is outside x of {available} rows")));
     }
     Ok(())
 }
@@ -148,20 +115,9 @@ pub(crate) fn write_kv(
     let need = mul(OP, slots.len(), kv_width)?;
     at_least(OP, "k", k, need)?;
     at_least(OP, "v", v, need)?;
-    let capacity = if kv_width == 0 {
-        usize::MAX
-    } else {
-        k_cache.min(v_cache) / kv_width
-    };
-    if let Some((t, &s)) = slots
-        .iter()
-        .enumerate()
-        .find(|(_, &s)| s as usize >= capacity)
-    {
-        return Err(err(
-            OP,
-            format!("slot {s} of token {t} is outside the cache of {capacity} slots"),
-        ));
+    let capacity = if kv_width == 0 { usize::MAX } else { k_cache.min(v_cache) / kv_width };
+    if let Some((t, &s)) = slots.iter().enumerate().find(|(_, &s)| s as usize >= capacity) {
+        return Err(err(OP, format!("slot {s} of token {t} is outside the cache of {capacity} slots")));
     }
     Ok(())
 }
@@ -176,21 +132,12 @@ pub(crate) struct AttnDims {
 }
 
 pub(crate) fn attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
-    let AttnShape {
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        ..
-    } = *shape;
+    let AttnShape { num_heads, num_kv_heads, head_dim, block_size, .. } = *shape;
     if num_heads == 0 || num_kv_heads == 0 || head_dim == 0 || block_size == 0 {
         return Err(err(op, format!("zero dimension in {shape:?}")));
     }
     if num_heads % num_kv_heads != 0 {
-        return Err(err(
-            op,
-            format!("num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"),
-        ));
+        return Err(err(op, format!("num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")));
     }
     Ok(())
 }
@@ -211,18 +158,10 @@ pub(crate) fn paged_attention(
     let mut ranges = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter().enumerate() {
         if s.q_len > s.context_len {
-            return Err(err(
-                OP,
-                format!(
-                    "seq {i}: q_len {} exceeds context_len {}",
-                    s.q_len, s.context_len
-                ),
-            ));
+            return Err(err(OP, format!("seq {i}: q_len {} exceeds context_len {}", s.q_len, s.context_len)));
         }
-        let end = s
-            .q_start
-            .checked_add(s.q_len)
-            .ok_or_else(|| err(OP, format!("seq {i}: q_start + q_len overflows")))?;
+        let end =
+            s.q_start.checked_add(s.q_len).ok_or_else(|| err(OP, format!("seq {i}: q_start + q_len overflows")))?;
         let blocks_needed = s.context_len.div_ceil(shape.block_size);
         if s.block_table.len() < blocks_needed {
             return Err(err(
@@ -234,14 +173,8 @@ pub(crate) fn paged_attention(
                 ),
             ));
         }
-        if let Some(&b) = s.block_table[..blocks_needed]
-            .iter()
-            .find(|&&b| b as usize >= num_blocks)
-        {
-            return Err(err(
-                OP,
-                format!("seq {i}: block id {b} is outside the cache of {num_blocks} blocks"),
-            ));
+        if let Some(&b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= num_blocks) {
+            return Err(err(OP, format!("seq {i}: block id {b} is outside the cache of {num_blocks} blocks")));
         }
         if s.q_len > 0 {
             ranges.push((s.q_start, end, i));
@@ -250,18 +183,12 @@ pub(crate) fn paged_attention(
     ranges.sort_unstable();
     for pair in ranges.windows(2) {
         if pair[1].0 < pair[0].1 {
-            return Err(err(
-                OP,
-                format!("query rows of seqs {} and {} overlap", pair[0].2, pair[1].2),
-            ));
+            return Err(err(OP, format!("query rows of seqs {} and {} overlap", pair[0].2, pair[1].2)));
         }
     }
     let num_tokens = ranges.iter().map(|r| r.1).max().unwrap_or(0);
     let need = mul(OP, num_tokens, q_width)?;
     at_least(OP, "q", q, need)?;
     at_least(OP, "out", out, need)?;
-    Ok(AttnDims {
-        group: shape.num_heads / shape.num_kv_heads,
-        kv_width,
-    })
+    Ok(AttnDims { group: shape.num_heads / shape.num_kv_heads, kv_width })
 }

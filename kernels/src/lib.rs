@@ -33,10 +33,7 @@ pub enum KernelError {
     #[error("backend out of memory allocating {bytes} bytes")]
     OutOfMemory { bytes: usize },
     #[error("backend `{backend}` failed: {detail}")]
-    Device {
-        backend: &'static str,
-        detail: String,
-    },
+    Device { backend: &'static str, detail: String },
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
@@ -100,14 +97,7 @@ pub trait Backend: Send + Sync + 'static {
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Copies `len` elements from `src[src_off..]` to `dst[dst_off..]`.
-    fn copy(
-        &self,
-        src: &Self::Buf,
-        src_off: usize,
-        dst: &mut Self::Buf,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()>;
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()>;
     /// Writes host data into `dst[dst_off..]`.
     fn write(&self, dst: &mut Self::Buf, dst_off: usize, host: &[f32]) -> Result<()>;
     /// Reads `len` elements of `src[src_off..]` into host memory.
@@ -146,34 +136,15 @@ pub trait Backend: Send + Sync + 'static {
         cos_sin: &Self::Buf,
     ) -> Result<()>;
     /// `out[t, i] = silu(gate[t, i]) * up[t, i]`.
-    fn silu_mul(
-        &self,
-        gate: &Self::Buf,
-        up: &Self::Buf,
-        len: usize,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) -> Result<()>;
     /// `x += y` over the first `len` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize) -> Result<()>;
     /// Row-wise softmax of `x: [rows, dim]` in place.
     fn softmax(&self, x: &mut Self::Buf, rows: usize, dim: usize) -> Result<()>;
     /// `out[t] = table[ids[t]]` for a table `[vocab, dim]`.
-    fn embedding(
-        &self,
-        table: &Self::Buf,
-        ids: &[u32],
-        vocab: usize,
-        dim: usize,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn embedding(&self, table: &Self::Buf, ids: &[u32], vocab: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
     /// `out[i] = x[rows[i]]` for `x: [_, dim]`.
-    fn gather_rows(
-        &self,
-        x: &Self::Buf,
-        rows: &[u32],
-        dim: usize,
-        out: &mut Self::Buf,
-    ) -> Result<()>;
+    fn gather_rows(&self, x: &Self::Buf, rows: &[u32], dim: usize, out: &mut Self::Buf) -> Result<()>;
     /// Writes `k, v: [num_tokens, num_kv_heads, head_dim]` into the cache pools at the flat slots
     /// `slots[t] = block_id * block_size + row`.
     fn write_kv(

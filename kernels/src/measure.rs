@@ -61,8 +61,7 @@ pub fn memory_bandwidth_gbps_on(backend: &CpuBackend, bytes: usize) -> f64 {
     let isa = backend.isa();
     let chunk = (len / (backend.threads() * 16)).max(1 << 14);
     // Touch every page from the pool so first-touch placement matches the readers.
-    let data: Vec<f32> =
-        backend.install(|| (0..len).into_par_iter().map(|i| (i % 7) as f32).collect());
+    let data: Vec<f32> = backend.install(|| (0..len).into_par_iter().map(|i| (i % 7) as f32).collect());
     let secs = best_secs(|| {
         let s: f32 = backend.install(|| data.par_chunks(chunk).map(|c| simd::sum(isa, c)).sum());
         black_box(s);

@@ -13,22 +13,8 @@ use crate::check;
 use crate::{AttnSeq, AttnShape, KernelError, Result, RopeScaling};
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
-pub fn linear(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    m: usize,
-    k: usize,
-    n: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    check::linear(
-        x.len(),
-        w.len(),
-        bias.map(<[f32]>::len),
-        (m, k, n),
-        out.len(),
-    )?;
+pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32]) -> Result<()> {
+    check::linear(x.len(), w.len(), bias.map(<[f32]>::len), (m, k, n), out.len())?;
     for i in 0..m {
         for j in 0..n {
             let mut acc = 0f64;
@@ -43,14 +29,7 @@ pub fn linear(
 }
 
 /// Row-wise RMSNorm in Hugging Face's order: `weight * (x * rsqrt(mean(x²) + eps))`.
-pub fn rms_norm(
-    x: &[f32],
-    weight: &[f32],
-    eps: f32,
-    rows: usize,
-    dim: usize,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, rows: usize, dim: usize, out: &mut [f32]) -> Result<()> {
     check::rms_norm(x.len(), weight.len(), rows, dim, out.len())?;
     for r in 0..rows {
         let row = &x[r * dim..(r + 1) * dim];
@@ -82,12 +61,7 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<
     match *scaling {
         RopeScaling::None => default,
         RopeScaling::Linear { factor } => default.iter().map(|&f| f / factor).collect(),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
             let old = original_max_position_embeddings as f64;
             // Python floats, compared against f32 tensors: torch rounds them to f32.
             let low_freq_wavelen = (old / low_freq_factor as f64) as f32;
@@ -98,11 +72,7 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<
                 .iter()
                 .map(|&inv_freq| {
                     let wavelen = two_pi / inv_freq;
-                    let llama = if wavelen > low_freq_wavelen {
-                        inv_freq / factor
-                    } else {
-                        inv_freq
-                    };
+                    let llama = if wavelen > low_freq_wavelen { inv_freq / factor } else { inv_freq };
                     let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                     if medium {
                         let smooth = (old as f32 / wavelen - low_freq_factor) / factor_span;
@@ -136,13 +106,7 @@ pub fn rope_table(inv_freq: &[f32], max_positions: usize) -> Vec<f32> {
 
 /// In-place rotate-half RoPE on `x: [positions.len(), num_heads, head_dim]`:
 /// `x * cos + rotate_half(x) * sin` with `rotate_half(x) = [-x[half..], x[..half]]`.
-pub fn rope(
-    x: &mut [f32],
-    positions: &[u32],
-    num_heads: usize,
-    head_dim: usize,
-    cos_sin: &[f32],
-) -> Result<()> {
+pub fn rope(x: &mut [f32], positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &[f32]) -> Result<()> {
     check::rope(x.len(), positions, num_heads, head_dim, cos_sin.len())?;
     let half = head_dim / 2;
     for (t, &p) in positions.iter().enumerate() {
@@ -198,17 +162,10 @@ pub fn softmax(x: &mut [f32], rows: usize, dim: usize) -> Result<()> {
 }
 
 /// `out[t] = table[ids[t]]` for `table: [vocab, dim]`.
-pub fn embedding(
-    table: &[f32],
-    ids: &[u32],
-    vocab: usize,
-    dim: usize,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn embedding(table: &[f32], ids: &[u32], vocab: usize, dim: usize, out: &mut [f32]) -> Result<()> {
     check::embedding(table.len(), ids, vocab, dim, out.len())?;
     for (t, &id) in ids.iter().enumerate() {
-        out[t * dim..(t + 1) * dim]
-            .copy_from_slice(&table[id as usize * dim..(id as usize + 1) * dim]);
+        out[t * dim..(t + 1) * dim].copy_from_slice(&table[id as usize * dim..(id as usize + 1) * dim]);
     }
     Ok(())
 }
@@ -231,14 +188,7 @@ pub fn write_kv(
     k_cache: &mut [f32],
     v_cache: &mut [f32],
 ) -> Result<()> {
-    check::write_kv(
-        k.len(),
-        v.len(),
-        slots,
-        kv_width,
-        k_cache.len(),
-        v_cache.len(),
-    )?;
+    check::write_kv(k.len(), v.len(), slots, kv_width, k_cache.len(), v_cache.len())?;
     for (t, &s) in slots.iter().enumerate() {
         let dst = s as usize * kv_width..(s as usize + 1) * kv_width;
         k_cache[dst.clone()].copy_from_slice(&k[t * kv_width..(t + 1) * kv_width]);
@@ -249,32 +199,18 @@ pub fn write_kv(
 
 /// Causal attention of one query row against keys/values fetched by `kv(t)` for `t <= pos`.
 /// Two-pass softmax in f64.
-fn attend_one<'a>(
-    q: &[f32],
-    pos: usize,
-    scale: f32,
-    kv: impl Fn(usize) -> (&'a [f32], &'a [f32]),
-    out: &mut [f32],
-) {
+fn attend_one<'a>(q: &[f32], pos: usize, scale: f32, kv: impl Fn(usize) -> (&'a [f32], &'a [f32]), out: &mut [f32]) {
     let scores: Vec<f64> = (0..=pos)
         .map(|t| {
             let k = kv(t).0;
-            q.iter()
-                .zip(k)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum::<f64>()
-                * scale as f64
+            q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
         })
         .collect();
     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f64 = weights.iter().sum();
     for (d, o) in out.iter_mut().enumerate() {
-        let acc: f64 = weights
-            .iter()
-            .enumerate()
-            .map(|(t, w)| w * kv(t).1[d] as f64)
-            .sum();
+        let acc: f64 = weights.iter().enumerate().map(|(t, w)| w * kv(t).1[d] as f64).sum();
         *o = (acc / sum) as f32;
     }
 }
@@ -288,14 +224,7 @@ pub fn paged_attention(
     shape: AttnShape,
     out: &mut [f32],
 ) -> Result<()> {
-    let dims = check::paged_attention(
-        q.len(),
-        k_cache.len(),
-        v_cache.len(),
-        seqs,
-        &shape,
-        out.len(),
-    )?;
+    let dims = check::paged_attention(q.len(), k_cache.len(), v_cache.len(), seqs, &shape, out.len())?;
     let (h, d, bs) = (shape.num_heads, shape.head_dim, shape.block_size);
     for s in seqs {
         for i in 0..s.q_len {
@@ -329,19 +258,10 @@ pub fn dense_attention(
     shape: AttnShape,
 ) -> Result<Vec<f32>> {
     const OP: &str = "dense_attention";
-    check::attn_shape(
-        OP,
-        &AttnShape {
-            block_size: 1,
-            ..shape
-        },
-    )?;
+    check::attn_shape(OP, &AttnShape { block_size: 1, ..shape })?;
     let (h, kvh, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     if q_len > context_len {
-        return Err(KernelError::Shape {
-            op: OP,
-            detail: format!("q_len {q_len} exceeds context_len {context_len}"),
-        });
+        return Err(KernelError::Shape { op: OP, detail: format!("q_len {q_len} exceeds context_len {context_len}") });
     }
     let q_size = check::mul(OP, check::mul(OP, q_len, h)?, d)?;
     let kv_size = check::mul(OP, check::mul(OP, context_len, kvh)?, d)?;

@@ -44,33 +44,15 @@ fn build(seed: u64, shape: AttnShape, lens: &[(usize, usize)]) -> Case {
         let n = context_len.div_ceil(bs);
         let block_table = ids[next_block..next_block + n].to_vec();
         next_block += n;
-        let (k, v) = (
-            rng.vec(context_len * kv_width),
-            rng.vec(context_len * kv_width),
-        );
-        let slots: Vec<u32> = (0..context_len)
-            .map(|t| block_table[t / bs] * bs as u32 + (t % bs) as u32)
-            .collect();
+        let (k, v) = (rng.vec(context_len * kv_width), rng.vec(context_len * kv_width));
+        let slots: Vec<u32> = (0..context_len).map(|t| block_table[t / bs] * bs as u32 + (t % bs) as u32).collect();
         reference::write_kv(&k, &v, &slots, kv_width, &mut k_cache, &mut v_cache).unwrap();
         row += rng.below(2);
-        seqs.push(SeqCase {
-            q_len,
-            context_len,
-            k,
-            v,
-            block_table,
-            q_start: row,
-        });
+        seqs.push(SeqCase { q_len, context_len, k, v, block_table, q_start: row });
         row += q_len;
     }
     let q = rng.vec(row * q_width);
-    Case {
-        shape,
-        seqs,
-        q,
-        k_cache,
-        v_cache,
-    }
+    Case { shape, seqs, q, k_cache, v_cache }
 }
 
 fn check(case: &Case) {
@@ -86,58 +68,31 @@ fn check(case: &Case) {
         .collect();
     let q_width = case.shape.num_heads * case.shape.head_dim;
     let mut want = vec![0f32; case.q.len()];
-    reference::paged_attention(
-        &case.q,
-        &case.k_cache,
-        &case.v_cache,
-        &attn,
-        case.shape,
-        &mut want,
-    )
-    .unwrap();
+    reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &attn, case.shape, &mut want).unwrap();
 
     for s in &case.seqs {
         let rows = s.q_start * q_width..(s.q_start + s.q_len) * q_width;
-        let dense = reference::dense_attention(
-            &case.q[rows.clone()],
-            &s.k,
-            &s.v,
-            s.q_len,
-            s.context_len,
-            case.shape,
-        )
-        .unwrap();
+        let dense =
+            reference::dense_attention(&case.q[rows.clone()], &s.k, &s.v, s.q_len, s.context_len, case.shape).unwrap();
         assert_close(&want[rows], &dense, 1e-6, 1e-6, "paged reference vs dense");
     }
     for b in backends() {
         let mut got = vec![0f32; case.q.len()];
-        b.paged_attention(
-            &case.q,
-            &case.k_cache,
-            &case.v_cache,
-            &attn,
-            case.shape,
-            &mut got,
-        )
-        .unwrap();
+        b.paged_attention(&case.q, &case.k_cache, &case.v_cache, &attn, case.shape, &mut got).unwrap();
         assert_close(&got, &want, 1e-5, 1e-5, &format!("{b:?} paged attention"));
     }
 }
 
 fn shape_strategy() -> impl Strategy<Value = AttnShape> {
-    (
-        1usize..=3,
-        1usize..=4,
-        prop::sample::select(vec![1usize, 2, 3, 8, 16, 17, 32, 64]),
-        1usize..=17,
-    )
-        .prop_map(|(kv, group, head_dim, block_size)| AttnShape {
+    (1usize..=3, 1usize..=4, prop::sample::select(vec![1usize, 2, 3, 8, 16, 17, 32, 64]), 1usize..=17).prop_map(
+        |(kv, group, head_dim, block_size)| AttnShape {
             num_heads: kv * group,
             num_kv_heads: kv,
             head_dim,
             block_size,
             scale: 1.0 / (head_dim as f32).sqrt(),
-        })
+        },
+    )
 }
 
 /// `(q_len, context_len)` with prefixes: decode steps (q_len 1), full prefills and chunks over a
@@ -165,37 +120,18 @@ proptest! {
 
 #[test]
 fn long_prefill_chunk_over_prefix() {
-    let shape = AttnShape {
-        num_heads: 9,
-        num_kv_heads: 3,
-        head_dim: 64,
-        block_size: 16,
-        scale: 0.125,
-    };
+    let shape = AttnShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16, scale: 0.125 };
     check(&build(11, shape, &[(150, 400), (1, 333), (37, 37)]));
 }
 
 #[test]
 fn empty_batch_and_zero_length_queries_are_fine() {
-    let shape = AttnShape {
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        block_size: 4,
-        scale: 0.5,
-    };
+    let shape = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 4, scale: 0.5 };
     let b = &backends()[0];
     let mut out = vec![7f32; 8];
     let (q, cache) = (vec![0f32; 8], vec![0f32; 16]);
-    b.paged_attention(&q, &cache, &cache, &[], shape, &mut out)
-        .unwrap();
-    let idle = AttnSeq {
-        q_start: 0,
-        q_len: 0,
-        context_len: 3,
-        block_table: &[0],
-    };
-    b.paged_attention(&q, &cache, &cache, &[idle], shape, &mut out)
-        .unwrap();
+    b.paged_attention(&q, &cache, &cache, &[], shape, &mut out).unwrap();
+    let idle = AttnSeq { q_start: 0, q_len: 0, context_len: 3, block_table: &[0] };
+    b.paged_attention(&q, &cache, &cache, &[idle], shape, &mut out).unwrap();
     assert_eq!(out, vec![7f32; 8]);
 }

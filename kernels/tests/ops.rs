@@ -3,9 +3,7 @@
 
 mod common;
 
-use cleave_kernels::{
-    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, KernelError, RopeScaling,
-};
+use cleave_kernels::{reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, KernelError, RopeScaling};
 use common::{assert_close, backends, Rng};
 
 /// Sentinel that fills the tail of output buffers longer than an op needs.
@@ -31,13 +29,7 @@ fn linear_matches_reference() {
                     reference::linear(&x, &w, bias.as_deref(), m, k, n, &mut want).unwrap();
                     let mut got = padded(m * n, 3);
                     b.linear(&x, &w, bias.as_ref(), m, k, n, &mut got).unwrap();
-                    assert_close(
-                        &got[..m * n],
-                        &want,
-                        1e-5,
-                        1e-5,
-                        &format!("{b:?} linear {m}x{k}x{n}"),
-                    );
+                    assert_close(&got[..m * n], &want, 1e-5, 1e-5, &format!("{b:?} linear {m}x{k}x{n}"));
                     assert_eq!(&got[m * n..], &[SENTINEL; 3], "linear wrote past m*n");
                 }
             }
@@ -49,12 +41,7 @@ fn linear_matches_reference() {
 fn linear_large_paths_match_reference() {
     let mut rng = Rng::new(2);
     let b = &backends()[backends().len() - 1];
-    for &(m, k, n) in &[
-        (1, 1024, 700),
-        (4, 576, 1536),
-        (8, 333, 2049),
-        (64, 200, 300),
-    ] {
+    for &(m, k, n) in &[(1, 1024, 700), (4, 576, 1536), (8, 333, 2049), (64, 200, 300)] {
         let x = rng.vec(m * k);
         let w = rng.vec(n * k);
         let mut want = vec![0f32; m * n];
@@ -62,6 +49,27 @@ fn linear_large_paths_match_reference() {
         let mut got = vec![0f32; m * n];
         b.linear(&x, &w, None, m, k, n, &mut got).unwrap();
         assert_close(&got, &want, 1e-4, 1e-5, &format!("linear {m}x{k}x{n}"));
+    }
+}
+
+#[test]
+fn both_linear_kernels_match_reference_at_any_m() {
+    let mut rng = Rng::new(8);
+    for b in backends() {
+        let kernels = [b.clone().with_skinny_max_m(usize::MAX), b.clone().with_skinny_max_m(0)];
+        // Long k exercises the streaming kernel's k blocks; m > 8 its row groups.
+        for &(m, k, n) in &[(1, 9000, 50), (13, 2500, 70), (8, 1030, 33), (20, 100, 3), (3, 17, 9)] {
+            let x = rng.vec(m * k);
+            let w = rng.vec(n * k);
+            let bias = rng.vec(n);
+            let mut want = vec![0f32; m * n];
+            reference::linear(&x, &w, Some(&bias), m, k, n, &mut want).unwrap();
+            for kernel in &kernels {
+                let mut got = vec![0f32; m * n];
+                kernel.linear(&x, &w, Some(&bias), m, k, n, &mut got).unwrap();
+                assert_close(&got, &want, 1e-4, 1e-5, &format!("{kernel:?} linear {m}x{k}x{n}"));
+            }
+        }
     }
 }
 
@@ -167,8 +175,7 @@ fn embedding_gather_and_write_kv_match_reference() {
     let slots = [5u32, 0, 9];
     let (k, v) = (rng.vec(3 * kv_width), rng.vec(3 * kv_width));
     let (mut kc, mut vc) = (vec![0f32; 10 * kv_width], vec![0f32; 10 * kv_width]);
-    b.write_kv(&k, &v, &slots, kv_width, &mut kc, &mut vc)
-        .unwrap();
+    b.write_kv(&k, &v, &slots, kv_width, &mut kc, &mut vc).unwrap();
     assert_eq!(&kc[5 * kv_width..6 * kv_width], &k[..kv_width]);
     assert_eq!(&vc[9 * kv_width..], &v[2 * kv_width..]);
 }
@@ -183,63 +190,22 @@ fn bad_sizes_are_shape_errors() {
     let v = |n: usize| vec![1f32; n];
     let mut out = v(4);
     assert!(is_shape(b.linear(&v(5), &v(6), None, 2, 3, 2, &mut out)));
-    assert!(is_shape(b.linear(
-        &v(6),
-        &v(6),
-        Some(&v(1)),
-        2,
-        3,
-        2,
-        &mut out
-    )));
+    assert!(is_shape(b.linear(&v(6), &v(6), Some(&v(1)), 2, 3, 2, &mut out)));
     assert!(is_shape(b.linear(&v(6), &v(6), None, 2, 3, 2, &mut v(3))));
-    assert!(is_shape(b.linear(
-        &v(6),
-        &v(6),
-        None,
-        usize::MAX,
-        3,
-        2,
-        &mut out
-    )));
+    assert!(is_shape(b.linear(&v(6), &v(6), None, usize::MAX, 3, 2, &mut out)));
     assert_eq!(out, v(4), "a rejected call must not write");
     assert!(is_shape(b.rms_norm(&v(4), &v(1), 1e-5, 2, 2, &mut out)));
-    assert!(
-        is_shape(b.rope(&mut v(4), &[0], 1, 3, &v(6))),
-        "odd head_dim"
-    );
-    assert!(
-        is_shape(b.rope(&mut v(4), &[2], 1, 4, &v(8))),
-        "position beyond table"
-    );
-    assert!(
-        is_shape(b.rope(&mut v(4), &[0, 0], 1, 4, &v(8))),
-        "x too short"
-    );
+    assert!(is_shape(b.rope(&mut v(4), &[0], 1, 3, &v(6))), "odd head_dim");
+    assert!(is_shape(b.rope(&mut v(4), &[2], 1, 4, &v(8))), "position beyond table");
+    assert!(is_shape(b.rope(&mut v(4), &[0, 0], 1, 4, &v(8))), "x too short");
     assert!(is_shape(b.silu_mul(&v(3), &v(4), 4, &mut out)));
     assert!(is_shape(b.add_assign(&mut v(3), &v(4), 4)));
     assert!(is_shape(b.softmax(&mut v(3), 2, 2)));
-    assert!(
-        is_shape(b.embedding(&v(8), &[4], 4, 2, &mut out)),
-        "token id out of range"
-    );
-    assert!(
-        is_shape(b.embedding(&v(7), &[0], 4, 2, &mut out)),
-        "table too short"
-    );
+    assert!(is_shape(b.embedding(&v(8), &[4], 4, 2, &mut out)), "token id out of range");
+    assert!(is_shape(b.embedding(&v(7), &[0], 4, 2, &mut out)), "table too short");
     assert!(is_shape(b.gather_rows(&v(8), &[4], 2, &mut out)));
-    assert!(
-        is_shape(b.write_kv(&v(4), &v(4), &[0, 2], 2, &mut v(4), &mut v(4))),
-        "slot beyond cache"
-    );
-    assert!(is_shape(b.write_kv(
-        &v(4),
-        &v(3),
-        &[0, 1],
-        2,
-        &mut v(4),
-        &mut v(4)
-    )));
+    assert!(is_shape(b.write_kv(&v(4), &v(4), &[0, 2], 2, &mut v(4), &mut v(4))), "slot beyond cache");
+    assert!(is_shape(b.write_kv(&v(4), &v(3), &[0, 1], 2, &mut v(4), &mut v(4))));
     assert!(is_shape(b.copy(&v(4), 2, &mut out, 0, 3)));
     assert!(is_shape(b.copy(&v(4), 0, &mut out, usize::MAX, 3)));
     assert!(is_shape(b.write(&mut out, 3, &[1.0, 2.0])));
@@ -249,85 +215,27 @@ fn bad_sizes_are_shape_errors() {
 #[test]
 fn bad_attention_calls_are_shape_errors() {
     let b = &backends()[0];
-    let shape = AttnShape {
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        block_size: 2,
-        scale: 0.5,
-    };
+    let shape = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 2, scale: 0.5 };
     // Cache of 3 blocks of 2 tokens x 1 kv head x 4.
     let cache = vec![0f32; 3 * 2 * 4];
     let q = vec![0f32; 4 * 8];
     let mut out = vec![0f32; 4 * 8];
-    let ok = AttnSeq {
-        q_start: 0,
-        q_len: 2,
-        context_len: 5,
-        block_table: &[2, 0, 1],
-    };
-    b.paged_attention(&q, &cache, &cache, &[ok], shape, &mut out)
-        .unwrap();
+    let ok = AttnSeq { q_start: 0, q_len: 2, context_len: 5, block_table: &[2, 0, 1] };
+    b.paged_attention(&q, &cache, &cache, &[ok], shape, &mut out).unwrap();
     let bad = [
-        AttnSeq {
-            block_table: &[2, 0, 3],
-            ..ok
-        },
-        AttnSeq {
-            block_table: &[2, 0],
-            ..ok
-        },
-        AttnSeq {
-            q_len: 6,
-            context_len: 5,
-            ..ok
-        },
+        AttnSeq { block_table: &[2, 0, 3], ..ok },
+        AttnSeq { block_table: &[2, 0], ..ok },
+        AttnSeq { q_len: 6, context_len: 5, ..ok },
         AttnSeq { q_start: 3, ..ok },
     ];
     for s in bad {
-        assert!(
-            is_shape(b.paged_attention(&q, &cache, &cache, &[s], shape, &mut out)),
-            "{s:?}"
-        );
-        assert!(
-            is_shape(reference::paged_attention(
-                &q,
-                &cache,
-                &cache,
-                &[s],
-                shape,
-                &mut out
-            )),
-            "{s:?}"
-        );
+        assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[s], shape, &mut out)), "{s:?}");
+        assert!(is_shape(reference::paged_attention(&q, &cache, &cache, &[s], shape, &mut out)), "{s:?}");
     }
     let overlap = [ok, AttnSeq { q_start: 1, ..ok }];
-    assert!(is_shape(
-        b.paged_attention(&q, &cache, &cache, &overlap, shape, &mut out)
-    ));
-    let three_heads = AttnShape {
-        num_heads: 3,
-        num_kv_heads: 2,
-        ..shape
-    };
-    assert!(is_shape(b.paged_attention(
-        &q,
-        &cache,
-        &cache,
-        &[ok],
-        three_heads,
-        &mut out
-    )));
-    let zero = AttnShape {
-        block_size: 0,
-        ..shape
-    };
-    assert!(is_shape(b.paged_attention(
-        &q,
-        &cache,
-        &cache,
-        &[ok],
-        zero,
-        &mut out
-    )));
+    assert!(is_shape(b.paged_attention(&q, &cache, &cache, &overlap, shape, &mut out)));
+    let three_heads = AttnShape { num_heads: 3, num_kv_heads: 2, ..shape };
+    assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[ok], three_heads, &mut out)));
+    let zero = AttnShape { block_size: 0, ..shape };
+    assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[ok], zero, &mut out)));
 }

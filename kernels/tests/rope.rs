@@ -5,25 +5,14 @@ use cleave_kernels::{reference, rope_inv_freq, rope_table, Backend, CpuBackend, 
 fn close(got: &[f32], want: &[f64]) {
     assert_eq!(got.len(), want.len());
     for (g, w) in got.iter().zip(want) {
-        assert!(
-            ((*g as f64) - w).abs() <= 1e-6 * w.abs() + 1e-9,
-            "got {got:?}, want {want:?}"
-        );
+        assert!(((*g as f64) - w).abs() <= 1e-6 * w.abs() + 1e-9, "got {got:?}, want {want:?}");
     }
 }
 
 #[test]
 fn default_inv_freq() {
     let f = rope_inv_freq(8, 500000.0, &RopeScaling::None);
-    close(
-        &f,
-        &[
-            1.0,
-            0.03760603093086393,
-            0.001414213562373095,
-            5.318295896944989e-05,
-        ],
-    );
+    close(&f, &[1.0, 0.03760603093086393, 0.001414213562373095, 5.318295896944989e-05]);
     let f = rope_inv_freq(4, 10000.0, &RopeScaling::None);
     close(&f, &[1.0, 0.01]);
 }
@@ -31,15 +20,7 @@ fn default_inv_freq() {
 #[test]
 fn linear_scaling_divides_frequencies() {
     let f = rope_inv_freq(8, 500000.0, &RopeScaling::Linear { factor: 4.0 });
-    close(
-        &f,
-        &[
-            0.25,
-            0.009401507732715983,
-            0.00035355339059327376,
-            1.3295739742362472e-05,
-        ],
-    );
+    close(&f, &[0.25, 0.009401507732715983, 0.00035355339059327376, 1.3295739742362472e-05]);
 }
 
 #[test]
@@ -52,15 +33,7 @@ fn llama3_scaling_has_three_regimes() {
     };
     let f = rope_inv_freq(8, 500000.0, &scaling);
     // wavelengths 6.3 and 167 (< 2048: kept), 4443 (between: smoothed), 118145 (> 8192: / 8).
-    close(
-        &f,
-        &[
-            1.0,
-            0.03760603093086393,
-            0.0005248461609929547,
-            6.647869871181236e-06,
-        ],
-    );
+    close(&f, &[1.0, 0.03760603093086393, 0.0005248461609929547, 6.647869871181236e-06]);
 }
 
 #[test]
@@ -80,21 +53,13 @@ fn rotation_is_rotate_half() {
     let f = rope_inv_freq(4, 10000.0, &RopeScaling::None);
     let table = rope_table(&f, 4);
     let (c0, c1, s0, s1) = (3f32.cos(), 0.03f32.cos(), 3f32.sin(), 0.03f32.sin());
-    let want = [
-        1.0 * c0 - 3.0 * s0,
-        2.0 * c1 - 4.0 * s1,
-        3.0 * c0 + 1.0 * s0,
-        4.0 * c1 + 2.0 * s1,
-    ];
+    let want = [1.0 * c0 - 3.0 * s0, 2.0 * c1 - 4.0 * s1, 3.0 * c0 + 1.0 * s0, 4.0 * c1 + 2.0 * s1];
     let mut x = vec![1.0, 2.0, 3.0, 4.0];
     reference::rope(&mut x, &[3], 1, 4, &table).unwrap();
     for (g, w) in x.iter().zip(want) {
         assert!((g - w).abs() < 1e-6, "{x:?} vs {want:?}");
     }
     let mut y = vec![1.0, 2.0, 3.0, 4.0];
-    CpuBackend::new(Some(1))
-        .unwrap()
-        .rope(&mut y, &[3], 1, 4, &table)
-        .unwrap();
+    CpuBackend::new(Some(1)).unwrap().rope(&mut y, &[3], 1, 4, &table).unwrap();
     assert_eq!(x, y);
 }

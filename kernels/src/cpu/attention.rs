@@ -43,26 +43,12 @@ pub(crate) fn paged_attention(
     for (seq, s) in seqs.iter().enumerate() {
         for head in 0..shape.num_heads {
             for q0 in (0..s.q_len).step_by(Q_BLOCK) {
-                items.push(Item {
-                    seq,
-                    head,
-                    q0,
-                    q1: (q0 + Q_BLOCK).min(s.q_len),
-                });
+                items.push(Item { seq, head, q0, q1: (q0 + Q_BLOCK).min(s.q_len) });
             }
         }
     }
-    let ctx = Ctx {
-        isa,
-        q,
-        k_cache,
-        v_cache,
-        seqs,
-        shape,
-        dims,
-    };
-    let results: Vec<Vec<f32>> =
-        pool.install(|| items.par_iter().map(|it| ctx.attend(it)).collect());
+    let ctx = Ctx { isa, q, k_cache, v_cache, seqs, shape, dims };
+    let results: Vec<Vec<f32>> = pool.install(|| items.par_iter().map(|it| ctx.attend(it)).collect());
     let (h, d) = (shape.num_heads, shape.head_dim);
     for (it, res) in items.iter().zip(&results) {
         let s = &seqs[it.seq];
@@ -88,11 +74,7 @@ impl Ctx<'_> {
     /// Attention output `[q1 - q0, head_dim]` of one item.
     fn attend(&self, it: &Item) -> Vec<f32> {
         let s = &self.seqs[it.seq];
-        let (h, d, bs) = (
-            self.shape.num_heads,
-            self.shape.head_dim,
-            self.shape.block_size,
-        );
+        let (h, d, bs) = (self.shape.num_heads, self.shape.head_dim, self.shape.block_size);
         let kv_off = (it.head / self.dims.group) * d;
         let nq = it.q1 - it.q0;
         // Position of the item's first query; query qi sees keys 0..=pos0 + qi.
@@ -102,8 +84,7 @@ impl Ctx<'_> {
             let o = ((s.q_start + it.q0 + qi) * h + it.head) * d;
             &self.q[o..o + d]
         };
-        let key_offset =
-            |t: usize| (s.block_table[t / bs] as usize * bs + t % bs) * self.dims.kv_width + kv_off;
+        let key_offset = |t: usize| (s.block_table[t / bs] as usize * bs + t % bs) * self.dims.kv_width + kv_off;
 
         let mut scores = vec![0f32; nq * nk];
         for t in 0..nk {
@@ -129,12 +110,7 @@ impl Ctx<'_> {
             let o = key_offset(t);
             let v = &self.v_cache[o..o + d];
             for qi in t.saturating_sub(pos0)..nq {
-                simd::axpy(
-                    self.isa,
-                    &mut out[qi * d..(qi + 1) * d],
-                    scores[qi * nk + t],
-                    v,
-                );
+                simd::axpy(self.isa, &mut out[qi * d..(qi + 1) * d], scores[qi * nk + t], v);
             }
         }
         for (row, inv) in out.chunks_exact_mut(d).zip(&inv_sum) {

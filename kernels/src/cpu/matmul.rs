@@ -16,17 +16,26 @@ use rayon::prelude::*;
 /// (`examples/kernel_bench.rs`): the skinny kernel re-reads `w` once per 8 rows, gemm packs it.
 pub(crate) const SKINNY_MAX_M: usize = 8;
 
-/// Rows of `w` per rayon task in the skinny kernel: enough tasks to balance, each long enough
-/// that the hardware prefetcher streams it.
-fn rows_per_task(n: usize, threads: usize) -> usize {
-    (n / (threads * 8)).clamp(16, 1024)
+/// Activation rows per pass of the skinny kernel (accumulators must fit in registers).
+const MR: usize = 8;
+
+/// Activation floats per pass kept hot in L1 (32 KiB): `x` is split along `k` into blocks of
+/// `L1_FLOATS / rows` so that every weight element is multiplied against L1-resident activations.
+const L1_FLOATS: usize = 8192;
+
+/// Weight rows handled by one rayon task: enough tasks to balance the pool, and a task's slice
+/// of `w` (re-read once per group of `MR` activation rows) small enough to stay in L2.
+fn rows_per_task(n: usize, k: usize, threads: usize) -> usize {
+    let l2_rows = (1 << 20) / (4 * k.max(1));
+    n.div_ceil(threads * 4).min(l2_rows).max(4)
 }
 
-/// Computes the product; `x: m*k`, `w: n*k`, `bias: n`, `out: m*n`.
+/// Computes the product, with the skinny kernel when `m <= skinny_max_m`; `x: m*k`, `w: n*k`, `bias: n`, `out: m*n`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear(
     pool: &rayon::ThreadPool,
     isa: Isa,
+    skinny_max_m: usize,
     x: &[f32],
     w: &[f32],
     bias: Option<&[f32]>,
@@ -45,7 +54,7 @@ pub(crate) fn linear(
         }
         return;
     }
-    if m <= SKINNY_MAX_M {
+    if m <= skinny_max_m {
         skinny(pool, isa, x, w, bias, (m, k, n), out);
     } else {
         wide(pool, x, w, bias, (m, k, n), out);
@@ -61,20 +70,8 @@ fn skinny(
     (m, k, n): (usize, usize, usize),
     out: &mut [f32],
 ) {
-    let rows = rows_per_task(n, pool.current_num_threads());
-    let task = |(c, chunk): (usize, &mut [f32])| {
-        let j0 = c * rows;
-        match m {
-            1 => fill::<1>(isa, x, w, bias, k, j0, chunk),
-            2 => fill::<2>(isa, x, w, bias, k, j0, chunk),
-            3 => fill::<3>(isa, x, w, bias, k, j0, chunk),
-            4 => fill::<4>(isa, x, w, bias, k, j0, chunk),
-            5 => fill::<5>(isa, x, w, bias, k, j0, chunk),
-            6 => fill::<6>(isa, x, w, bias, k, j0, chunk),
-            7 => fill::<7>(isa, x, w, bias, k, j0, chunk),
-            _ => fill::<8>(isa, x, w, bias, k, j0, chunk),
-        }
-    };
+    let rows = rows_per_task(n, k, pool.current_num_threads());
+    let task = |(c, chunk): (usize, &mut [f32])| tile(isa, x, w, bias, (m, k), c * rows, chunk);
     if m == 1 {
         // The transposed output `[n, 1]` is `out` itself.
         pool.install(|| out.par_chunks_mut(rows).enumerate().for_each(task));
@@ -89,26 +86,72 @@ fn skinny(
     }
 }
 
-/// Fills `chunk = tn[j0.., ..]` (rows of the transposed output `[n, M]`) with
-/// `dot(x[i], w[j]) + bias[j]`.
-fn fill<const M: usize>(
-    isa: Isa,
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    k: usize,
-    j0: usize,
-    chunk: &mut [f32],
-) {
-    let xs: [&[f32]; M] = std::array::from_fn(|i| &x[i * k..(i + 1) * k]);
-    for (jj, o) in chunk.chunks_exact_mut(M).enumerate() {
-        let j = j0 + jj;
-        let d = simd::dots::<M>(isa, &xs, &w[j * k..(j + 1) * k]);
-        let b = bias.map_or(0.0, |b| b[j]);
-        for (o, d) in o.iter_mut().zip(d) {
-            *o = d + b;
+/// Fills `chunk`, rows `j0..` of the transposed output `[n, m]`, with `bias[j] + x[i] · w[j]`:
+/// activation rows in groups of up to `MR`, each group in `k` blocks that fit L1.
+fn tile(isa: Isa, x: &[f32], w: &[f32], bias: Option<&[f32]>, (m, k): (usize, usize), j0: usize, chunk: &mut [f32]) {
+    for (jj, o) in chunk.chunks_exact_mut(m).enumerate() {
+        o.fill(bias.map_or(0.0, |b| b[j0 + jj]));
+    }
+    for g0 in (0..m).step_by(MR) {
+        let g = (m - g0).min(MR);
+        let kb = (L1_FLOATS / g).max(16);
+        for k0 in (0..k).step_by(kb) {
+            let p = Pass { isa, x, w, k, g0, k0, k1: (k0 + kb).min(k), m, j0 };
+            match g {
+                1 => p.run::<1>(chunk),
+                2 => p.run::<2>(chunk),
+                3 => p.run::<3>(chunk),
+                4 => p.run::<4>(chunk),
+                5 => p.run::<5>(chunk),
+                6 => p.run::<6>(chunk),
+                7 => p.run::<7>(chunk),
+                _ => p.run::<8>(chunk),
+            }
         }
     }
+}
+
+/// One group of activation rows `g0..g0 + M` and one `k` block `k0..k1` against a task's weight
+/// rows.
+struct Pass<'a> {
+    isa: Isa,
+    x: &'a [f32],
+    w: &'a [f32],
+    k: usize,
+    g0: usize,
+    k0: usize,
+    k1: usize,
+    m: usize,
+    j0: usize,
+}
+
+impl Pass<'_> {
+    fn run<const M: usize>(&self, chunk: &mut [f32]) {
+        let (k, k0, k1, m) = (self.k, self.k0, self.k1, self.m);
+        let xs: [&[f32]; M] = std::array::from_fn(|r| &self.x[(self.g0 + r) * k + k0..(self.g0 + r) * k + k1]);
+        let wrow = |j: usize| &self.w[j * k + k0..j * k + k1];
+        let mut rows = chunk.chunks_exact_mut(m).enumerate();
+        // With AVX-512's 32 registers, two weight rows share each activation load.
+        if self.isa == Isa::Avx512 {
+            while rows.len() >= 2 {
+                let (Some((jj, o0)), Some((_, o1))) = (rows.next(), rows.next()) else {
+                    break;
+                };
+                let j = self.j0 + jj;
+                let [d0, d1] = simd::dots::<M, 2>(self.isa, &xs, &[wrow(j), wrow(j + 1)]);
+                add(&mut o0[self.g0..self.g0 + M], &d0);
+                add(&mut o1[self.g0..self.g0 + M], &d1);
+            }
+        }
+        for (jj, o) in rows {
+            let [d] = simd::dots::<M, 1>(self.isa, &xs, &[wrow(self.j0 + jj)]);
+            add(&mut o[self.g0..self.g0 + M], &d);
+        }
+    }
+}
+
+fn add(acc: &mut [f32], d: &[f32]) {
+    acc.iter_mut().zip(d).for_each(|(a, d)| *a += d);
 }
 
 fn wide(
@@ -121,15 +164,10 @@ fn wide(
 ) {
     let out = &mut out[..m * n];
     if let Some(b) = bias {
-        out.chunks_exact_mut(n)
-            .for_each(|row| row.copy_from_slice(&b[..n]));
+        out.chunks_exact_mut(n).for_each(|row| row.copy_from_slice(&b[..n]));
     }
     let threads = pool.current_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: dst is `[m, n]` row-major (row stride n, column stride 1) inside `out`; lhs is
     // `x: [m, k]` (row stride k); rhs is `wᵀ: [k, n]` read from `w: [n, k]` (element (p, j) at
     // j*k + p: row stride 1, column stride k). All three were checked to hold these many

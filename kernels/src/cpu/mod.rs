@@ -24,6 +24,8 @@ const PAR_MIN_ELEMS: usize = 1 << 15;
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     isa: Isa,
+    /// `linear` calls with `m <= skinny_max_m` use the weight-streaming kernel, larger ones gemm.
+    skinny_max_m: usize,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -31,6 +33,7 @@ impl std::fmt::Debug for CpuBackend {
         f.debug_struct("CpuBackend")
             .field("threads", &self.threads())
             .field("isa", &self.isa)
+            .field("skinny_max_m", &self.skinny_max_m)
             .finish()
     }
 }
@@ -48,21 +51,13 @@ impl Default for CpuBackend {
 impl CpuBackend {
     /// A backend with its own pool of `threads` threads (`None`: one per available core).
     pub fn new(threads: Option<usize>) -> Result<Self> {
-        let threads = threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-            .max(1);
+        let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("cleave-cpu-{i}"))
             .build()
-            .map_err(|e| KernelError::Device {
-                backend: "cpu",
-                detail: format!("thread pool: {e}"),
-            })?;
-        Ok(CpuBackend {
-            pool: Arc::new(pool),
-            isa: Isa::detect(),
-        })
+            .map_err(|e| KernelError::Device { backend: "cpu", detail: format!("thread pool: {e}") })?;
+        Ok(CpuBackend { pool: Arc::new(pool), isa: Isa::detect(), skinny_max_m: matmul::SKINNY_MAX_M })
     }
 
     /// The same backend restricted to a given instruction set (for tests and benchmarks of the
@@ -76,6 +71,13 @@ impl CpuBackend {
         if ok {
             self.isa = isa;
         }
+        self
+    }
+
+    /// The same backend with another crossover between the weight-streaming kernel and gemm:
+    /// `linear` with `m <= max_m` streams the weights (for tuning and benchmarks).
+    pub fn with_skinny_max_m(mut self, max_m: usize) -> Self {
+        self.skinny_max_m = max_m;
         self
     }
 
@@ -104,9 +106,7 @@ impl CpuBackend {
             self.pool.install(|| {
                 x.par_chunks_mut(per_task).enumerate().for_each(|(i, c)| {
                     let first = i * (per_task / chunk);
-                    c.chunks_mut(chunk)
-                        .enumerate()
-                        .for_each(|(j, c)| f(first + j, c))
+                    c.chunks_mut(chunk).enumerate().for_each(|(j, c)| f(first + j, c))
                 })
             });
         }
@@ -114,14 +114,9 @@ impl CpuBackend {
 }
 
 fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
-    let end = off
-        .checked_add(count)
-        .ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
+    let end = off.checked_add(count).ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
     if end > len {
-        return Err(check::err(
-            op,
-            format!("{what} range {off}..{end} exceeds buffer of {len}"),
-        ));
+        return Err(check::err(op, format!("{what} range {off}..{end} exceeds buffer of {len}")));
     }
     Ok(())
 }
@@ -136,9 +131,7 @@ impl Backend for CpuBackend {
     fn alloc_zeros(&self, len: usize) -> Result<Vec<f32>> {
         let mut v = Vec::new();
         v.try_reserve_exact(len)
-            .map_err(|_| KernelError::OutOfMemory {
-                bytes: len.saturating_mul(std::mem::size_of::<f32>()),
-            })?;
+            .map_err(|_| KernelError::OutOfMemory { bytes: len.saturating_mul(std::mem::size_of::<f32>()) })?;
         v.resize(len, 0.0);
         Ok(v)
     }
@@ -146,9 +139,7 @@ impl Backend for CpuBackend {
     fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
         let mut v = self.alloc_zeros(0)?;
         v.try_reserve_exact(host.len())
-            .map_err(|_| KernelError::OutOfMemory {
-                bytes: host.len().saturating_mul(std::mem::size_of::<f32>()),
-            })?;
+            .map_err(|_| KernelError::OutOfMemory { bytes: host.len().saturating_mul(std::mem::size_of::<f32>()) })?;
         v.extend_from_slice(host);
         Ok(v)
     }
@@ -161,14 +152,7 @@ impl Backend for CpuBackend {
         buf.len()
     }
 
-    fn copy(
-        &self,
-        src: &Vec<f32>,
-        src_off: usize,
-        dst: &mut Vec<f32>,
-        dst_off: usize,
-        len: usize,
-    ) -> Result<()> {
+    fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) -> Result<()> {
         range_check("copy", "src", src.len(), src_off, len)?;
         range_check("copy", "dst", dst.len(), dst_off, len)?;
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
@@ -201,6 +185,7 @@ impl Backend for CpuBackend {
         matmul::linear(
             &self.pool,
             self.isa,
+            self.skinny_max_m,
             &x[..m * k],
             &w[..n * k],
             bias,
@@ -258,13 +243,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn silu_mul(
-        &self,
-        gate: &Vec<f32>,
-        up: &Vec<f32>,
-        len: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) -> Result<()> {
         check::silu_mul(gate.len(), up.len(), len, out.len())?;
         const CHUNK: usize = 4096;
         self.for_chunks(&mut out[..len], CHUNK, |c, o| {
@@ -280,9 +259,7 @@ impl Backend for CpuBackend {
         check::add_assign(x.len(), y.len(), len)?;
         const CHUNK: usize = 4096;
         self.for_chunks(&mut x[..len], CHUNK, |c, xs| {
-            xs.iter_mut()
-                .zip(&y[c * CHUNK..])
-                .for_each(|(x, y)| *x += y);
+            xs.iter_mut().zip(&y[c * CHUNK..]).for_each(|(x, y)| *x += y);
         });
         Ok(())
     }
@@ -302,14 +279,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embedding(
-        &self,
-        table: &Vec<f32>,
-        ids: &[u32],
-        vocab: usize,
-        dim: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn embedding(&self, table: &Vec<f32>, ids: &[u32], vocab: usize, dim: usize, out: &mut Vec<f32>) -> Result<()> {
         check::embedding(table.len(), ids, vocab, dim, out.len())?;
         self.for_chunks(&mut out[..ids.len() * dim], dim, |t, o| {
             let id = ids[t] as usize;
@@ -318,13 +288,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gather_rows(
-        &self,
-        x: &Vec<f32>,
-        rows: &[u32],
-        dim: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn gather_rows(&self, x: &Vec<f32>, rows: &[u32], dim: usize, out: &mut Vec<f32>) -> Result<()> {
         check::gather_rows(x.len(), rows, dim, out.len())?;
         self.for_chunks(&mut out[..rows.len() * dim], dim, |i, o| {
             let r = rows[i] as usize;
@@ -355,17 +319,8 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let dims = check::paged_attention(
-            q.len(),
-            k_cache.len(),
-            v_cache.len(),
-            seqs,
-            &shape,
-            out.len(),
-        )?;
-        attention::paged_attention(
-            &self.pool, self.isa, q, k_cache, v_cache, seqs, &shape, dims, out,
-        );
+        let dims = check::paged_attention(q.len(), k_cache.len(), v_cache.len(), seqs, &shape, out.len())?;
+        attention::paged_attention(&self.pool, self.isa, q, k_cache, v_cache, seqs, &shape, dims, out);
         Ok(())
     }
 }

@@ -58,22 +58,21 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// `[Σ xs[r][i] * w[i] for r in 0..M]`: `M` dot products that share one pass over `w`.
+/// `out[j][r] = Σ xs[r][i] * ws[j][i]`: the `M × J` dot products of `M` activation rows with `J`
+/// weight rows, in one pass that loads each element of every row once. All rows are sliced to
+/// `ws[0].len()`.
 #[inline]
-pub fn dots<const M: usize>(isa: Isa, xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
-    if M == 1 {
-        let mut out = [0f32; M];
-        out[0] = dot(isa, xs[0], w);
-        return out;
-    }
-    let xs: [&[f32]; M] = std::array::from_fn(|r| &xs[r][..w.len()]);
+pub fn dots<const M: usize, const J: usize>(isa: Isa, xs: &[&[f32]; M], ws: &[&[f32]; J]) -> [[f32; M]; J] {
+    let n = if J == 0 { 0 } else { ws[0].len() };
+    let xs: [&[f32]; M] = std::array::from_fn(|r| &xs[r][..n]);
+    let ws: [&[f32]; J] = std::array::from_fn(|j| &ws[j][..n]);
     match isa {
         // SAFETY: as in `dot`.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dots(&xs, w) },
+        Isa::Avx512 => unsafe { avx512::dots(&xs, &ws) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { avx2::dots(&xs, w) },
-        _ => std::array::from_fn(|r| portable::dot(xs[r], w)),
+        Isa::Avx2Fma => unsafe { avx2::dots(&xs, &ws) },
+        _ => std::array::from_fn(|j| std::array::from_fn(|r| portable::dot(xs[r], ws[j]))),
     }
 }
 
@@ -108,12 +107,7 @@ mod portable {
     pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; LANES];
         let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-        let tail: f32 = ac
-            .remainder()
-            .iter()
-            .zip(bc.remainder())
-            .map(|(x, y)| x * y)
-            .sum();
+        let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
         for (x, y) in ac.zip(bc) {
             for l in 0..LANES {
                 acc[l] += x[l] * y[l];
@@ -158,29 +152,18 @@ mod avx512 {
             while i + 64 <= n {
                 for (u, acc) in acc.iter_mut().enumerate() {
                     let o = i + 16 * u;
-                    *acc = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(pa.add(o)),
-                        _mm512_loadu_ps(pb.add(o)),
-                        *acc,
-                    );
+                    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
                 }
                 i += 64;
             }
             while i + 16 <= n {
-                acc[0] = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pa.add(i)),
-                    _mm512_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
                 i += 16;
             }
             if i < n {
                 let m = tail_mask(n - i);
-                acc[1] = _mm512_fmadd_ps(
-                    _mm512_maskz_loadu_ps(m, pa.add(i)),
-                    _mm512_maskz_loadu_ps(m, pb.add(i)),
-                    acc[1],
-                );
+                acc[1] =
+                    _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pa.add(i)), _mm512_maskz_loadu_ps(m, pb.add(i)), acc[1]);
             }
         }
         let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
@@ -188,35 +171,50 @@ mod avx512 {
     }
 
     /// # Safety
-    /// AVX-512F available; every `xs[r].len() == w.len()`.
+    /// AVX-512F available; every row of `xs` and `ws` has the same length.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dots<const M: usize>(xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
-        let n = w.len();
-        let pw = w.as_ptr();
-        let mut acc = [_mm512_setzero_ps(); M];
+    pub unsafe fn dots<const M: usize, const J: usize>(xs: &[&[f32]; M], ws: &[&[f32]; J]) -> [[f32; M]; J] {
+        let n = if J == 0 { 0 } else { ws[0].len() };
+        let mut acc = [[_mm512_setzero_ps(); M]; J];
         let mut i = 0;
         // SAFETY (all loads): offsets stay below `n`, or are masked to it.
         unsafe {
             while i + 16 <= n {
-                let wv = _mm512_loadu_ps(pw.add(i));
+                let mut wv = [_mm512_setzero_ps(); J];
+                for j in 0..J {
+                    wv[j] = _mm512_loadu_ps(ws[j].as_ptr().add(i));
+                }
                 for r in 0..M {
-                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[r].as_ptr().add(i)), wv, acc[r]);
+                    let xv = _mm512_loadu_ps(xs[r].as_ptr().add(i));
+                    for j in 0..J {
+                        acc[j][r] = _mm512_fmadd_ps(xv, wv[j], acc[j][r]);
+                    }
                 }
                 i += 16;
             }
             if i < n {
                 let m = tail_mask(n - i);
-                let wv = _mm512_maskz_loadu_ps(m, pw.add(i));
+                let mut wv = [_mm512_setzero_ps(); J];
+                for j in 0..J {
+                    wv[j] = _mm512_maskz_loadu_ps(m, ws[j].as_ptr().add(i));
+                }
                 for r in 0..M {
-                    acc[r] = _mm512_fmadd_ps(
-                        _mm512_maskz_loadu_ps(m, xs[r].as_ptr().add(i)),
-                        wv,
-                        acc[r],
-                    );
+                    let xv = _mm512_maskz_loadu_ps(m, xs[r].as_ptr().add(i));
+                    for j in 0..J {
+                        acc[j][r] = _mm512_fmadd_ps(xv, wv[j], acc[j][r]);
+                    }
                 }
             }
         }
-        std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+        // Plain loops rather than `array::from_fn` closures: a closure capturing `acc` makes it
+        // escape to memory, and the hot loop then stores every accumulator on each step.
+        let mut out = [[0f32; M]; J];
+        for j in 0..J {
+            for r in 0..M {
+                out[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+            }
+        }
+        out
     }
 
     /// # Safety
@@ -236,11 +234,7 @@ mod avx512 {
             }
             if i < n {
                 let m = tail_mask(n - i);
-                let r = _mm512_fmadd_ps(
-                    av,
-                    _mm512_maskz_loadu_ps(m, px.add(i)),
-                    _mm512_maskz_loadu_ps(m, py.add(i)),
-                );
+                let r = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, px.add(i)), _mm512_maskz_loadu_ps(m, py.add(i)));
                 _mm512_mask_storeu_ps(py.add(i), m, r);
             }
         }
@@ -303,20 +297,12 @@ mod avx2 {
             while i + 32 <= n {
                 for (u, acc) in acc.iter_mut().enumerate() {
                     let o = i + 8 * u;
-                    *acc = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(pa.add(o)),
-                        _mm256_loadu_ps(pb.add(o)),
-                        *acc,
-                    );
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
                 }
                 i += 32;
             }
             while i + 8 <= n {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
                 i += 8;
             }
             let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -325,31 +311,37 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2 and FMA available; every `xs[r].len() == w.len()`.
+    /// AVX2 and FMA available; every row of `xs` and `ws` has the same length.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots<const M: usize>(xs: &[&[f32]; M], w: &[f32]) -> [f32; M] {
-        let n = w.len();
-        let pw = w.as_ptr();
-        let mut acc = [_mm256_setzero_ps(); M];
+    pub unsafe fn dots<const M: usize, const J: usize>(xs: &[&[f32]; M], ws: &[&[f32]; J]) -> [[f32; M]; J] {
+        let n = if J == 0 { 0 } else { ws[0].len() };
+        let mut acc = [[_mm256_setzero_ps(); M]; J];
         let mut i = 0;
         // SAFETY (all loads): offsets stay below `n`.
         unsafe {
             while i + 8 <= n {
-                let wv = _mm256_loadu_ps(pw.add(i));
+                let mut wv = [_mm256_setzero_ps(); J];
+                for j in 0..J {
+                    wv[j] = _mm256_loadu_ps(ws[j].as_ptr().add(i));
+                }
                 for r in 0..M {
-                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r].as_ptr().add(i)), wv, acc[r]);
+                    let xv = _mm256_loadu_ps(xs[r].as_ptr().add(i));
+                    for j in 0..J {
+                        acc[j][r] = _mm256_fmadd_ps(xv, wv[j], acc[j][r]);
+                    }
                 }
                 i += 8;
             }
-            std::array::from_fn(|r| {
-                hsum(acc[r])
-                    + xs[r][i..]
-                        .iter()
-                        .zip(&w[i..])
-                        .map(|(x, y)| x * y)
-                        .sum::<f32>()
-            })
         }
+        // Plain loops: see `avx512::dots`.
+        let mut out = [[0f32; M]; J];
+        for j in 0..J {
+            for r in 0..M {
+                let tail: f32 = xs[r][i..].iter().zip(&ws[j][i..]).map(|(x, y)| x * y).sum();
+                out[j][r] = hsum(acc[j][r]) + tail;
+            }
+        }
+        out
     }
 
     /// # Safety
@@ -380,11 +372,7 @@ mod tests {
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
-            .map(|i| {
-                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 16) % 1000) as f32
-                    / 500.0
-                    - 1.0
-            })
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 16) % 1000) as f32 / 500.0 - 1.0)
             .collect()
     }
 
@@ -408,11 +396,11 @@ mod tests {
             for n in [0, 1, 7, 8, 15, 16, 17, 63, 64, 65, 100, 257] {
                 let (a, b, c) = (data(n, 1), data(n, 2), data(n, 3));
                 let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-                assert!(
-                    (dot(isa, &a, &b) as f64 - exact).abs() < 1e-4,
-                    "{isa:?} dot n={n}"
-                );
-                let [d0, d1, d2] = dots(isa, &[&a, &c, &b], &b);
+                assert!((dot(isa, &a, &b) as f64 - exact).abs() < 1e-4, "{isa:?} dot n={n}");
+                let [[d0, d1, d2]] = dots(isa, &[&a, &c, &b], &[&b]);
+                let [[e0], [e1]] = dots(isa, &[&b], &[&a, &b]);
+                assert_eq!(e0, d0);
+                assert!((e1 as f64 - d2 as f64).abs() < 1e-4);
                 assert!((d0 as f64 - exact).abs() < 1e-4, "{isa:?} dots n={n}");
                 let exact_cb: f64 = c.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
                 assert!((d1 as f64 - exact_cb).abs() < 1e-4);

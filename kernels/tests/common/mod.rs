@@ -46,10 +46,7 @@ pub fn assert_close(got: &[f32], want: &[f32], atol: f32, rtol: f32, what: &str)
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let tol = atol + rtol * w.abs();
-        assert!(
-            (g - w).abs() <= tol || (g.is_nan() && w.is_nan()),
-            "{what}: index {i}: got {g}, want {w} (tol {tol})"
-        );
+        assert!((g - w).abs() <= tol || (g.is_nan() && w.is_nan()), "{what}: index {i}: got {g}, want {w} (tol {tol})");
     }
 }
 
