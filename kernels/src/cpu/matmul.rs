@@ -1,10 +1,11 @@
 //! `linear` on the CPU: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`.
 //!
 //! Two regimes:
-//! - **Skinny** (`m <= SKINNY_MAX_M`, i.e. decode): the weight matrix is streamed from memory
-//!   exactly once, so time is bytes / bandwidth. Output rows are split into contiguous ranges
-//!   over the rayon pool; for each weight row all `m` activation rows (which stay in L1/L2) are
-//!   dotted against it in one pass ([`simd::dots`]).
+//! - **Skinny** (`m <= SKINNY_MAX_M` by default, i.e. decode): the weight matrix is streamed from memory
+//!   from DRAM exactly once, so for small `m` time is bytes / bandwidth. Output rows are split
+//!   into contiguous ranges over the rayon pool (each range's weights fit L2); activation rows go
+//!   in groups of up to 8 and are cut along `k` so a group stays in L1; each step dots a group
+//!   against 1-3 weight rows with register-resident accumulators ([`simd::dots`]).
 //! - **Wide** (prefill): the `gemm` crate's packed, cache-blocked kernel, parallel on our pool.
 //!
 //! Inputs were validated by the caller (`check::linear`); slices here are exactly sized.
@@ -13,8 +14,9 @@ use super::simd::{self, Isa};
 use rayon::prelude::*;
 
 /// Largest `m` served by the skinny kernel; larger batches go to `gemm`. Chosen by measurement
-/// (`examples/kernel_bench.rs`): the skinny kernel re-reads `w` once per 8 rows, gemm packs it.
-pub(crate) const SKINNY_MAX_M: usize = 8;
+/// (`examples/kernel_bench.rs`, 2 threads, AVX-512): the streaming kernel beats `gemm` up to
+/// m = 24 on 576×1536 and up to m = 32 on 4096×4096; gemm wins from m = 32..48.
+pub(crate) const SKINNY_MAX_M: usize = 24;
 
 /// Activation rows per pass of the skinny kernel (accumulators must fit in registers).
 const MR: usize = 8;
@@ -127,25 +129,32 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     fn run<const M: usize>(&self, chunk: &mut [f32]) {
-        let (k, k0, k1, m) = (self.k, self.k0, self.k1, self.m);
-        let xs: [&[f32]; M] = std::array::from_fn(|r| &self.x[(self.g0 + r) * k + k0..(self.g0 + r) * k + k1]);
-        let wrow = |j: usize| &self.w[j * k + k0..j * k + k1];
-        let mut rows = chunk.chunks_exact_mut(m).enumerate();
-        // With AVX-512's 32 registers, two weight rows share each activation load.
-        if self.isa == Isa::Avx512 {
-            while rows.len() >= 2 {
-                let (Some((jj, o0)), Some((_, o1))) = (rows.next(), rows.next()) else {
-                    break;
-                };
-                let j = self.j0 + jj;
-                let [d0, d1] = simd::dots::<M, 2>(self.isa, &xs, &[wrow(j), wrow(j + 1)]);
-                add(&mut o0[self.g0..self.g0 + M], &d0);
-                add(&mut o1[self.g0..self.g0 + M], &d1);
-            }
+        // Weight rows per step: as many as keep `M × J` accumulators plus the loaded rows in
+        // registers (32 with AVX-512, 16 with AVX2), so each activation load feeds `J` FMAs.
+        match (self.isa, M) {
+            (Isa::Avx512, _) => self.run_j::<M, 3>(chunk),
+            (Isa::Avx2Fma, 1..=4) => self.run_j::<M, 2>(chunk),
+            _ => self.run_j::<M, 1>(chunk),
         }
-        for (jj, o) in rows {
+    }
+
+    fn run_j<const M: usize, const J: usize>(&self, chunk: &mut [f32]) {
+        let (k, k0, k1, m, g0) = (self.k, self.k0, self.k1, self.m, self.g0);
+        let xs: [&[f32]; M] = std::array::from_fn(|r| &self.x[(g0 + r) * k + k0..(g0 + r) * k + k1]);
+        let wrow = |j: usize| &self.w[j * k + k0..j * k + k1];
+        let rows = chunk.len() / m;
+        let mut jj = 0;
+        while jj + J <= rows {
+            let ws: [&[f32]; J] = std::array::from_fn(|u| wrow(self.j0 + jj + u));
+            let d = simd::dots::<M, J>(self.isa, &xs, &ws);
+            for (u, d) in d.iter().enumerate() {
+                add(&mut chunk[(jj + u) * m + g0..(jj + u) * m + g0 + M], d);
+            }
+            jj += J;
+        }
+        for jj in jj..rows {
             let [d] = simd::dots::<M, 1>(self.isa, &xs, &[wrow(self.j0 + jj)]);
-            add(&mut o[self.g0..self.g0 + M], &d);
+            add(&mut chunk[jj * m + g0..jj * m + g0 + M], &d);
         }
     }
 }
