@@ -50,7 +50,7 @@ pub(crate) fn rms_norm(x: usize, weight: usize, rows: usize, dim: usize, out: us
 
 pub(crate) fn rope(x: usize, positions: &[u32], num_heads: usize, head_dim: usize, table: usize) -> Result<()> {
     const OP: &str = "rope";
-    if head_dim == 0 || head_dim % 2 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(err(OP, format!("head_dim {head_dim} must be even and positive")));
     }
     let width = mul(OP, num_heads, head_dim)?;
@@ -96,7 +96,7 @@ pub(crate) fn embedding(table: usize, ids: &[u32], vocab: usize, dim: usize, out
 pub(crate) fn gather_rows(x: usize, rows: &[u32], dim: usize, out: usize) -> Result<()> {
     const OP: &str = "gather_rows";
     at_least(OP, "out", out, mul(OP, rows.len(), dim)?)?;
-    let available = if dim == 0 { usize::MAX } else { x / dim };
+    let available = x.checked_div(dim).unwrap_or(usize::MAX);
     if let Some((i, &r)) = rows.iter().enumerate().find(|(_, &r)| r as usize >= available) {
         return Err(err(OP, format!("row {r} at index {i} is outside x of {available} rows")));
     }
@@ -115,7 +115,7 @@ pub(crate) fn write_kv(
     let need = mul(OP, slots.len(), kv_width)?;
     at_least(OP, "k", k, need)?;
     at_least(OP, "v", v, need)?;
-    let capacity = if kv_width == 0 { usize::MAX } else { k_cache.min(v_cache) / kv_width };
+    let capacity = k_cache.min(v_cache).checked_div(kv_width).unwrap_or(usize::MAX);
     if let Some((t, &s)) = slots.iter().enumerate().find(|(_, &s)| s as usize >= capacity) {
         return Err(err(OP, format!("slot {s} of token {t} is outside the cache of {capacity} slots")));
     }

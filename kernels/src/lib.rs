@@ -104,6 +104,7 @@ pub trait Backend: Send + Sync + 'static {
     fn read(&self, src: &Self::Buf, src_off: usize, len: usize) -> Result<Vec<f32>>;
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
+    #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
         x: &Self::Buf,

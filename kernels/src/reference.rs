@@ -73,6 +73,8 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<
                 .map(|&inv_freq| {
                     let wavelen = two_pi / inv_freq;
                     let llama = if wavelen > low_freq_wavelen { inv_freq / factor } else { inv_freq };
+                    // Written as torch's `~(wavelen < high) * ~(wavelen > low)`.
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
                     let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                     if medium {
                         let smooth = (old as f32 / wavelen - low_freq_factor) / factor_span;
