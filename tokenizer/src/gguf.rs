@@ -89,55 +89,33 @@ pub struct GgufTokenizerMeta {
 pub enum GgufTokenizerError {
     #[error("unsupported GGUF tokenizer model {model:?} (supported: \"gpt2\", \"llama\")")]
     UnsupportedModel { model: String },
-    #[error(
-        "unsupported GGUF pre-tokenizer {pre:?} for a gpt2 vocabulary (supported: {supported})"
-    )]
+    #[error("unsupported GGUF pre-tokenizer {pre:?} for a gpt2 vocabulary (supported: {supported})")]
     UnsupportedPre { pre: String, supported: String },
     #[error("GGUF tokenizer has an empty vocabulary")]
     EmptyVocab,
     #[error("GGUF tokenizer vocabulary of {len} tokens exceeds u32 ids")]
     VocabTooLarge { len: usize },
     #[error("GGUF tokenizer field {field} has {len} entries but the vocabulary has {vocab}")]
-    LengthMismatch {
-        field: &'static str,
-        len: usize,
-        vocab: usize,
-    },
+    LengthMismatch { field: &'static str, len: usize, vocab: usize },
     #[error("GGUF tokenizer {field} id {id} is outside the vocabulary of {vocab} tokens")]
-    TokenIdOutOfRange {
-        field: &'static str,
-        id: u32,
-        vocab: usize,
-    },
-    #[error(
-        "GGUF tokenizer merge #{index} {merge:?} is not two space-separated vocabulary tokens"
-    )]
+    TokenIdOutOfRange { field: &'static str, id: u32, vocab: usize },
+    #[error("GGUF tokenizer merge #{index} {merge:?} is not two space-separated vocabulary tokens")]
     BadMerge { index: usize, merge: String },
     #[error("GGUF tokenizer model {model:?} needs {field}, which the file lacks")]
-    MissingField {
-        model: &'static str,
-        field: &'static str,
-    },
+    MissingField { model: &'static str, field: &'static str },
     #[error("building the tokenizer's {stage} failed: {message}")]
-    Build {
-        stage: &'static str,
-        message: String,
-    },
+    Build { stage: &'static str, message: String },
 }
 
 type Result<T> = std::result::Result<T, GgufTokenizerError>;
 
 fn build_err(stage: &'static str) -> impl FnOnce(tokenizers::Error) -> GgufTokenizerError {
-    move |e| GgufTokenizerError::Build {
-        stage,
-        message: e.to_string(),
-    }
+    move |e| GgufTokenizerError::Build { stage, message: e.to_string() }
 }
 
 /// The GPT-2 split regex as `tokenizers`' ByteLevel uses it (llama.cpp's lacks the final `|\s+`,
 /// which changes nothing because unmatched text is kept as its own piece either way).
-const GPT2_SPLIT: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -152,15 +130,7 @@ const SUPPORTED_PRE: &str = "default, gpt-2, llama-bpe, llama3, llama-v3, qwen2,
 pub fn pre_tokenizer_regexes(pre: Option<&str>) -> Option<(Vec<&'static str>, bool)> {
     let pre = pre.unwrap_or("default");
     Some(match pre {
-        "default" => (
-            vec![
-                r"[\p{P}\$\+<=>\^~\|]+",
-                GPT2_SPLIT,
-                r"\p{N}+",
-                r"[0-9][0-9][0-9]",
-            ],
-            false,
-        ),
+        "default" => (vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"], false),
         "gpt-2" | "gpt2" | "phi-2" => (vec![GPT2_SPLIT], false),
         "llama-bpe" | "llama3" | "llama-v3" => (vec![LLAMA3_SPLIT], true),
         "qwen2" | "deepseek-r1-qwen" => (vec![QWEN2_SPLIT], false),
@@ -181,18 +151,11 @@ pub fn tokenizer_from_gguf(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
         return Err(GgufTokenizerError::VocabTooLarge { len: n });
     }
     let check_len = |field: &'static str, len: Option<usize>| match len {
-        Some(len) if len != n => Err(GgufTokenizerError::LengthMismatch {
-            field,
-            len,
-            vocab: n,
-        }),
+        Some(len) if len != n => Err(GgufTokenizerError::LengthMismatch { field, len, vocab: n }),
         _ => Ok(()),
     };
     check_len("tokenizer.ggml.scores", meta.scores.as_ref().map(Vec::len))?;
-    check_len(
-        "tokenizer.ggml.token_type",
-        meta.token_types.as_ref().map(Vec::len),
-    )?;
+    check_len("tokenizer.ggml.token_type", meta.token_types.as_ref().map(Vec::len))?;
     for (field, id) in [
         ("bos_token_id", meta.bos_token_id),
         ("eos_token_id", meta.eos_token_id),
@@ -200,22 +163,14 @@ pub fn tokenizer_from_gguf(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     ] {
         if let Some(id) = id {
             if id as usize >= n {
-                return Err(GgufTokenizerError::TokenIdOutOfRange {
-                    field,
-                    id,
-                    vocab: n,
-                });
+                return Err(GgufTokenizerError::TokenIdOutOfRange { field, id, vocab: n });
             }
         }
     }
     let (mut tokenizer, add_bos_default) = match meta.model.as_str() {
         "gpt2" => (build_gpt2(meta)?, false),
         "llama" => (build_llama(meta)?, true),
-        other => {
-            return Err(GgufTokenizerError::UnsupportedModel {
-                model: other.to_string(),
-            })
-        }
+        other => return Err(GgufTokenizerError::UnsupportedModel { model: other.to_string() }),
     };
     add_typed_tokens(&mut tokenizer, meta);
     let add_bos = meta.add_bos_token.unwrap_or(add_bos_default);
@@ -226,10 +181,7 @@ pub fn tokenizer_from_gguf(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
 }
 
 fn type_of(meta: &GgufTokenizerMeta, id: usize) -> i32 {
-    meta.token_types
-        .as_ref()
-        .and_then(|t| t.get(id).copied())
-        .unwrap_or(token_type::NORMAL)
+    meta.token_types.as_ref().and_then(|t| t.get(id).copied()).unwrap_or(token_type::NORMAL)
 }
 
 /// Control and unknown tokens become special added tokens, user-defined ones plain added tokens;
@@ -252,11 +204,7 @@ fn add_typed_tokens(tokenizer: &mut HfTokenizer, meta: &GgufTokenizerMeta) {
     tokenizer.add_tokens(&user);
 }
 
-fn post_processor(
-    meta: &GgufTokenizerMeta,
-    add_bos: bool,
-    add_eos: bool,
-) -> Result<Option<PostProcessorWrapper>> {
+fn post_processor(meta: &GgufTokenizerMeta, add_bos: bool, add_eos: bool) -> Result<Option<PostProcessorWrapper>> {
     let bos = meta.bos_token_id.filter(|_| add_bos);
     let eos = meta.eos_token_id.filter(|_| add_eos);
     if bos.is_none() && eos.is_none() {
@@ -295,16 +243,10 @@ fn post_processor(
     let template = TemplateProcessing::builder()
         .try_single(single)
         .and_then(|b| b.try_pair(pair))
-        .map_err(|message| GgufTokenizerError::Build {
-            stage: "post-processor template",
-            message,
-        })?
+        .map_err(|message| GgufTokenizerError::Build { stage: "post-processor template", message })?
         .special_tokens(specials)
         .build()
-        .map_err(|e| GgufTokenizerError::Build {
-            stage: "post-processor",
-            message: e.to_string(),
-        })?;
+        .map_err(|e| GgufTokenizerError::Build { stage: "post-processor", message: e.to_string() })?;
     Ok(Some(template.into()))
 }
 
@@ -328,16 +270,12 @@ fn build_gpt2(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     let merges_src = meta
         .merges
         .as_ref()
-        .ok_or(GgufTokenizerError::MissingField {
-            model: "gpt2",
-            field: "tokenizer.ggml.merges",
-        })?;
+        .ok_or(GgufTokenizerError::MissingField { model: "gpt2", field: "tokenizer.ggml.merges" })?;
     let pre = meta.pre.as_deref();
-    let (regexes, ignore_merges) =
-        pre_tokenizer_regexes(pre).ok_or_else(|| GgufTokenizerError::UnsupportedPre {
-            pre: pre.unwrap_or_default().to_string(),
-            supported: SUPPORTED_PRE.to_string(),
-        })?;
+    let (regexes, ignore_merges) = pre_tokenizer_regexes(pre).ok_or_else(|| GgufTokenizerError::UnsupportedPre {
+        pre: pre.unwrap_or_default().to_string(),
+        supported: SUPPORTED_PRE.to_string(),
+    })?;
     let alphabet = byte_alphabet();
     let in_alphabet: HashSet<char> = alphabet.iter().copied().collect();
     let mut vocab = Vocab::with_capacity(meta.tokens.len());
@@ -358,10 +296,7 @@ fn build_gpt2(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     }
     let mut merges = Vec::with_capacity(merges_src.len());
     for (index, m) in merges_src.iter().enumerate() {
-        let bad = || GgufTokenizerError::BadMerge {
-            index,
-            merge: m.clone(),
-        };
+        let bad = || GgufTokenizerError::BadMerge { index, merge: m.clone() };
         let (l, r) = m.split_once(' ').ok_or_else(bad)?;
         if !vocab.contains_key(l) || !vocab.contains_key(r) {
             return Err(bad());
@@ -376,12 +311,8 @@ fn build_gpt2(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     let mut tokenizer = HfTokenizer::new(bpe);
     let mut pres: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
     for re in regexes {
-        let split = Split::new(
-            SplitPattern::Regex(re.to_string()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(build_err("pre-tokenizer regex"))?;
+        let split = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(build_err("pre-tokenizer regex"))?;
         pres.push(split.into());
     }
     pres.push(ByteLevel::new(false, false, false).into());
@@ -398,10 +329,7 @@ fn spm_merges(meta: &GgufTokenizerMeta, vocab: &Vocab) -> Vec<(String, String)> 
     let mut ranked: Vec<(f32, u32, u32, usize, usize)> = Vec::new(); // score, l id, r id, token, split byte
     for (id, tok) in meta.tokens.iter().enumerate() {
         let ty = type_of(meta, id);
-        if matches!(
-            ty,
-            token_type::CONTROL | token_type::UNKNOWN | token_type::BYTE
-        ) {
+        if matches!(ty, token_type::CONTROL | token_type::UNKNOWN | token_type::BYTE) {
             continue;
         }
         for (split, _) in tok.char_indices().skip(1) {
@@ -424,28 +352,17 @@ fn spm_merges(meta: &GgufTokenizerMeta, vocab: &Vocab) -> Vec<(String, String)> 
 
 fn build_llama(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     if meta.scores.is_none() {
-        return Err(GgufTokenizerError::MissingField {
-            model: "llama",
-            field: "tokenizer.ggml.scores",
-        });
+        return Err(GgufTokenizerError::MissingField { model: "llama", field: "tokenizer.ggml.scores" });
     }
     let mut vocab = Vocab::with_capacity(meta.tokens.len());
     for (id, tok) in meta.tokens.iter().enumerate() {
         vocab.entry(tok.clone()).or_insert(id as u32);
     }
     let merges = spm_merges(meta, &vocab);
-    let unk = meta
-        .unknown_token_id
-        .map(|id| meta.tokens[id as usize].clone())
-        .or_else(|| {
-            (0..meta.tokens.len())
-                .find(|&i| type_of(meta, i) == token_type::UNKNOWN)
-                .map(|i| meta.tokens[i].clone())
-        });
-    let mut builder = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .byte_fallback(true)
-        .fuse_unk(true);
+    let unk = meta.unknown_token_id.map(|id| meta.tokens[id as usize].clone()).or_else(|| {
+        (0..meta.tokens.len()).find(|&i| type_of(meta, i) == token_type::UNKNOWN).map(|i| meta.tokens[i].clone())
+    });
+    let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk);
     }
@@ -456,16 +373,10 @@ fn build_llama(meta: &GgufTokenizerMeta) -> Result<HfTokenizer> {
     if space_prefix {
         norms.push(Prepend::new("\u{2581}".to_string()).into());
     }
-    norms.push(
-        Replace::new(" ", "\u{2581}")
-            .map_err(build_err("normalizer"))?
-            .into(),
-    );
+    norms.push(Replace::new(" ", "\u{2581}").map_err(build_err("normalizer"))?.into());
     tokenizer.with_normalizer(Some(NormalizerSequence::new(norms)));
     let mut decs: Vec<DecoderWrapper> = vec![
-        tokenizers::decoders::DecoderWrapper::Replace(
-            Replace::new("\u{2581}", " ").map_err(build_err("decoder"))?,
-        ),
+        tokenizers::decoders::DecoderWrapper::Replace(Replace::new("\u{2581}", " ").map_err(build_err("decoder"))?),
         ByteFallback::new().into(),
         Fuse::new().into(),
     ];
@@ -487,15 +398,7 @@ mod tests {
         let mut types = vec![token_type::CONTROL, token_type::CONTROL];
         tokens.extend(alphabet.iter().map(|c| c.to_string()));
         types.extend(std::iter::repeat(token_type::NORMAL).take(256));
-        let merges = [
-            "h e",
-            "l l",
-            "he ll",
-            "hell o",
-            "\u{120} w",
-            "\u{120}w o",
-            "1 2",
-        ];
+        let merges = ["h e", "l l", "he ll", "hell o", "\u{120} w", "\u{120}w o", "1 2"];
         for m in merges {
             let (l, r) = m.split_once(' ').unwrap();
             tokens.push(format!("{l}{r}"));
@@ -528,17 +431,9 @@ mod tests {
         let meta = gpt2_meta("gpt-2");
         let t = tokenizer_from_gguf(&meta).unwrap();
         let ids = encode(&t, "<|im_start|>hello wo<think>");
-        let want = vec![
-            id(&meta, "<|im_start|>"),
-            id(&meta, "hello"),
-            id(&meta, "\u{120}wo"),
-            id(&meta, "<think>"),
-        ];
+        let want = vec![id(&meta, "<|im_start|>"), id(&meta, "hello"), id(&meta, "\u{120}wo"), id(&meta, "<think>")];
         assert_eq!(ids, want);
-        assert_eq!(
-            t.decode(&ids, false).unwrap(),
-            "<|im_start|>hello wo<think>"
-        );
+        assert_eq!(t.decode(&ids, false).unwrap(), "<|im_start|>hello wo<think>");
         // Control tokens are skipped when asked, user-defined ones are not.
         assert_eq!(t.decode(&ids, true).unwrap(), "hello wo<think>");
         // Bytes outside ASCII go through the byte alphabet and come back intact.
@@ -560,20 +455,13 @@ mod tests {
     fn every_known_pre_builds() {
         for pre in SUPPORTED_PRE.split(", ") {
             let t = tokenizer_from_gguf(&gpt2_meta(pre)).unwrap();
-            assert_eq!(
-                t.decode(&encode(&t, "hello world 123"), false).unwrap(),
-                "hello world 123"
-            );
+            assert_eq!(t.decode(&encode(&t, "hello world 123"), false).unwrap(), "hello world 123");
         }
     }
 
     fn spm_meta() -> GgufTokenizerMeta {
         let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
-        let mut types = vec![
-            token_type::UNKNOWN,
-            token_type::CONTROL,
-            token_type::CONTROL,
-        ];
+        let mut types = vec![token_type::UNKNOWN, token_type::CONTROL, token_type::CONTROL];
         let mut scores = vec![0.0, 0.0, 0.0];
         for b in 0..=255u8 {
             tokens.push(format!("<0x{b:02X}>"));
@@ -618,10 +506,7 @@ mod tests {
         assert_eq!(ids, vec![1, id(&meta, "\u{2581}hello")]);
         // "€" is not in the vocabulary: three byte tokens.
         let ids = encode(&t, "hello €");
-        let tail: Vec<u32> = ["\u{2581}", "<0xE2>", "<0x82>", "<0xAC>"]
-            .iter()
-            .map(|s| id(&meta, s))
-            .collect();
+        let tail: Vec<u32> = ["\u{2581}", "<0xE2>", "<0x82>", "<0xAC>"].iter().map(|s| id(&meta, s)).collect();
         assert_eq!(&ids[2..], &tail[..]);
         assert_eq!(t.decode(&ids, true).unwrap(), "hello €");
         // "</s>" in text is a control token, matched whole.
@@ -643,10 +528,7 @@ mod tests {
         let mut m = gpt2_meta("gpt-2");
         m.model = "bert".into();
         let e = tokenizer_from_gguf(&m).unwrap_err();
-        assert!(
-            matches!(e, GgufTokenizerError::UnsupportedModel { .. }),
-            "{e}"
-        );
+        assert!(matches!(e, GgufTokenizerError::UnsupportedModel { .. }), "{e}");
         let e = tokenizer_from_gguf(&gpt2_meta("mystery")).unwrap_err();
         assert!(e.to_string().contains("mystery"), "{e}");
         let mut m = gpt2_meta("gpt-2");
@@ -656,10 +538,7 @@ mod tests {
         let mut m = gpt2_meta("gpt-2");
         m.merges.as_mut().unwrap().push("nospace".into());
         let e = tokenizer_from_gguf(&m).unwrap_err();
-        assert!(
-            matches!(e, GgufTokenizerError::BadMerge { index: 7, .. }),
-            "{e}"
-        );
+        assert!(matches!(e, GgufTokenizerError::BadMerge { index: 7, .. }), "{e}");
         let mut m = gpt2_meta("gpt-2");
         m.merges.as_mut().unwrap().push("zz qq".into());
         assert!(tokenizer_from_gguf(&m).is_err());
@@ -669,17 +548,11 @@ mod tests {
         assert!(e.to_string().contains("99999"), "{e}");
         let mut m = gpt2_meta("gpt-2");
         m.merges = None;
-        assert!(matches!(
-            tokenizer_from_gguf(&m).unwrap_err(),
-            GgufTokenizerError::MissingField { .. }
-        ));
+        assert!(matches!(tokenizer_from_gguf(&m).unwrap_err(), GgufTokenizerError::MissingField { .. }));
         let mut m = spm_meta();
         m.scores = None;
         assert!(tokenizer_from_gguf(&m).is_err());
         m.tokens.clear();
-        assert!(matches!(
-            tokenizer_from_gguf(&m).unwrap_err(),
-            GgufTokenizerError::EmptyVocab
-        ));
+        assert!(matches!(tokenizer_from_gguf(&m).unwrap_err(), GgufTokenizerError::EmptyVocab));
     }
 }
