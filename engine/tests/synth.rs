@@ -32,61 +32,37 @@ fn read(dir: &Path, name: &str) -> Vec<u8> {
     std::fs::read(dir.join(name)).unwrap()
 }
 
-const FILES: [&str; 5] = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer_config.json",
-    "tokenizer.json",
-    "model.safetensors",
-];
+const FILES: [&str; 5] =
+    ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors"];
 
 #[test]
 fn same_seed_same_bytes_other_seed_other_weights() {
-    let (a, b, c) = (
-        TempDir::new("seed-a"),
-        TempDir::new("seed-b"),
-        TempDir::new("seed-c"),
-    );
+    let (a, b, c) = (TempDir::new("seed-a"), TempDir::new("seed-b"), TempDir::new("seed-c"));
     let summary = synth::write_model(&tiny(), 42, SynthDtype::F32, &a.0).unwrap();
     assert_eq!(summary.files.len(), FILES.len());
     assert_eq!(summary.num_parameters, tiny().num_parameters());
     synth::write_model(&tiny(), 42, SynthDtype::F32, &b.0).unwrap();
     synth::write_model(&tiny(), 43, SynthDtype::F32, &c.0).unwrap();
     for name in FILES {
-        assert_eq!(
-            read(&a.0, name),
-            read(&b.0, name),
-            "{name} differs between two writes with one seed"
-        );
+        assert_eq!(read(&a.0, name), read(&b.0, name), "{name} differs between two writes with one seed");
     }
-    assert_ne!(
-        read(&a.0, "model.safetensors"),
-        read(&c.0, "model.safetensors")
-    );
+    assert_ne!(read(&a.0, "model.safetensors"), read(&c.0, "model.safetensors"));
     // Only the weights depend on the seed.
     assert_eq!(read(&a.0, "tokenizer.json"), read(&c.0, "tokenizer.json"));
 }
 
 #[test]
 fn loaders_read_back_every_tensor_with_its_shape() {
-    for (tag, dtype, tied) in [
-        ("f32", SynthDtype::F32, false),
-        ("bf16", SynthDtype::BF16, true),
-        ("f16", SynthDtype::F16, false),
-    ] {
+    for (tag, dtype, tied) in
+        [("f32", SynthDtype::F32, false), ("bf16", SynthDtype::BF16, true), ("f16", SynthDtype::F16, false)]
+    {
         let dir = TempDir::new(tag);
-        let spec = SynthSpec {
-            tie_word_embeddings: tied,
-            ..tiny()
-        };
+        let spec = SynthSpec { tie_word_embeddings: tied, ..tiny() };
         synth::write_model(&spec, 1, dtype, &dir.0).unwrap();
 
         let c = ModelConfig::from_dir(&dir.0).unwrap();
         assert_eq!(c.vocab_size, 4096);
-        assert_eq!(
-            (c.hidden_size, c.intermediate_size, c.num_layers),
-            (64, 172, 2)
-        );
+        assert_eq!((c.hidden_size, c.intermediate_size, c.num_layers), (64, 172, 2));
         assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (4, 2, 16));
         assert_eq!(c.max_position_embeddings, 2048);
         assert_eq!(c.tie_word_embeddings, tied);
@@ -97,10 +73,8 @@ fn loaders_read_back_every_tensor_with_its_shape() {
         let src = SafetensorsSource::open_dir(&dir.0).unwrap();
         let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (qd, kvd) = (c.num_heads * c.head_dim, c.kv_width());
-        let mut expected: Vec<(String, Vec<usize>)> = vec![
-            ("model.embed_tokens.weight".into(), vec![v, h]),
-            ("model.norm.weight".into(), vec![h]),
-        ];
+        let mut expected: Vec<(String, Vec<usize>)> =
+            vec![("model.embed_tokens.weight".into(), vec![v, h]), ("model.norm.weight".into(), vec![h])];
         if !tied {
             expected.push(("lm_head.weight".into(), vec![v, h]));
         }
@@ -122,15 +96,10 @@ fn loaders_read_back_every_tensor_with_its_shape() {
         }
         assert_eq!(src.names().count(), expected.len());
         for (name, shape) in &expected {
-            let w = src
-                .load(name, shape)
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let w = src.load(name, shape).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(w.iter().all(|x| x.is_finite()), "{name}");
             if name.ends_with("norm.weight") {
-                assert!(
-                    w.iter().all(|&x| (0.59..=1.41).contains(&x)),
-                    "{name} gains out of U(0.6, 1.4)"
-                );
+                assert!(w.iter().all(|&x| (0.59..=1.41).contains(&x)), "{name} gains out of U(0.6, 1.4)");
             } else {
                 let rms = (w.iter().map(|&x| (x * x) as f64).sum::<f64>() / w.len() as f64).sqrt();
                 assert!(rms > 0.01 && rms < 2.0, "{name} rms {rms}");
@@ -148,22 +117,15 @@ fn tokenizer_has_exactly_vocab_size_tokens_and_round_trips() {
     assert_eq!(t.get_vocab_size(true), 4096);
     let max_id = t.get_vocab(true).values().copied().max().unwrap();
     assert_eq!(max_id, 4095, "ids are dense");
-    for text in [
-        "The capital of France is Paris.",
-        "héllo wörld ✓ — “quotes”",
-        "🦀 + 🚀 = ❤️",
-        "fn x() -> u32 { 42 }\n",
-    ] {
+    for text in
+        ["The capital of France is Paris.", "héllo wörld ✓ — “quotes”", "🦀 + 🚀 = ❤️", "fn x() -> u32 { 42 }\n"]
+    {
         let ids = t.encode(text, false).unwrap().get_ids().to_vec();
         assert!(ids.iter().all(|&id| id < 4096));
         assert_eq!(t.decode(&ids, false).unwrap(), text);
     }
-    let config: serde_json::Value =
-        serde_json::from_slice(&read(&dir.0, "tokenizer_config.json")).unwrap();
-    assert!(config["chat_template"]
-        .as_str()
-        .unwrap()
-        .contains("<|im_start|>"));
+    let config: serde_json::Value = serde_json::from_slice(&read(&dir.0, "tokenizer_config.json")).unwrap();
+    assert!(config["chat_template"].as_str().unwrap().contains("<|im_start|>"));
     assert_eq!(config["eos_token"], "<|endoftext|>");
     assert_eq!(config["bos_token"], "<|endoftext|>");
 }
@@ -184,8 +146,31 @@ fn unwritable_output_is_a_clear_error() {
     let file = dir.0.join("a-file");
     std::fs::write(&file, b"x").unwrap();
     let out = file.join("model");
-    let e = synth::write_model(&tiny(), 0, SynthDtype::F32, &out)
-        .unwrap_err()
-        .to_string();
+    let e = synth::write_model(&tiny(), 0, SynthDtype::F32, &out).unwrap_err().to_string();
     assert!(e.contains("cannot write") && e.contains("a-file"), "{e}");
+}
+
+/// The benchmark preset end to end: `cargo test -p cleave-engine --test synth -- --ignored --nocapture`.
+#[test]
+#[ignore = "writes ~400 MB; run by hand to time it"]
+fn base_100m_writes_and_loads() {
+    let dir = TempDir::new("base-100m");
+    let spec = synth::preset("base-100m").unwrap();
+    let start = std::time::Instant::now();
+    let summary = synth::write_model(&spec, 0, SynthDtype::F32, &dir.0).unwrap();
+    eprintln!(
+        "base-100m: {} parameters, {} bytes in {:?}",
+        summary.num_parameters,
+        summary.weight_bytes,
+        start.elapsed()
+    );
+    let bytes = read(&dir.0, "model.safetensors");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert_eq!(bytes.len() as u64, summary.weight_bytes);
+    assert_eq!(bytes.len(), 8 + header_len + summary.num_parameters * 4);
+    let t = tokenizers::Tokenizer::from_file(dir.0.join("tokenizer.json")).unwrap();
+    assert_eq!(t.get_vocab_size(true), 32000);
+    let c = ModelConfig::from_dir(&dir.0).unwrap();
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.num_parameters(), summary.num_parameters);
 }

@@ -32,11 +32,7 @@ pub enum DtypeArg {
 
 /// The presets with their shapes, so `--help` lists them.
 fn preset_parser() -> PossibleValuesParser {
-    PossibleValuesParser::new(
-        synth::PRESETS
-            .iter()
-            .map(|p| PossibleValue::new(p.name).help(p.spec.describe())),
-    )
+    PossibleValuesParser::new(synth::PRESETS.iter().map(|p| PossibleValue::new(p.name).help(p.spec.describe())))
 }
 
 pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {

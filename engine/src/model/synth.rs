@@ -59,13 +59,7 @@ pub struct Preset {
     pub spec: SynthSpec,
 }
 
-const fn llama(
-    hidden: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    intermediate: usize,
-) -> SynthSpec {
+const fn llama(hidden: usize, layers: usize, heads: usize, kv_heads: usize, intermediate: usize) -> SynthSpec {
     SynthSpec {
         vocab_size: 32000,
         hidden_size: hidden,
@@ -85,31 +79,14 @@ const fn llama(
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "tiny",
-        spec: SynthSpec {
-            vocab_size: 4096,
-            max_position_embeddings: 2048,
-            ..llama(64, 2, 4, 2, 172)
-        },
+        spec: SynthSpec { vocab_size: 4096, max_position_embeddings: 2048, ..llama(64, 2, 4, 2, 172) },
     },
     Preset {
         name: "small",
-        spec: SynthSpec {
-            vocab_size: 8192,
-            max_position_embeddings: 2048,
-            ..llama(256, 4, 8, 4, 688)
-        },
+        spec: SynthSpec { vocab_size: 8192, max_position_embeddings: 2048, ..llama(256, 4, 8, 4, 688) },
     },
-    Preset {
-        name: "base-100m",
-        spec: SynthSpec {
-            tie_word_embeddings: true,
-            ..llama(768, 12, 12, 4, 2048)
-        },
-    },
-    Preset {
-        name: "large-350m",
-        spec: llama(1024, 24, 16, 8, 2816),
-    },
+    Preset { name: "base-100m", spec: SynthSpec { tie_word_embeddings: true, ..llama(768, 12, 12, 4, 2048) } },
+    Preset { name: "large-350m", spec: llama(1024, 24, 16, 8, 2816) },
 ];
 
 /// The preset called `name`.
@@ -123,10 +100,7 @@ pub fn preset_or_err(name: &str) -> Result<SynthSpec> {
         let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
         EngineError::Config {
             path: PathBuf::from(format!("preset `{name}`")),
-            detail: format!(
-                "no such model preset; the presets are: {}",
-                names.join(", ")
-            ),
+            detail: format!("no such model preset; the presets are: {}", names.join(", ")),
         }
     })
 }
@@ -134,12 +108,7 @@ pub fn preset_or_err(name: &str) -> Result<SynthSpec> {
 impl SynthSpec {
     /// Checks the invariants stated on the type.
     pub fn validate(&self) -> Result<()> {
-        let bad = |detail: String| {
-            Err(EngineError::Config {
-                path: "synthetic model spec".into(),
-                detail,
-            })
-        };
+        let bad = |detail: String| Err(EngineError::Config { path: "synthetic model spec".into(), detail });
         let sizes = [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -162,20 +131,14 @@ impl SynthSpec {
             return bad(format!("head_dim must be even, got {}", self.head_dim));
         }
         if self.vocab_size < MIN_VOCAB_SIZE {
-            return bad(format!(
-                "vocab_size {} is below the minimum {MIN_VOCAB_SIZE}",
-                self.vocab_size
-            ));
+            return bad(format!("vocab_size {} is below the minimum {MIN_VOCAB_SIZE}", self.vocab_size));
         }
         if !(self.rms_norm_eps.is_finite()
             && self.rms_norm_eps > 0.0
             && self.rope_theta.is_finite()
             && self.rope_theta > 0.0)
         {
-            return bad(format!(
-                "rms_norm_eps {} and rope_theta {} must be > 0",
-                self.rms_norm_eps, self.rope_theta
-            ));
+            return bad(format!("rms_norm_eps {} and rope_theta {} must be > 0", self.rms_norm_eps, self.rope_theta));
         }
         Ok(())
     }
@@ -184,10 +147,7 @@ impl SynthSpec {
     /// element counts of the tensors written.
     pub fn num_parameters(&self) -> usize {
         let (h, i) = (self.hidden_size, self.intermediate_size);
-        let (q, kv) = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        );
+        let (q, kv) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h;
         let embed = self.vocab_size * h * if self.tie_word_embeddings { 1 } else { 2 };
         self.num_layers * per_layer + embed + h
@@ -250,75 +210,40 @@ pub struct SynthSummary {
 
 /// Writes a model of shape `spec` with weights drawn from `seed` into `out` (created if
 /// missing; files already there with the same names are replaced).
-pub fn write_model(
-    spec: &SynthSpec,
-    seed: u64,
-    dtype: SynthDtype,
-    out: &Path,
-) -> Result<SynthSummary> {
+pub fn write_model(spec: &SynthSpec, seed: u64, dtype: SynthDtype, out: &Path) -> Result<SynthSummary> {
     spec.validate()?;
     std::fs::create_dir_all(out).map_err(|e| write_error(out, e))?;
     let mut files = Vec::new();
-    write_json(
-        &out.join("config.json"),
-        &HfConfig::new(spec, dtype),
-        &mut files,
-    )?;
-    let generation = GenerationConfig {
-        bos_token_id: ENDOFTEXT_ID,
-        eos_token_id: [ENDOFTEXT_ID, IM_END_ID],
-    };
+    write_json(&out.join("config.json"), &HfConfig::new(spec, dtype), &mut files)?;
+    let generation = GenerationConfig { bos_token_id: ENDOFTEXT_ID, eos_token_id: [ENDOFTEXT_ID, IM_END_ID] };
     write_json(&out.join("generation_config.json"), &generation, &mut files)?;
-    write_json(
-        &out.join("tokenizer_config.json"),
-        &TokenizerConfigJson::new(spec),
-        &mut files,
-    )?;
+    write_json(&out.join("tokenizer_config.json"), &TokenizerConfigJson::new(spec), &mut files)?;
 
     let tokenizer = build_tokenizer(spec.vocab_size)?;
     let path = out.join("tokenizer.json");
-    tokenizer
-        .save(&path, true)
-        .map_err(|e| write_error(&path, std::io::Error::other(e.to_string())))?;
+    tokenizer.save(&path, true).map_err(|e| write_error(&path, std::io::Error::other(e.to_string())))?;
     files.push(path);
 
     let path = out.join("model.safetensors");
     let tensors = weights::tensors(spec, seed, dtype);
-    debug_assert_eq!(
-        tensors.iter().map(|t| t.numel()).sum::<usize>(),
-        spec.num_parameters()
-    );
+    debug_assert_eq!(tensors.iter().map(|t| t.numel()).sum::<usize>(), spec.num_parameters());
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    ::safetensors::serialize_to_file(
-        tensors.into_iter().map(|t| (t.name.clone(), t)),
-        Some(metadata),
-        &path,
-    )
-    .map_err(|e| write_error(&path, std::io::Error::other(e.to_string())))?;
-    let weight_bytes = std::fs::metadata(&path)
-        .map_err(|e| EngineError::io(&path, e))?
-        .len();
+    ::safetensors::serialize_to_file(tensors.into_iter().map(|t| (t.name.clone(), t)), Some(metadata), &path)
+        .map_err(|e| write_error(&path, std::io::Error::other(e.to_string())))?;
+    let weight_bytes = std::fs::metadata(&path).map_err(|e| EngineError::io(&path, e))?.len();
     files.push(path);
-    Ok(SynthSummary {
-        num_parameters: spec.num_parameters(),
-        weight_bytes,
-        files,
-    })
+    Ok(SynthSummary { num_parameters: spec.num_parameters(), weight_bytes, files })
 }
 
 // TODO(lead): a dedicated `EngineError::Write { path, source }` ("cannot write {path}: {source}")
 // would read better; until then writes report through `ModelFile`.
 fn write_error(path: &Path, e: std::io::Error) -> EngineError {
-    EngineError::ModelFile {
-        path: path.to_path_buf(),
-        detail: format!("cannot write it: {e}"),
-    }
+    EngineError::ModelFile { path: path.to_path_buf(), detail: format!("cannot write it: {e}") }
 }
 
 /// Writes `value` as pretty JSON (with a final newline) to `path` and records the path.
 fn write_json(path: &Path, value: &impl Serialize, files: &mut Vec<PathBuf>) -> Result<()> {
-    let mut text = serde_json::to_string_pretty(value)
-        .map_err(|e| write_error(path, std::io::Error::other(e)))?;
+    let mut text = serde_json::to_string_pretty(value).map_err(|e| write_error(path, std::io::Error::other(e)))?;
     text.push('\n');
     std::fs::write(path, text).map_err(|e| write_error(path, e))?;
     files.push(path.to_path_buf());
@@ -466,40 +391,20 @@ mod tests {
                 "large-350m" => 350.0,
                 _ => continue,
             };
-            assert!(
-                (n - want).abs() / want < 0.05,
-                "{} has {n}M parameters",
-                p.name
-            );
+            assert!((n - want).abs() / want < 0.05, "{} has {n}M parameters", p.name);
         }
         let tiny = preset("tiny").unwrap();
         assert_eq!(
-            (
-                tiny.hidden_size,
-                tiny.num_layers,
-                tiny.num_heads,
-                tiny.num_kv_heads,
-                tiny.head_dim
-            ),
+            (tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim),
             (64, 2, 4, 2, 16)
         );
-        assert_eq!(
-            (
-                tiny.intermediate_size,
-                tiny.vocab_size,
-                tiny.max_position_embeddings
-            ),
-            (172, 4096, 2048)
-        );
+        assert_eq!((tiny.intermediate_size, tiny.vocab_size, tiny.max_position_embeddings), (172, 4096, 2048));
     }
 
     #[test]
     fn parameter_count_matches_the_tensors() {
         for p in PRESETS {
-            let total: usize = weights::tensors(&p.spec, 0, SynthDtype::F32)
-                .iter()
-                .map(|t| t.numel())
-                .sum();
+            let total: usize = weights::tensors(&p.spec, 0, SynthDtype::F32).iter().map(|t| t.numel()).sum();
             assert_eq!(total, p.spec.num_parameters(), "{}", p.name);
         }
     }
@@ -507,26 +412,11 @@ mod tests {
     #[test]
     fn bad_specs_are_named() {
         let tiny = preset("tiny").unwrap();
-        let e = SynthSpec {
-            num_kv_heads: 3,
-            ..tiny
-        }
-        .validate()
-        .unwrap_err();
+        let e = SynthSpec { num_kv_heads: 3, ..tiny }.validate().unwrap_err();
         assert!(e.to_string().contains("multiple"), "{e}");
-        let e = SynthSpec {
-            vocab_size: 10,
-            ..tiny
-        }
-        .validate()
-        .unwrap_err();
+        let e = SynthSpec { vocab_size: 10, ..tiny }.validate().unwrap_err();
         assert!(e.to_string().contains("vocab_size"), "{e}");
-        let e = SynthSpec {
-            num_layers: 0,
-            ..tiny
-        }
-        .validate()
-        .unwrap_err();
+        let e = SynthSpec { num_layers: 0, ..tiny }.validate().unwrap_err();
         assert!(e.to_string().contains("num_layers"), "{e}");
     }
 }

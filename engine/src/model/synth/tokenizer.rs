@@ -17,8 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{
-    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
-    Tokenizer, TokenizerImpl,
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, Tokenizer, TokenizerImpl,
 };
 
 use crate::{EngineError, Result};
@@ -35,10 +34,7 @@ const SYNTHETIC_MERGE_SEED: u64 = 0x5eed_70c3;
 const CORPUS: &str = include_str!("corpus.txt");
 
 fn tokenizer_error(what: &str, e: impl std::fmt::Display) -> EngineError {
-    EngineError::ModelFile {
-        path: "tokenizer.json".into(),
-        detail: format!("{what}: {e}"),
-    }
+    EngineError::ModelFile { path: "tokenizer.json".into(), detail: format!("{what}: {e}") }
 }
 
 /// Builds the tokenizer with exactly `vocab_size` tokens.
@@ -71,19 +67,11 @@ pub fn build_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
     while vocab.len() < vocab_size {
         attempts += 1;
         if attempts > 1000 * vocab_size {
-            return Err(tokenizer_error(
-                "synthetic merges",
-                format!("could not reach {vocab_size} tokens"),
-            ));
+            return Err(tokenizer_error("synthetic merges", format!("could not reach {vocab_size} tokens")));
         }
-        let (a, b) = (
-            vocab.pick_regular(rng.next_u64()),
-            vocab.pick_regular(rng.next_u64()),
-        );
+        let (a, b) = (vocab.pick_regular(rng.next_u64()), vocab.pick_regular(rng.next_u64()));
         let joined = format!("{a}{b}");
-        if b.starts_with('Ġ')
-            || joined.chars().count() > MAX_SYNTHETIC_TOKEN_BYTES
-            || vocab.ids.contains_key(&joined)
+        if b.starts_with('Ġ') || joined.chars().count() > MAX_SYNTHETIC_TOKEN_BYTES || vocab.ids.contains_key(&joined)
         {
             continue;
         }
@@ -94,23 +82,18 @@ pub fn build_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
     let vocab = vocab.ids;
     // Through serde, because `BpeBuilder` wants an `ahash` map, a type this crate does not name.
     let model = serde_json::json!({ "type": "BPE", "vocab": vocab, "merges": merges });
-    let bpe: BPE = serde_json::from_value(model).map_err(|e| tokenizer_error("building BPE", e))?;
+    // From text, not from the `Value`: BPE's deserializer borrows its `type` string.
+    let bpe: BPE = serde_json::from_str(&model.to_string()).map_err(|e| tokenizer_error("building BPE", e))?;
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer
         .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
         .with_decoder(Some(ByteLevel::default()))
         .with_post_processor(Some(ByteLevel::new(false, true, true)));
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS
-        .iter()
-        .map(|t| AddedToken::from(*t, true))
-        .collect();
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(*t, true)).collect();
     tokenizer.add_special_tokens(&specials);
     let got = tokenizer.get_vocab_size(true);
     if got != vocab_size {
-        return Err(tokenizer_error(
-            "vocabulary size",
-            format!("built {got} tokens, wanted {vocab_size}"),
-        ));
+        return Err(tokenizer_error("vocabulary size", format!("built {got} tokens, wanted {vocab_size}")));
     }
     Ok(tokenizer)
 }
@@ -145,8 +128,7 @@ impl Vocab {
 /// The 256 byte-level characters in byte order (byte `b` is written as `chars[b]`).
 fn byte_level_chars() -> Vec<char> {
     // GPT-2's map: printable bytes stand for themselves, the rest shift to U+0100 onwards.
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut next = 256u32;
     (0u32..256)
         .map(|b| {
@@ -178,17 +160,13 @@ fn trained_merges(max_tokens: usize) -> Result<Vec<(String, String)>> {
         DecoderWrapper,
     > = TokenizerImpl::new(BPE::default());
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-    tokenizer
-        .train(&mut trainer, CORPUS.lines())
-        .map_err(|e| tokenizer_error("training BPE", e))?;
+    tokenizer.train(&mut trainer, CORPUS.lines()).map_err(|e| tokenizer_error("training BPE", e))?;
     #[derive(serde::Deserialize)]
     struct Merges {
         merges: Vec<(String, String)>,
     }
-    let json = serde_json::to_value(tokenizer.get_model())
-        .map_err(|e| tokenizer_error("reading merges", e))?;
-    let merges: Merges =
-        serde_json::from_value(json).map_err(|e| tokenizer_error("reading merges", e))?;
+    let json = serde_json::to_value(tokenizer.get_model()).map_err(|e| tokenizer_error("reading merges", e))?;
+    let merges: Merges = serde_json::from_value(json).map_err(|e| tokenizer_error("reading merges", e))?;
     Ok(merges.merges)
 }
 
@@ -243,11 +221,7 @@ mod tests {
             let ids = t.encode(text, false).unwrap().get_ids().to_vec();
             assert_eq!(t.decode(&ids, false).unwrap(), text);
         }
-        let ids = t
-            .encode("<|im_start|>assistant<|im_end|><|endoftext|>", false)
-            .unwrap()
-            .get_ids()
-            .to_vec();
+        let ids = t.encode("<|im_start|>assistant<|im_end|><|endoftext|>", false).unwrap().get_ids().to_vec();
         assert_eq!(ids[0], 1);
         assert_eq!(ids[ids.len() - 2..], [2, 0]);
     }

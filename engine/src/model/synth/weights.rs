@@ -46,9 +46,7 @@ impl SynthTensor {
     #[cfg(test)]
     pub fn values(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];
-        out.par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(i, chunk)| self.fill_chunk(i, chunk));
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, chunk)| self.fill_chunk(i, chunk));
         out
     }
 
@@ -82,14 +80,11 @@ impl View for SynthTensor {
     fn data(&self) -> Cow<'_, [u8]> {
         let size = self.dtype.size_bytes();
         let mut bytes = vec![0u8; self.numel() * size];
-        bytes
-            .par_chunks_mut(CHUNK * size)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let mut values = vec![0f32; out.len() / size];
-                self.fill_chunk(i, &mut values);
-                encode(self.dtype, &values, out);
-            });
+        bytes.par_chunks_mut(CHUNK * size).enumerate().for_each(|(i, out)| {
+            let mut values = vec![0f32; out.len() / size];
+            self.fill_chunk(i, &mut values);
+            encode(self.dtype, &values, out);
+        });
         Cow::Owned(bytes)
     }
 
@@ -125,48 +120,19 @@ fn encode(dtype: SynthDtype, values: &[f32], out: &mut [u8]) {
 /// distribution when tied.
 pub(crate) fn tensors(spec: &SynthSpec, seed: u64, dtype: SynthDtype) -> Vec<SynthTensor> {
     let (h, i, v) = (spec.hidden_size, spec.intermediate_size, spec.vocab_size);
-    let (qd, kvd) = (
-        spec.num_heads * spec.head_dim,
-        spec.num_kv_heads * spec.head_dim,
-    );
+    let (qd, kvd) = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim);
     let head_std = 0.4 * (64.0 / h as f64).sqrt();
     let gain = Init::Uniform { lo: 0.6, hi: 1.4 };
     let mut out = Vec::with_capacity(spec.num_layers * 9 + 3);
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        out.push(SynthTensor {
-            name,
-            shape,
-            init,
-            seed,
-            dtype,
-        })
-    };
-    let matrix = |rows: usize, cols: usize| {
-        (
-            vec![rows, cols],
-            Init::Normal {
-                std: 1.0 / (cols as f64).sqrt(),
-            },
-        )
-    };
-    let embed_std = if spec.tie_word_embeddings {
-        head_std
-    } else {
-        1.0
-    };
-    push(
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        Init::Normal { std: embed_std },
-    );
+    let mut push =
+        |name: String, shape: Vec<usize>, init: Init| out.push(SynthTensor { name, shape, init, seed, dtype });
+    let matrix = |rows: usize, cols: usize| (vec![rows, cols], Init::Normal { std: 1.0 / (cols as f64).sqrt() });
+    let embed_std = if spec.tie_word_embeddings { head_std } else { 1.0 };
+    push("model.embed_tokens.weight".into(), vec![v, h], Init::Normal { std: embed_std });
     for l in 0..spec.num_layers {
         let p = format!("model.layers.{l}");
         push(format!("{p}.input_layernorm.weight"), vec![h], gain);
-        push(
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            gain,
-        );
+        push(format!("{p}.post_attention_layernorm.weight"), vec![h], gain);
         for (name, (shape, init)) in [
             ("self_attn.q_proj", matrix(qd, h)),
             ("self_attn.k_proj", matrix(kvd, h)),
@@ -181,11 +147,7 @@ pub(crate) fn tensors(spec: &SynthSpec, seed: u64, dtype: SynthDtype) -> Vec<Syn
     }
     push("model.norm.weight".into(), vec![h], gain);
     if !spec.tie_word_embeddings {
-        push(
-            "lm_head.weight".into(),
-            vec![v, h],
-            Init::Normal { std: head_std },
-        );
+        push("lm_head.weight".into(), vec![v, h], Init::Normal { std: head_std });
     }
     out
 }
@@ -195,18 +157,25 @@ fn unit_open_closed(bits: u32) -> f64 {
     (bits as f64 + 1.0) * (1.0 / 4_294_967_296.0)
 }
 
-/// Box-Muller in f64 (rounded to f32 at the end, so a last-bit difference between platforms'
-/// `ln`/`sin_cos` almost never reaches the stored value). One u64 gives two samples.
+/// Marsaglia's polar method in f64 (rounded to f32 at the end, so a last-bit difference between
+/// platforms' `ln` almost never reaches the stored value); no trigonometry, two samples per
+/// accepted pair of 32-bit uniforms (accepted with probability π/4).
 fn fill_normal(rng: &mut ChaCha8Rng, std: f64, out: &mut [f32]) {
+    const SCALE: f64 = 2.0 / 4_294_967_296.0;
     for pair in out.chunks_mut(2) {
-        let bits = rng.next_u64();
-        let u1 = unit_open_closed((bits >> 32) as u32);
-        let u2 = (bits as u32) as f64 * (1.0 / 4_294_967_296.0);
-        let r = std * (-2.0 * u1.ln()).sqrt();
-        let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
-        pair[0] = (r * c) as f32;
+        let (u, v, s) = loop {
+            let bits = rng.next_u64();
+            let u = (bits >> 32) as f64 * SCALE - 1.0;
+            let v = (bits as u32) as f64 * SCALE - 1.0;
+            let s = u * u + v * v;
+            if s < 1.0 && s > 0.0 {
+                break (u, v, s);
+            }
+        };
+        let f = std * (-2.0 * s.ln() / s).sqrt();
+        pair[0] = (u * f) as f32;
         if let Some(second) = pair.get_mut(1) {
-            *second = (r * s) as f32;
+            *second = (v * f) as f32;
         }
     }
 }
@@ -220,15 +189,12 @@ fn mix64(mut z: u64) -> u64 {
 
 /// The ChaCha8 key of one chunk: a function of (seed, name, chunk) only.
 fn chunk_seed(seed: u64, name: &str, chunk: u64) -> [u8; 32] {
-    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
+    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
     let base = mix64(mix64(mix64(seed) ^ name_hash) ^ chunk);
     let mut key = [0u8; 32];
     for (k, word) in key.chunks_exact_mut(8).enumerate() {
         word.copy_from_slice(
-            &mix64(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-                .to_le_bytes(),
+            &mix64(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))).to_le_bytes(),
         );
     }
     key
@@ -239,13 +205,7 @@ mod tests {
     use super::*;
 
     fn tensor(init: Init, numel: usize) -> SynthTensor {
-        SynthTensor {
-            name: "t".into(),
-            shape: vec![numel],
-            init,
-            seed: 7,
-            dtype: SynthDtype::F32,
-        }
+        SynthTensor { name: "t".into(), shape: vec![numel], init, seed: 7, dtype: SynthDtype::F32 }
     }
 
     #[test]
@@ -271,11 +231,7 @@ mod tests {
     fn independent_of_thread_count() {
         let t = tensor(Init::Normal { std: 1.0 }, 3 * CHUNK + 17);
         let many = t.data().into_owned();
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap()
-            .install(|| t.data().into_owned());
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| t.data().into_owned());
         assert_eq!(many, one);
     }
 
