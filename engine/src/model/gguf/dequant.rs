@@ -4,9 +4,14 @@
 //! - `Q4_0` (32 values, 18 bytes): `d: f16, qs: [u8; 16]`; value j is `d * ((qs[j] & 15) - 8)`,
 //!   value j+16 is `d * ((qs[j] >> 4) - 8)`.
 //! - `Q4_1` (32 values, 20 bytes): `d: f16, m: f16, qs: [u8; 16]`; `d * q + m`, nibbles as Q4_0.
+//! - `Q5_0` (32 values, 22 bytes): `d: f16, qh: u32, qs: [u8; 16]`; Q4_0's nibbles with bit j
+//!   of `qh` as fifth bit of value j, `d * (q - 16)`. `Q5_1` (24 bytes) adds `m` after `d`:
+//!   `d * q + m`.
 //! - `Q8_0` (32 values, 34 bytes): `d: f16, qs: [i8; 32]`; `d * q`.
 //! - `Q4_K` (256 values, 144 bytes): `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`; eight
 //!   sub-blocks of 32 with 6-bit scale and min packed in `scales` (see [`scale_min_k4`]).
+//! - `Q5_K` (256 values, 176 bytes): Q4_K with `qh: [u8; 32]` before `qs`: bit 2c (2c+1) of
+//!   `qh[l]` is the fifth bit of value l of sub-block 2c (2c+1).
 //! - `Q6_K` (256 values, 210 bytes): `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`;
 //!   sixteen sub-blocks of 16, 6-bit values `(low 4 bits | high 2 bits << 4) - 32`.
 //!
@@ -177,7 +182,7 @@ impl GgmlType {
     /// Whether [`dequantize`] handles this type.
     pub fn can_dequantize(self) -> bool {
         use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q4_K | Q6_K)
+        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K)
     }
 }
 
@@ -212,7 +217,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, Dequ
         GgmlType::Q8_0 => block_q8_0,
         GgmlType::Q4_0 => block_q4_0,
         GgmlType::Q4_1 => block_q4_1,
+        GgmlType::Q5_0 => block_q5_0,
+        GgmlType::Q5_1 => block_q5_1,
         GgmlType::Q4_K => block_q4_k,
+        GgmlType::Q5_K => block_q5_k,
         GgmlType::Q6_K => block_q6_k,
         _ => return Err(DequantError::Unsupported),
     };
@@ -256,6 +264,27 @@ fn block_q4_1(b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Q5_0/Q5_1 values before scaling: low nibbles from `qs`, fifth bits from `qh`.
+fn q5_values(qh: u32, qs: &[u8], out: &mut [f32], d: f32, offset: f32, m: f32) {
+    let (lo, hi) = out.split_at_mut(16);
+    for (j, &q) in qs.iter().enumerate() {
+        let h0 = ((qh >> j) & 1) as u8;
+        let h1 = ((qh >> (j + 16)) & 1) as u8;
+        lo[j] = d * (f32::from((q & 0x0F) | (h0 << 4)) - offset) + m;
+        hi[j] = d * (f32::from((q >> 4) | (h1 << 4)) - offset) + m;
+    }
+}
+
+fn block_q5_0(b: &[u8], out: &mut [f32]) {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    q5_values(qh, &b[6..22], out, f16_at(b, 0), 16.0, 0.0);
+}
+
+fn block_q5_1(b: &[u8], out: &mut [f32]) {
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    q5_values(qh, &b[8..24], out, f16_at(b, 0), 0.0, f16_at(b, 2));
+}
+
 /// Scale and min of sub-block `j` (0..8) from Q4_K/Q5_K's 12 packed bytes (ggml's
 /// `get_scale_min_k4`): sub-blocks 0-3 use the low 6 bits of bytes j and j+4; sub-blocks 4-7 take
 /// their low 4 bits from byte j+4 and their high 2 bits from the top of bytes j-4 and j.
@@ -281,6 +310,27 @@ fn block_q4_k(b: &[u8], out: &mut [f32]) {
         for l in 0..32 {
             lo[l] = d1 * f32::from(q[l] & 0x0F) - m1;
             hi[l] = d2 * f32::from(q[l] >> 4) - m2;
+        }
+    }
+}
+
+fn block_q5_k(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let dmin = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    for (chunk, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, m1) = (d * f32::from(sc1), dmin * f32::from(m1));
+        let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
+        let (lo, hi) = o.split_at_mut(32);
+        for l in 0..32 {
+            let h1 = ((qh[l] >> (2 * chunk)) & 1) << 4;
+            let h2 = ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+            lo[l] = d1 * f32::from((q[l] & 0x0F) | h1) - m1;
+            hi[l] = d2 * f32::from((q[l] >> 4) | h2) - m2;
         }
     }
 }

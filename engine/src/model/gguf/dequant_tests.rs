@@ -70,6 +70,38 @@ fn quantize_q4_1(x: &[f32]) -> Vec<u8> {
     out
 }
 
+/// ggml-style Q5_0 (`with_min` false: d * (0..31 - 16)) or Q5_1 (`with_min`: d * 0..31 + m) quantizer.
+fn quantize_q5(x: &[f32], with_min: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in x.chunks(32) {
+        let (d, m) = if with_min {
+            let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
+            let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            (r16((max - min) / 31.0), r16(min))
+        } else {
+            let max = blk.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            (r16(max / -16.0), 0.0)
+        };
+        let q: Vec<u32> = blk
+            .iter()
+            .map(|&v| {
+                let q = if d == 0.0 { 0.0 } else { ((v - m) / d).round() };
+                (q + if with_min { 0.0 } else { 16.0 }).clamp(0.0, 31.0) as u32
+            })
+            .collect();
+        out.extend(h(d));
+        if with_min {
+            out.extend(h(m));
+        }
+        let qh = q.iter().enumerate().fold(0u32, |acc, (j, &v)| acc | ((v >> 4) << j));
+        out.extend(qh.to_le_bytes());
+        for j in 0..16 {
+            out.push((q[j] & 0x0F) as u8 | (((q[j + 16] & 0x0F) as u8) << 4));
+        }
+    }
+    out
+}
+
 /// Largest |a - b| over the block of `i`, relative to the bound `tol(block)`.
 fn assert_round_trip(x: &[f32], y: &[f32], tol: impl Fn(&[f32]) -> f32) {
     assert_eq!(x.len(), y.len());
@@ -126,6 +158,28 @@ fn q4_1_round_trip_and_hand_block() {
     blk.extend(qs);
     let y = dequantize(GgmlType::Q4_1, &blk, 32).unwrap();
     assert_eq!((y[5], y[21], y[0]), (-0.75, 2.75, -1.0));
+}
+
+#[test]
+fn q5_0_and_q5_1_round_trip() {
+    let x = values(32 * 40, 4, 2.0);
+    let y = dequantize(GgmlType::Q5_0, &quantize_q5(&x, false), x.len()).unwrap();
+    assert_round_trip(&x, &y, |b| amax(b) / 16.0 * 1.01);
+    let x: Vec<f32> = x.iter().map(|v| v - 0.4).collect();
+    let y = dequantize(GgmlType::Q5_1, &quantize_q5(&x, true), x.len()).unwrap();
+    assert_round_trip(&x, &y, |b| {
+        let min = b.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        (max - min) / 31.0 * 0.5 + (max.abs() + min.abs()) * 2e-3
+    });
+    // By hand: Q5_0 with d = 1, qh bit 16 set, qs[0] = 0x2F: value 0 is 15 - 16, value 16 is
+    // (2 | 16) - 16.
+    let mut blk = h(1.0).to_vec();
+    blk.extend((1u32 << 16).to_le_bytes());
+    blk.push(0x2F);
+    blk.extend([0u8; 15]);
+    let y = dequantize(GgmlType::Q5_0, &blk, 32).unwrap();
+    assert_eq!((y[0], y[16], y[1]), (-1.0, 2.0, -16.0));
 }
 
 #[test]
@@ -187,6 +241,38 @@ fn q4_k_matches_logical_block() {
 }
 
 #[test]
+fn q5_k_matches_logical_block() {
+    let sc: [u8; 8] = [3, 60, 1, 45, 22, 7, 63, 31];
+    let mn: [u8; 8] = [63, 0, 12, 33, 5, 50, 18, 2];
+    let q: Vec<u8> = (0..256).map(|i| ((i * 13 + i / 5) % 32) as u8).collect();
+    let (d, dmin) = (0.25f32, 0.125f32);
+    let mut blk = h(d).to_vec();
+    blk.extend(h(dmin));
+    blk.extend(pack_scales_k4(&sc, &mn));
+    let mut qh = [0u8; 32];
+    let mut qs = Vec::new();
+    for c in 0..4 {
+        for l in 0..32 {
+            let (a, b) = (q[64 * c + l], q[64 * c + 32 + l]);
+            qs.push((a & 0x0F) | ((b & 0x0F) << 4));
+            qh[l] |= ((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1));
+        }
+    }
+    blk.extend(qh);
+    blk.extend(qs);
+    assert_eq!(blk.len(), 176);
+    let y = dequantize(GgmlType::Q5_K, &blk, 256).unwrap();
+    for k in 0..256 {
+        let s = k / 32;
+        let want = d * f32::from(sc[s]) * f32::from(q[k]) - dmin * f32::from(mn[s]);
+        assert_eq!(y[k], want, "value {k}");
+    }
+    // By hand: value 100 is in sub-block 3 (scale 45, min 33); q[100] = (1300 + 20) % 32 = 8:
+    // 0.25 * 45 * 8 - 0.125 * 33.
+    assert_eq!(y[100], 85.875);
+}
+
+#[test]
 fn q6_k_matches_logical_block() {
     let scales: [i8; 16] = [1, -2, 3, -4, 127, -128, 0, 9, 10, -11, 12, 13, -14, 15, 16, -17];
     let l: Vec<u8> = (0..256).map(|i| ((i * 11 + i / 7) % 64) as u8).collect();
@@ -229,7 +315,7 @@ fn large_tensors_split_across_tasks_identically() {
 fn bad_lengths_and_unsupported_types_are_refused() {
     assert_eq!(dequantize(GgmlType::Q8_0, &[0; 34], 31), Err(DequantError::BadLength { n: 31, bytes: 34 }));
     assert_eq!(dequantize(GgmlType::Q8_0, &[0; 33], 32), Err(DequantError::BadLength { n: 32, bytes: 33 }));
-    assert_eq!(dequantize(GgmlType::Q5_K, &[0; 176], 256), Err(DequantError::Unsupported));
+    assert_eq!(dequantize(GgmlType::Q3_K, &[0; 110], 256), Err(DequantError::Unsupported));
     for id in 0..64 {
         if let Some(t) = GgmlType::from_u32(id) {
             assert_eq!(t.id(), id);

@@ -4,7 +4,7 @@
 //!   memory map of the data. Every length, count and offset is checked against the file before
 //!   it is used, so a malformed file gives a [`GgufError`] naming the key or tensor at fault,
 //!   never a panic or an allocation larger than the file.
-//! - [`dequant`]: ggml block formats to f32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+//! - [`dequant`]: ggml block formats to f32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 //! - [`model`]: llama / qwen2 / qwen3 GGUFs seen as a Hugging Face model: a config, a tokenizer
 //!   and tensors under their HF names and `[out, in]` shapes, with llama.cpp's q/k row
 //!   permutation undone so that HF's rotate-half RoPE applies.
@@ -62,7 +62,7 @@ pub enum GgufError {
     MisalignedTensor { name: String, offset: u64, alignment: u64 },
     #[error("GGUF tensor {name:?}: data [{start}, {end}) lies past the end of the file ({len} bytes)")]
     TensorOutOfBounds { name: String, start: u64, end: u64, len: u64 },
-    #[error("GGUF tensor {name:?}: dequantizing ggml type {ty} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)")]
+    #[error("GGUF tensor {name:?}: dequantizing ggml type {ty} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { name: String, ty: GgmlType },
     #[error("GGUF metadata key {key:?} is missing")]
     MissingKey { key: String },
