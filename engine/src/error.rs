@@ -23,6 +23,14 @@ pub enum EngineError {
     Tokenizer(#[from] cleave_tokenizer::TokenizerError),
     #[error(transparent)]
     Kernel(#[from] cleave_kernels::KernelError),
+    #[error(transparent)]
+    Kv(#[from] crate::kv::KvError),
+    #[error(transparent)]
+    Sched(#[from] crate::sched::SchedError),
+    #[error(transparent)]
+    Sampler(#[from] crate::sampler::SamplerError),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     #[error("request rejected: {0}")]
     Rejected(String),
     #[error("the engine has stopped")]

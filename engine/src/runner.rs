@@ -120,8 +120,7 @@ impl<B: Backend> EngineCore<B> {
             max_model_len,
             enable_prefix_caching: cfg.enable_prefix_caching,
             long_prefill_threshold: None,
-        })
-        .map_err(|e| EngineError::Rejected(e.to_string()))?;
+        })?;
         let kv = KvStorage::new(&backend, &model.config, num_blocks, cfg.block_size)?;
         Ok(Self {
             backend,
@@ -164,9 +163,9 @@ impl<B: Backend> EngineCore<B> {
 
     /// Queues a request. Rejects (without side effects) one that can never be served.
     pub fn add_request(&mut self, req: EngineRequest, now: Instant) -> Result<()> {
-        req.params.validate().map_err(|e| EngineError::Rejected(e.to_string()))?;
+        req.params.validate().map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
-            return Err(EngineError::Rejected(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
                 self.model.config.vocab_size
             )));
@@ -181,7 +180,7 @@ impl<B: Backend> EngineCore<B> {
             ignore_eos: req.stop.ignore_eos,
             arrival: now,
         };
-        self.sched.add(seq).map_err(|e| EngineError::Rejected(e.to_string()))?;
+        self.sched.add(seq)?;
         // Requests without a seed get one derived from the engine seed and their id, so a run
         // is reproducible without every request repeating the same random stream.
         let fallback = self.seed ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -222,8 +221,7 @@ impl<B: Backend> EngineCore<B> {
 
     /// Runs one iteration: schedule, forward, sample, commit. Returns the events it produced.
     pub fn step(&mut self, now: Instant) -> Result<Vec<TokenEvent>> {
-        let sched_err = |e: crate::sched::SchedError| EngineError::Rejected(format!("scheduler: {e}"));
-        let batch = self.sched.schedule(now).map_err(sched_err)?;
+        let batch = self.sched.schedule(now)?;
         let mut events = Vec::new();
         for &(id, reason) in &batch.finished {
             if let Some(seq) = self.seqs.remove(&id) {
@@ -279,22 +277,19 @@ impl<B: Backend> EngineCore<B> {
                 .seqs
                 .get_mut(&item.seq_id)
                 .ok_or_else(|| EngineError::Rejected(format!("scheduled unknown sequence {}", item.seq_id)))?;
-            let sampled = seq
-                .sampler
-                .sample(
-                    &logits[row * vocab..(row + 1) * vocab],
-                    &seq.params,
-                    &seq.prompt,
-                    &seq.output,
-                    &mut self.scratch,
-                )
-                .map_err(|e| EngineError::Rejected(e.to_string()))?;
+            let sampled = seq.sampler.sample(
+                &logits[row * vocab..(row + 1) * vocab],
+                &seq.params,
+                &seq.prompt,
+                &seq.output,
+                &mut self.scratch,
+            )?;
             outputs.push((item.seq_id, sampled.token));
             if let Some(lp) = sampled.logprobs {
                 logprobs.insert(item.seq_id, lp);
             }
         }
-        let updates = self.sched.commit(&outputs, now).map_err(sched_err)?;
+        let updates = self.sched.commit(&outputs, now)?;
         for upd in updates {
             let Some(seq) = self.seqs.get_mut(&upd.seq_id) else { continue };
             seq.output.push(upd.token);
@@ -304,7 +299,7 @@ impl<B: Backend> EngineCore<B> {
             if out.stopped {
                 if finish.is_none() {
                     // Ended by a stop string, which the scheduler cannot see.
-                    self.sched.finish(upd.seq_id, FinishReason::Stop).map_err(sched_err)?;
+                    self.sched.finish(upd.seq_id, FinishReason::Stop)?;
                 }
                 finish = Some(FinishReason::Stop);
             } else if finish.is_some() {

@@ -20,7 +20,7 @@ mod strftime;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatOptions, CHATML_FALLBACK_TEMPLATE};
-pub use config::{NamedTemplate, TokenizerConfig};
+pub use config::{NamedTemplate, TokenizerConfig, DEFAULT_TEMPLATE_NAME};
 pub use error::{Result, TokenizerError};
 pub use incremental::IncrementalDecoder;
 pub use stop::{StopMatcher, StopOutput};

@@ -25,7 +25,7 @@ impl ModelFiles {
             let source = super::safetensors::SafetensorsSource::open_dir(path)?;
             Ok(Self { path: path.to_path_buf(), config, tokenizer, source: Box::new(source) })
         } else if path.is_file() {
-            Err(EngineError::ModelFile { path: path.to_path_buf(), detail: "GGUF loading is not wired in yet".into() })
+            super::gguf_source::open_gguf(path)
         } else {
             Err(EngineError::io(
                 path,

@@ -1,6 +1,8 @@
 //! Model definition and loading: Hugging Face folders (config.json + safetensors) and GGUF files.
 
 pub mod config;
+pub mod gguf;
+mod gguf_source;
 pub mod llama;
 pub mod load;
 pub mod safetensors;

@@ -1,0 +1,87 @@
+//! A GGUF file seen as [`ModelFiles`]: its config mapped to [`ModelConfig`], its tokenizer and
+//! chat template wrapped as a [`Tokenizer`], and its tensors (dequantized on load) as a
+//! [`TensorSource`] in Hugging Face naming.
+
+use std::path::Path;
+
+use cleave_kernels::RopeScaling;
+use cleave_tokenizer::{Tokenizer, TokenizerConfig};
+
+use super::gguf::{GgufError, GgufModel};
+use super::{Architecture, ModelConfig, ModelFiles, TensorSource};
+use crate::{EngineError, Result};
+
+impl From<GgufError> for EngineError {
+    fn from(e: GgufError) -> Self {
+        EngineError::ModelFile { path: "gguf".into(), detail: e.to_string() }
+    }
+}
+
+impl TensorSource for GgufModel {
+    fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let actual = self.tensor_shape(name).map_err(|_| EngineError::MissingTensor { name: name.into() })?;
+        if actual != shape {
+            return Err(EngineError::TensorShape { name: name.into(), expected: shape.to_vec(), actual });
+        }
+        Ok(self.tensor_f32(name)?.1)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.tensor_shape(name).is_ok()
+    }
+}
+
+pub(super) fn open_gguf(path: &Path) -> Result<ModelFiles> {
+    let model_file_err = |detail: String| EngineError::ModelFile { path: path.to_path_buf(), detail };
+    let gguf = GgufModel::open(path).map_err(|e| model_file_err(e.to_string()))?;
+    let g = &gguf.config;
+    let architecture = match g.architecture.as_str() {
+        "llama" => Architecture::Llama,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        other => return Err(EngineError::UnsupportedArchitecture { arch: format!("{other} (GGUF)") }),
+    };
+    if g.has_rope_freqs {
+        return Err(model_file_err(
+            "the file carries `rope_freqs.weight` (llama3 rope scaling as a tensor), which cleave does not read yet; \
+             load the Hugging Face folder of this model instead"
+                .into(),
+        ));
+    }
+    let rope_scaling = match &g.rope_scaling {
+        None => RopeScaling::None,
+        Some(rs) if rs.kind == "linear" => RopeScaling::Linear { factor: rs.factor },
+        Some(rs) if rs.kind == "none" => RopeScaling::None,
+        Some(rs) => return Err(model_file_err(format!("rope scaling `{}` is not supported", rs.kind))),
+    };
+    let config = ModelConfig {
+        architecture,
+        vocab_size: g.vocab_size,
+        hidden_size: g.hidden_size,
+        intermediate_size: g.intermediate_size,
+        num_layers: g.num_layers,
+        num_heads: g.num_heads,
+        num_kv_heads: g.num_kv_heads,
+        head_dim: g.head_dim,
+        rms_norm_eps: g.rms_norm_eps,
+        rope_theta: g.rope_theta,
+        rope_scaling,
+        max_position_embeddings: g.max_position_embeddings,
+        tie_word_embeddings: g.tie_word_embeddings,
+        attention_bias: g.attention_bias,
+        qk_norm: g.qk_norm,
+        bos_token_id: g.bos_token_id,
+        eos_token_ids: g.eos_token_id.into_iter().collect(),
+    };
+    let token_text = |id: Option<u32>| id.and_then(|id| gguf.tokenizer.id_to_token(id));
+    let mut tcfg = TokenizerConfig {
+        bos_token: token_text(g.bos_token_id),
+        eos_token: token_text(g.eos_token_id),
+        ..Default::default()
+    };
+    if let Some(template) = gguf.chat_template.clone() {
+        tcfg.set_chat_template(cleave_tokenizer::DEFAULT_TEMPLATE_NAME, template);
+    }
+    let tokenizer = Tokenizer::from_hf(gguf.tokenizer.clone(), tcfg);
+    Ok(ModelFiles { path: path.to_path_buf(), config, tokenizer, source: Box::new(gguf) })
+}
