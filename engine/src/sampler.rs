@@ -86,10 +86,7 @@ impl Sampler {
     /// OS randomness.
     pub fn new(params: &SamplingParams, fallback_seed: u64) -> Self {
         let seed = params.seed.unwrap_or(fallback_seed);
-        Self {
-            seed,
-            rng: ChaCha12Rng::seed_from_u64(seed),
-        }
+        Self { seed, rng: ChaCha12Rng::seed_from_u64(seed) }
     }
 
     /// The seed in use: hand it over with the sequence so that another node continues the same
@@ -119,14 +116,7 @@ impl Sampler {
         let penalties = Penalties::new(params);
         let token = if params.temperature > 0.0 {
             let u = self.uniform_at(output.len());
-            sample_random(
-                logits,
-                params,
-                &penalties,
-                History { prompt, output },
-                u,
-                scratch,
-            )
+            sample_random(logits, params, &penalties, History { prompt, output }, u, scratch)
         } else if penalties.active() {
             scratch.penalised(logits, &penalties, History { prompt, output }, 1.0);
             if math::max(&scratch.work) == f32::NEG_INFINITY {
@@ -137,15 +127,9 @@ impl Sampler {
         } else {
             math::argmax(logits) as u32
         };
-        let logprobs = params.logprobs.map(|n| {
-            logprobs::raw_logprobs(
-                logits,
-                token,
-                n as usize,
-                &mut scratch.top,
-                &mut scratch.maxima,
-            )
-        });
+        let logprobs = params
+            .logprobs
+            .map(|n| logprobs::raw_logprobs(logits, token, n as usize, &mut scratch.top, &mut scratch.maxima));
         Ok(Sampled { token, logprobs })
     }
 
@@ -184,11 +168,7 @@ fn sample_random(
         return filter::draw(&s.work, &s.chunk_sums, total, 0.0, u);
     }
     math::chunk_maxima(&s.work, &mut s.chunk_max);
-    let weights = Weights {
-        w: &s.work,
-        chunk_max: &s.chunk_max,
-        total,
-    };
+    let weights = Weights { w: &s.work, chunk_max: &s.chunk_max, total };
     let theta = filter::threshold(&weights, &filters, &mut s.threshold);
     let kept = math::masked_chunk_sums(&s.work, &s.chunk_max, theta, &mut s.kept_sums);
     filter::draw(&s.work, &s.kept_sums, kept, theta, u)
@@ -212,8 +192,7 @@ impl SamplerScratch {
             // Setting (not subtracting) makes presence count once per distinct token.
             for &id in h.output {
                 if let Some(x) = raw(id) {
-                    self.work[id as usize] =
-                        sanitize((pen.repeat(x) - pen.presence) * inv_temperature);
+                    self.work[id as usize] = sanitize((pen.repeat(x) - pen.presence) * inv_temperature);
                 }
             }
         }
@@ -237,11 +216,7 @@ struct Penalties {
 impl Penalties {
     fn new(p: &SamplingParams) -> Self {
         // A non-positive or NaN repetition penalty (refused by validation) is treated as off.
-        let repetition = if p.repetition_penalty > 0.0 {
-            p.repetition_penalty
-        } else {
-            1.0
-        };
+        let repetition = if p.repetition_penalty > 0.0 { p.repetition_penalty } else { 1.0 };
         let finite_or_zero = |v: f32| if v.is_finite() { v } else { 0.0 };
         Self {
             repetition,

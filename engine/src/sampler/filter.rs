@@ -55,11 +55,7 @@ impl Filters {
         let top_k = usize::try_from(top_k).ok().filter(|&k| k > 0 && k < vocab);
         let top_p = (top_p < 1.0).then(|| f64::from(top_p).max(f64::from(f32::MIN_POSITIVE)));
         let min_p = (min_p > 0.0).then(|| min_p.min(1.0));
-        Self {
-            top_k,
-            top_p,
-            min_p,
-        }
+        Self { top_k, top_p, min_p }
     }
 
     pub fn any(&self) -> bool {
@@ -142,12 +138,7 @@ fn top_k_set(wts: &Weights<'_>, k: usize, s: &mut ThresholdScratch) -> f32 {
         if sel.len() >= k && ((key >> 32) as u32) < floor {
             break;
         }
-        sel.extend(
-            chunk(key)
-                .iter()
-                .map(|w| w.to_bits())
-                .filter(|&b| b >= floor),
-        );
+        sel.extend(chunk(key).iter().map(|w| w.to_bits()).filter(|&b| b >= floor));
         if sel.len() >= prune_at {
             floor = kth_largest(sel, k);
             sel.retain(|&b| b >= floor);
@@ -193,11 +184,7 @@ struct Bracket {
 
 /// Narrows the bracket of `theta_p` with up to three ladder passes.
 fn find_bracket(wts: &Weights<'_>, target: f64) -> Bracket {
-    let mut b = Bracket {
-        lo: BOTTOM,
-        hi: f32::INFINITY,
-        above_mass: 0.0,
-    };
+    let mut b = Bracket { lo: BOTTOM, hi: f32::INFINITY, above_mass: 0.0 };
     // First pass: 1, 2^-4, ..., 2^-28; then each bracket is cut into RUNGS geometric steps.
     let mut taus: [f32; RUNGS] = std::array::from_fn(|r| (-4.0 * r as f32).exp2());
     let mut step_octaves = 4.0f32;
@@ -306,10 +293,7 @@ pub(super) fn draw(weights: &[f32], sums: &[f64], total: f64, theta: f32, u: f64
         }
         // The chunk's lane-order sum rounded differently from this walk; go on to the next.
     }
-    weights
-        .iter()
-        .rposition(|&w| w >= theta && w > 0.0)
-        .unwrap_or(0) as u32
+    weights.iter().rposition(|&w| w >= theta && w > 0.0).unwrap_or(0) as u32
 }
 
 #[cfg(test)]
@@ -331,11 +315,7 @@ mod tests {
                 })
                 .copied();
             let mut work = ws.map(f32::to_bits);
-            assert_eq!(
-                nucleus_threshold(&mut work, target),
-                want,
-                "target {target}"
-            );
+            assert_eq!(nucleus_threshold(&mut work, target), want, "target {target}");
         }
         let mut work = ws.map(f32::to_bits);
         assert_eq!(nucleus_threshold(&mut work, 2.0), None);
@@ -348,19 +328,13 @@ mod tests {
         ws[CHUNK - 1] = 1.0;
         ws[CHUNK] = 1.0;
         ws[3 * CHUNK + 4] = 2.0;
-        let sums: Vec<f64> = ws
-            .chunks(CHUNK)
-            .map(|c| c.iter().map(|&w| f64::from(w)).sum())
-            .collect();
+        let sums: Vec<f64> = ws.chunks(CHUNK).map(|c| c.iter().map(|&w| f64::from(w)).sum()).collect();
         let total: f64 = sums.iter().sum();
         assert_eq!(draw(&ws, &sums, total, 0.0, 0.0), (CHUNK - 1) as u32);
         assert_eq!(draw(&ws, &sums, total, 0.0, 0.2499), (CHUNK - 1) as u32);
         assert_eq!(draw(&ws, &sums, total, 0.0, 0.2501), CHUNK as u32);
         assert_eq!(draw(&ws, &sums, total, 0.0, 0.5001), (3 * CHUNK + 4) as u32);
-        assert_eq!(
-            draw(&ws, &sums, total, 0.0, 0.999_999),
-            (3 * CHUNK + 4) as u32
-        );
+        assert_eq!(draw(&ws, &sums, total, 0.0, 0.999_999), (3 * CHUNK + 4) as u32);
         // Above theta = 1.5 only the last one survives; with theta = 1 the first two share half.
         let masked = [0.0, 0.0, 0.0, 2.0];
         assert_eq!(draw(&ws, &masked, 2.0, 1.5, 0.0), (3 * CHUNK + 4) as u32);
@@ -376,30 +350,16 @@ mod tests {
         for i in (1..n).rev() {
             ws.swap(i, (i * 7919 + 13) % (i + 1));
         }
-        let sums: Vec<f64> = ws
-            .chunks(CHUNK)
-            .map(|c| c.iter().map(|&w| f64::from(w)).sum())
-            .collect();
-        let maxima: Vec<f32> = ws
-            .chunks(CHUNK)
-            .map(|c| c.iter().copied().fold(0.0, f32::max))
-            .collect();
+        let sums: Vec<f64> = ws.chunks(CHUNK).map(|c| c.iter().map(|&w| f64::from(w)).sum()).collect();
+        let maxima: Vec<f32> = ws.chunks(CHUNK).map(|c| c.iter().copied().fold(0.0, f32::max)).collect();
         let total: f64 = sums.iter().sum();
-        let wts = Weights {
-            w: &ws,
-            chunk_max: &maxima,
-            total,
-        };
+        let wts = Weights { w: &ws, chunk_max: &maxima, total };
         let mut sorted = ws.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let mut scratch = ThresholdScratch::default();
         for k in [1usize, 2, 255, 256, 999, 5000, 19_999] {
             let f = Filters::new(k as u32, 1.0, 0.0, n);
-            assert_eq!(
-                threshold(&wts, &f, &mut scratch),
-                sorted[k - 1],
-                "top_k {k}"
-            );
+            assert_eq!(threshold(&wts, &f, &mut scratch), sorted[k - 1], "top_k {k}");
         }
         for p in [1e-6f32, 0.3, 0.9, 0.99, 0.999_9] {
             let f = Filters::new(0, p, 0.0, n);

@@ -25,11 +25,7 @@ pub(super) fn raw_logprobs(
 ) -> Logprobs {
     let m = sanitize(max(logits));
     let uniform = m == f32::NEG_INFINITY;
-    let log_z = if uniform {
-        0.0
-    } else {
-        sum_exp(logits, m).ln()
-    };
+    let log_z = if uniform { 0.0 } else { sum_exp(logits, m).ln() };
     let logprob = |x: f32| -> f32 {
         if uniform {
             -(logits.len() as f64).ln() as f32
@@ -42,9 +38,7 @@ pub(super) fn raw_logprobs(
     // ascending order, so a new value only displaces strictly smaller ones; a chunk whose
     // maximum cannot displace anything is skipped.
     let n = n.min(logits.len());
-    let displaces = |top: &Vec<(f32, u32)>, v: f32| {
-        top.len() < n || top.last().is_some_and(|&(last, _)| v > last)
-    };
+    let displaces = |top: &Vec<(f32, u32)>, v: f32| top.len() < n || top.last().is_some_and(|&(last, _)| v > last);
     top.clear();
     if n > 0 {
         chunk_maxima(logits, maxima);
@@ -64,16 +58,7 @@ pub(super) fn raw_logprobs(
     }
 
     Logprobs {
-        chosen: TokenLogprob {
-            token_id: chosen,
-            logprob: logprob(logits[chosen as usize]),
-        },
-        top: top
-            .iter()
-            .map(|&(v, id)| TokenLogprob {
-                token_id: id,
-                logprob: logprob(v),
-            })
-            .collect(),
+        chosen: TokenLogprob { token_id: chosen, logprob: logprob(logits[chosen as usize]) },
+        top: top.iter().map(|&(v, id)| TokenLogprob { token_id: id, logprob: logprob(v) }).collect(),
     }
 }

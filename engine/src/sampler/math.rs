@@ -92,9 +92,7 @@ fn max_lanes(xs: &[f32]) -> f32 {
             lanes[0] = x;
         }
     }
-    lanes
-        .into_iter()
-        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
+    lanes.into_iter().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
 }
 
 multiversion! {
@@ -190,20 +188,11 @@ pub(super) fn ladder(weights: &[f32], chunk_max: &[f32], taus: &[f32; RUNGS]) ->
 
 /// Per chunk, the total of the `weights >= theta` into `out` (0 for a chunk whose maximum is
 /// below `theta`); returns the sequential f64 sum of `out`.
-pub(super) fn masked_chunk_sums(
-    weights: &[f32],
-    chunk_max: &[f32],
-    theta: f32,
-    out: &mut Vec<f64>,
-) -> f64 {
+pub(super) fn masked_chunk_sums(weights: &[f32], chunk_max: &[f32], theta: f32, out: &mut Vec<f64>) -> f64 {
     out.clear();
     let mut total = 0.0f64;
     for (chunk, &max) in weights.chunks(CHUNK).zip(chunk_max) {
-        let s = if max < theta {
-            0.0
-        } else {
-            f64::from(mass_at_least(chunk, theta))
-        };
+        let s = if max < theta { 0.0 } else { f64::from(mass_at_least(chunk, theta)) };
         out.push(s);
         total += s;
     }
@@ -225,8 +214,7 @@ pub(super) fn exp_nonpos(x: f32) -> f32 {
     let n = t - ROUND;
     let n_int = t.to_bits() as i32 - ROUND.to_bits() as i32;
     let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
         * r
         + 0.5;
     let e = p * r * r + r + 1.0;
@@ -338,9 +326,6 @@ mod tests {
         // The dispatched copy (AVX-512 or AVX2 here) is bit-identical to the baseline one.
         assert_eq!(total.to_bits(), portable_total.to_bits());
         assert_eq!(sums, portable_sums);
-        assert!(xs
-            .iter()
-            .zip(&portable)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(xs.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
