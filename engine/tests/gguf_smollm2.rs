@@ -59,6 +59,10 @@ struct TensorFixture {
 
 fn open() -> Option<GgufModel> {
     let Some(path) = find_gguf() else {
+        assert!(
+            std::env::var_os("CLEAVE_REQUIRE_SMOLLM2").is_none(),
+            "CLEAVE_REQUIRE_SMOLLM2 is set but {FILE} is missing"
+        );
         println!(
             "SKIP: {FILE} not found; run shared/peers/smollm2.sh /work/models/smollm2 \
              or set CLEAVE_SMOLLM2_GGUF"
