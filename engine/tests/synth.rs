@@ -174,3 +174,66 @@ fn base_100m_writes_and_loads() {
     assert!(c.tie_word_embeddings);
     assert_eq!(c.num_parameters(), summary.num_parameters);
 }
+
+#[cfg(unix)]
+#[test]
+fn weights_get_the_same_mode_as_the_other_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("mode");
+    synth::write_model(&tiny(), 0, SynthDtype::F32, &dir.0).unwrap();
+    let mode = |name: &str| std::fs::metadata(dir.0.join(name)).unwrap().permissions().mode();
+    assert_eq!(mode("model.safetensors"), mode("config.json"));
+}
+
+/// Logits of every position of `prompt` (one sequence, fresh KV cache).
+fn all_logits(dir: &Path, prompt: &[u32]) -> (usize, Vec<f32>) {
+    use cleave_engine::model::{ForwardBatch, KvStorage, Model};
+    use cleave_kernels::{cpu::CpuBackend, AttnSeq};
+    let backend = CpuBackend::new(Some(1)).unwrap();
+    let config = ModelConfig::from_dir(dir).unwrap();
+    let vocab = config.vocab_size;
+    let model = Model::load(&backend, config.clone(), &SafetensorsSource::open_dir(dir).unwrap()).unwrap();
+    let block_size = 16;
+    let blocks: Vec<u32> = (0..prompt.len().div_ceil(block_size) as u32).collect();
+    let mut kv = KvStorage::new(&backend, &config, blocks.len(), block_size).unwrap();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let seqs = [AttnSeq { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &blocks }];
+    let batch =
+        ForwardBatch { tokens: prompt, positions: &positions, slots: &positions, seqs: &seqs, logit_rows: &positions };
+    (vocab, model.forward(&backend, batch, &mut kv).unwrap())
+}
+
+/// Per-row (std of the logits, top-1 softmax probability, argmax).
+fn logit_stats(vocab: usize, logits: &[f32]) -> Vec<(f64, f64, usize)> {
+    logits
+        .chunks_exact(vocab)
+        .map(|row| {
+            let n = vocab as f64;
+            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / n;
+            let std = (row.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+            let (argmax, max) =
+                row.iter().enumerate().fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
+            let z: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+            (std, 1.0 / z, argmax)
+        })
+        .collect()
+}
+
+#[test]
+fn logits_are_spread_and_depend_on_the_input() {
+    for tied in [false, true] {
+        let dir = TempDir::new(if tied { "logits-tied" } else { "logits" });
+        synth::write_model(&SynthSpec { tie_word_embeddings: tied, ..tiny() }, 0, SynthDtype::F32, &dir.0).unwrap();
+        let prompt: Vec<u32> = (0..24).map(|i| 100 + i * 37).collect();
+        let (vocab, logits) = all_logits(&dir.0, &prompt);
+        let stats = logit_stats(vocab, &logits);
+        for &(std, top1, _) in &stats {
+            assert!((1.0..10.0).contains(&std), "tied={tied}: logit std {std}");
+            assert!(top1 < 0.99, "tied={tied}: top-1 probability {top1}");
+        }
+        let mut argmax: Vec<usize> = stats.iter().map(|s| s.2).collect();
+        argmax.sort_unstable();
+        argmax.dedup();
+        assert!(argmax.len() >= 8, "tied={tied}: only {} distinct argmax over 24 positions", argmax.len());
+    }
+}

@@ -230,6 +230,10 @@ pub fn write_model(spec: &SynthSpec, seed: u64, dtype: SynthDtype, out: &Path) -
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     ::safetensors::serialize_to_file(tensors.into_iter().map(|t| (t.name.clone(), t)), Some(metadata), &path)
         .map_err(|e| write_error(&path, std::io::Error::other(e.to_string())))?;
+    // The writer goes through a 0600 temp file; give the weights the mode the other files got.
+    let config_path = out.join("config.json");
+    let mode = std::fs::metadata(&config_path).map_err(|e| EngineError::io(&config_path, e))?.permissions();
+    std::fs::set_permissions(&path, mode).map_err(|e| write_error(&path, e))?;
     let weight_bytes = std::fs::metadata(&path).map_err(|e| EngineError::io(&path, e))?.len();
     files.push(path);
     Ok(SynthSummary { num_parameters: spec.num_parameters(), weight_bytes, files })
