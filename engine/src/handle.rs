@@ -12,12 +12,13 @@ use cleave_kernels::Backend;
 use cleave_protocol::{RequestId, TokenEvent};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::runner::{EngineCore, EngineRequest};
+use crate::runner::{EngineCore, EngineRequest, EngineSnapshot};
 use crate::{EngineError, Result};
 
 enum Command {
     Submit(EngineRequest, UnboundedSender<TokenEvent>),
     Cancel(RequestId),
+    Snapshot(tokio::sync::oneshot::Sender<EngineSnapshot>),
     Shutdown,
 }
 
@@ -98,6 +99,18 @@ impl EngineHandle {
     /// Cancels a request; its blocks are freed at the next step.
     pub fn cancel(&self, id: RequestId) {
         let _ = self.tx.try_send(Command::Cancel(id));
+    }
+
+    /// Asks the loop for a snapshot of its load; answered between steps.
+    pub fn snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<EngineSnapshot>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        match self.tx.try_send(Command::Snapshot(tx)) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(_)) => {
+                Err(EngineError::Rejected(format!("engine queue full ({COMMAND_QUEUE} pending)")))
+            }
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::Stopped),
+        }
     }
 }
 
@@ -190,13 +203,27 @@ fn run_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>) -> Resul
                     }
                 }
                 Command::Cancel(id) => core.abort(id),
+                Command::Snapshot(reply) => {
+                    let _ = reply.send(core.snapshot());
+                }
                 Command::Shutdown => return Ok(()),
             }
         }
         if !core.has_work() {
             continue;
         }
-        for ev in core.step(Instant::now())? {
+        let events = match core.step(Instant::now()) {
+            Ok(events) => events,
+            Err(e) => {
+                // The engine cannot go on: tell every live request why before the loop exits.
+                tracing::error!(error = %e, "engine step failed");
+                for (id, tx) in senders.drain() {
+                    let _ = tx.send(core.error_event(id, &e));
+                }
+                return Err(e);
+            }
+        };
+        for ev in events {
             let id = ev.request_id;
             let last = ev.finish_reason.is_some();
             let gone = senders.get(&id).is_none_or(|tx| tx.send(ev).is_err());

@@ -15,4 +15,4 @@ pub mod sched;
 
 pub use error::{EngineError, Result};
 pub use handle::{EngineHandle, EngineThread, TokenStream};
-pub use runner::{EngineConfig, EngineCore, EngineRequest, EngineStats};
+pub use runner::{EngineConfig, EngineCore, EngineRequest, EngineSnapshot, EngineStats};

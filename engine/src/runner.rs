@@ -74,6 +74,22 @@ pub struct EngineStats {
     pub decode_tokens: u64,
 }
 
+/// The engine's load at one moment, as nodes report it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineSnapshot {
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    /// Unreferenced blocks kept for prefix reuse (evictable).
+    pub kv_blocks_cached: usize,
+    pub kv_blocks_in_use: usize,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+}
+
 pub struct EngineCore<B: Backend> {
     backend: B,
     model: Model<B>,
@@ -150,6 +166,22 @@ impl<B: Backend> EngineCore<B> {
 
     pub fn stats(&self) -> EngineStats {
         self.stats
+    }
+
+    pub fn snapshot(&self) -> EngineSnapshot {
+        let kv = self.sched.kv();
+        EngineSnapshot {
+            waiting: self.sched.num_waiting(),
+            running: self.sched.num_running(),
+            kv_blocks_total: kv.num_blocks(),
+            kv_blocks_free: kv.num_free(),
+            kv_blocks_cached: kv.num_cached(),
+            kv_blocks_in_use: kv.num_in_use(),
+            preemptions: self.sched.num_preemptions(),
+            steps: self.stats.steps,
+            prefill_tokens: self.stats.prefill_tokens,
+            decode_tokens: self.stats.decode_tokens,
+        }
     }
 
     pub fn max_model_len(&self) -> usize {
