@@ -7,6 +7,8 @@ use std::path::PathBuf;
 pub enum EngineError {
     #[error("cannot read {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
     #[error("invalid model config {path}: {detail}")]
     Config { path: PathBuf, detail: String },
     #[error("unsupported model architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")]

@@ -242,7 +242,7 @@ pub fn write_model(spec: &SynthSpec, seed: u64, dtype: SynthDtype, out: &Path) -
 // TODO(lead): a dedicated `EngineError::Write { path, source }` ("cannot write {path}: {source}")
 // would read better; until then writes report through `ModelFile`.
 fn write_error(path: &Path, e: std::io::Error) -> EngineError {
-    EngineError::ModelFile { path: path.to_path_buf(), detail: format!("cannot write it: {e}") }
+    EngineError::Write { path: path.to_path_buf(), source: e }
 }
 
 /// Writes `value` as pretty JSON (with a final newline) to `path` and records the path.
