@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
-use safetensors::SafeTensors;
+use safetensors::{SafeTensorError, SafeTensors};
 
 use super::TensorSource;
 use crate::{EngineError, Result};
@@ -59,10 +59,8 @@ impl SafetensorsSource {
             // SAFETY: the file is opened read-only; cleave never writes model files, and a file
             // changed underneath a running server is outside what any engine can defend against.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, e))?;
-            let (header_len, metadata) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| EngineError::ModelFile {
-                path: path.clone(),
-                detail: format!("bad safetensors header: {e}"),
-            })?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&mmap[..])
+                .map_err(|e| EngineError::ModelFile { path: path.clone(), detail: header_detail(e, mmap.len()) })?;
             let data_start = 8 + header_len;
             let shard_idx = shards.len();
             for (name, info) in metadata.tensors() {
@@ -85,6 +83,25 @@ impl SafetensorsSource {
     /// Names of every tensor in the folder.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
+    }
+}
+
+/// What a failed header read means for the file: the crate words a file cut short as a header
+/// problem ("invalid header length", "incomplete metadata"), which sends users looking in the
+/// wrong place.
+fn header_detail(e: SafeTensorError, file_len: usize) -> String {
+    match e {
+        SafeTensorError::HeaderTooSmall => {
+            format!("the file is {file_len} bytes, too short for the 8-byte header length (truncated?)")
+        }
+        SafeTensorError::InvalidHeaderLength => {
+            format!("the file ({file_len} bytes) ends inside its header (truncated?)")
+        }
+        SafeTensorError::MetadataIncompleteBuffer => format!(
+            "the tensor data described by the header does not end where the file ends ({file_len} bytes): \
+             truncated, or trailing bytes"
+        ),
+        e => format!("bad safetensors header: {e}"),
     }
 }
 
