@@ -51,10 +51,7 @@ struct FakeModel {
 
 impl FakeModel {
     fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self {
-            block_size,
-            slots: vec![None; num_blocks * block_size],
-        }
+        Self { block_size, slots: vec![None; num_blocks * block_size] }
     }
 
     fn run(&mut self, batch: &Batch) -> Vec<(u64, u32)> {
@@ -66,10 +63,7 @@ impl FakeModel {
             }
         }
         for item in &batch.items {
-            assert_eq!(
-                item.block_table.len(),
-                (item.start_pos + item.token_ids.len()).div_ceil(bs)
-            );
+            assert_eq!(item.block_table.len(), (item.start_pos + item.token_ids.len()).div_ceil(bs));
             for (j, slot) in item.slots(bs).enumerate() {
                 self.slots[slot as usize] = Some((item.token_ids[j], item.start_pos + j));
             }
@@ -81,10 +75,7 @@ impl FakeModel {
                     let slot = item.block_table[p / bs] as usize * bs + p % bs;
                     match self.slots[slot] {
                         Some((tok, pos)) if pos == p => tok,
-                        other => panic!(
-                            "seq {} position {p}: slot {slot} holds {other:?}",
-                            item.seq_id
-                        ),
+                        other => panic!("seq {} position {p}: slot {slot} holds {other:?}", item.seq_id),
                     }
                 })
                 .collect();
@@ -145,26 +136,13 @@ fn drive(cfg: &SchedulerConfig, arrivals: &[Arrival]) -> (HashMap<u64, Outcome>,
         let mut ids: Vec<u64> = batch.items.iter().map(|i| i.seq_id).collect();
         ids.sort_unstable();
         ids.dedup();
-        assert_eq!(
-            ids.len(),
-            batch.items.len(),
-            "a sequence scheduled twice in one step"
-        );
+        assert_eq!(ids.len(), batch.items.len(), "a sequence scheduled twice in one step");
         // Write isolation: every block written this step is private and not in the prefix cache.
         for item in &batch.items {
             for slot in item.slots(cfg.block_size) {
                 let b = slot / cfg.block_size as u32;
-                assert_eq!(
-                    s.kv().refcount(b),
-                    Some(1),
-                    "seq {} writes shared block {b}",
-                    item.seq_id
-                );
-                assert!(
-                    !s.kv().is_cached(b),
-                    "seq {} writes cached block {b}",
-                    item.seq_id
-                );
+                assert_eq!(s.kv().refcount(b), Some(1), "seq {} writes shared block {b}", item.seq_id);
+                assert!(!s.kv().is_cached(b), "seq {} writes cached block {b}", item.seq_id);
             }
         }
         stats.preemptions += batch.preempted.len() as u64;
@@ -187,12 +165,7 @@ fn drive(cfg: &SchedulerConfig, arrivals: &[Arrival]) -> (HashMap<u64, Outcome>,
         }
         s.kv().check_invariants().unwrap();
         if batch.is_empty() && batch.finished.is_empty() {
-            assert!(
-                s.is_idle(),
-                "stalled at step {step}: {} waiting, {} running",
-                s.num_waiting(),
-                s.num_running()
-            );
+            assert!(s.is_idle(), "stalled at step {step}: {} waiting, {} running", s.num_waiting(), s.num_running());
         }
         step += 1;
         if step > last_arrival && s.is_idle() {
@@ -227,19 +200,10 @@ fn check_outcomes(cfg: &SchedulerConfig, arrivals: &[Arrival], outcomes: &HashMa
         match o.finish {
             Some(FinishReason::Cancelled) => {
                 assert!(a.abort_at.is_some());
-                assert!(
-                    want.starts_with(&o.tokens),
-                    "seq {}: {:?} not a prefix of {want:?}",
-                    a.req.id,
-                    o.tokens
-                );
+                assert!(want.starts_with(&o.tokens), "seq {}: {:?} not a prefix of {want:?}", a.req.id, o.tokens);
             }
             Some(reason) => {
-                assert_eq!(
-                    o.tokens, want,
-                    "seq {} output differs from running alone",
-                    a.req.id
-                );
+                assert_eq!(o.tokens, want, "seq {} output differs from running alone", a.req.id);
                 assert_eq!(reason, why, "seq {}", a.req.id);
             }
             None => panic!("seq {} never ended", a.req.id),
@@ -260,33 +224,23 @@ fn arrivals_strategy() -> impl Strategy<Value = Vec<Arrival>> {
         any::<bool>(),
         proptest::option::of(1..VOCAB),
     );
-    (
-        proptest::collection::vec(base, 3),
-        proptest::collection::vec(one, 1..12),
-    )
-        .prop_map(|(bases, reqs)| {
-            reqs.into_iter()
-                .enumerate()
-                .map(
-                    |(i, (b, cut, tail, max_tokens, at_step, abort_at, ignore_eos, stop))| {
-                        let mut prompt = bases[b][..cut].to_vec();
-                        prompt.extend(tail);
-                        if prompt.is_empty() {
-                            prompt.push(1);
-                        }
-                        let mut req = SeqRequest::new(i as u64, prompt, max_tokens, Instant::now());
-                        req.eos_token_ids = vec![EOS];
-                        req.ignore_eos = ignore_eos;
-                        req.stop_token_ids = stop.into_iter().collect();
-                        Arrival {
-                            req,
-                            at_step,
-                            abort_at: abort_at.map(|d| at_step + d),
-                        }
-                    },
-                )
-                .collect()
-        })
+    (proptest::collection::vec(base, 3), proptest::collection::vec(one, 1..12)).prop_map(|(bases, reqs)| {
+        reqs.into_iter()
+            .enumerate()
+            .map(|(i, (b, cut, tail, max_tokens, at_step, abort_at, ignore_eos, stop))| {
+                let mut prompt = bases[b][..cut].to_vec();
+                prompt.extend(tail);
+                if prompt.is_empty() {
+                    prompt.push(1);
+                }
+                let mut req = SeqRequest::new(i as u64, prompt, max_tokens, Instant::now());
+                req.eos_token_ids = vec![EOS];
+                req.ignore_eos = ignore_eos;
+                req.stop_token_ids = stop.into_iter().collect();
+                Arrival { req, at_step, abort_at: abort_at.map(|d| at_step + d) }
+            })
+            .collect()
+    })
 }
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
@@ -298,17 +252,15 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         proptest::option::of(1usize..12),
         any::<bool>(),
     )
-        .prop_map(
-            |(block_size, num_blocks, max_num_seqs, extra, chunk, caching)| SchedulerConfig {
-                max_num_batched_tokens: max_num_seqs + extra,
-                max_num_seqs,
-                block_size,
-                num_blocks,
-                max_model_len: 60,
-                enable_prefix_caching: caching,
-                long_prefill_threshold: chunk,
-            },
-        )
+        .prop_map(|(block_size, num_blocks, max_num_seqs, extra, chunk, caching)| SchedulerConfig {
+            max_num_batched_tokens: max_num_seqs + extra,
+            max_num_seqs,
+            block_size,
+            num_blocks,
+            max_model_len: 60,
+            enable_prefix_caching: caching,
+            long_prefill_threshold: chunk,
+        })
 }
 
 /// Fixes each request's arrival instant to its arrival step (the strategy cannot know t0).
@@ -336,15 +288,10 @@ fn workload(n: u64, prompt_len: usize, max_tokens: u32) -> Vec<Arrival> {
     let t0 = Instant::now();
     (0..n)
         .map(|i| {
-            let prompt = (0..prompt_len)
-                .map(|j| 1 + ((i as usize * 7 + j * 3) % (VOCAB as usize - 1)) as u32)
-                .collect();
+            let prompt =
+                (0..prompt_len).map(|j| 1 + ((i as usize * 7 + j * 3) % (VOCAB as usize - 1)) as u32).collect();
             let req = SeqRequest::new(i, prompt, max_tokens, t0 + Duration::from_millis(i));
-            Arrival {
-                req,
-                at_step: i as usize / 2,
-                abort_at: None,
-            }
+            Arrival { req, at_step: i as usize / 2, abort_at: None }
         })
         .collect()
 }
@@ -365,36 +312,20 @@ fn tiny_pool_preempts_without_corruption() {
         let arrivals = workload(8, 9, 12);
         let (outcomes, stats) = drive(&cfg, &arrivals);
         check_outcomes(&cfg, &arrivals, &outcomes);
-        assert!(
-            stats.preemptions > 0,
-            "preemption was not exercised (caching {caching})"
-        );
-        assert!(arrivals
-            .iter()
-            .all(|a| outcomes[&a.req.id].finish.is_some()));
+        assert!(stats.preemptions > 0, "preemption was not exercised (caching {caching})");
+        assert!(arrivals.iter().all(|a| outcomes[&a.req.id].finish.is_some()));
     }
 }
 
 /// (5) A second request with the same prompt hits the prefix cache and gets the same output.
 #[test]
 fn prefix_cache_hit_gives_same_output() {
-    let cfg = SchedulerConfig {
-        block_size: 4,
-        num_blocks: 32,
-        ..SchedulerConfig::default()
-    };
+    let cfg = SchedulerConfig { block_size: 4, num_blocks: 32, ..SchedulerConfig::default() };
     let t0 = Instant::now();
     let prompt: Vec<u32> = (1..=18).collect();
-    let first = Arrival {
-        req: SeqRequest::new(1, prompt.clone(), 5, t0),
-        at_step: 0,
-        abort_at: None,
-    };
-    let second = Arrival {
-        req: SeqRequest::new(2, prompt, 5, t0 + Duration::from_millis(20)),
-        at_step: 20,
-        abort_at: None,
-    };
+    let first = Arrival { req: SeqRequest::new(1, prompt.clone(), 5, t0), at_step: 0, abort_at: None };
+    let second =
+        Arrival { req: SeqRequest::new(2, prompt, 5, t0 + Duration::from_millis(20)), at_step: 20, abort_at: None };
     let arrivals = vec![first, second];
     let (outcomes, _) = drive(&cfg, &arrivals);
     check_outcomes(&cfg, &arrivals, &outcomes);
@@ -407,12 +338,7 @@ fn prefix_cache_hit_gives_same_output() {
 /// copy-on-write copy; requests arriving together share blocks in flight.
 #[test]
 fn fully_cached_prompts_and_concurrent_sharers() {
-    let cfg = SchedulerConfig {
-        block_size: 4,
-        num_blocks: 40,
-        max_num_seqs: 8,
-        ..SchedulerConfig::default()
-    };
+    let cfg = SchedulerConfig { block_size: 4, num_blocks: 40, max_num_seqs: 8, ..SchedulerConfig::default() };
     let t0 = Instant::now();
     let prompt: Vec<u32> = (1..=16).collect();
     let arrivals: Vec<Arrival> = (0..6)

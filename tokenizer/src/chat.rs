@@ -46,10 +46,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -122,27 +119,16 @@ impl ChatTemplates {
         let mut env = hf_environment();
         let mut names = Vec::new();
         let mut broken = BTreeMap::new();
-        let fallback = [NamedTemplate {
-            name: FALLBACK_TEMPLATE_NAME.to_owned(),
-            template: CHATML_FALLBACK_TEMPLATE.to_owned(),
-        }];
-        let templates = if templates.is_empty() {
-            &fallback[..]
-        } else {
-            templates
-        };
+        let fallback =
+            [NamedTemplate { name: FALLBACK_TEMPLATE_NAME.to_owned(), template: CHATML_FALLBACK_TEMPLATE.to_owned() }];
+        let templates = if templates.is_empty() { &fallback[..] } else { templates };
         for t in templates {
             if let Err(e) = env.add_template_owned(t.name.clone(), t.template.clone()) {
                 broken.insert(t.name.clone(), e.to_string());
             }
             names.push(t.name.clone());
         }
-        ChatTemplates {
-            env,
-            names,
-            broken,
-            tokens,
-        }
+        ChatTemplates { env, names, broken, tokens }
     }
 
     /// Template names in the order the model lists them.
@@ -157,38 +143,22 @@ impl ChatTemplates {
 
     fn resolve(&self, requested: Option<&str>) -> Result<&str> {
         match requested {
-            Some(name) => self
-                .names
-                .iter()
-                .find(|n| *n == name)
-                .map(String::as_str)
-                .ok_or_else(|| TokenizerError::UnknownTemplate {
-                    name: name.to_owned(),
-                    available: self.names.clone(),
-                }),
-            None => Ok(self
-                .names
-                .iter()
-                .find(|n| *n == DEFAULT_TEMPLATE_NAME)
-                .unwrap_or(&self.names[0])),
+            Some(name) => self.names.iter().find(|n| *n == name).map(String::as_str).ok_or_else(|| {
+                TokenizerError::UnknownTemplate { name: name.to_owned(), available: self.names.clone() }
+            }),
+            None => Ok(self.names.iter().find(|n| *n == DEFAULT_TEMPLATE_NAME).unwrap_or(&self.names[0])),
         }
     }
 
     pub(crate) fn render(&self, messages: &[ChatMessage], opts: &ChatOptions) -> Result<String> {
         let name = self.resolve(opts.template_name.as_deref())?;
         if let Some(reason) = self.broken.get(name) {
-            return Err(TokenizerError::TemplateSyntax {
-                name: name.to_owned(),
-                reason: reason.clone(),
-            });
+            return Err(TokenizerError::TemplateSyntax { name: name.to_owned(), reason: reason.clone() });
         }
         let template = self
             .env
             .get_template(name)
-            .map_err(|e| TokenizerError::TemplateSyntax {
-                name: name.to_owned(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| TokenizerError::TemplateSyntax { name: name.to_owned(), reason: e.to_string() })?;
         let now = opts.now_unix_secs.unwrap_or_else(system_now_unix_secs);
         let t = &self.tokens;
         let ctx = minijinja::context! {
@@ -209,17 +179,11 @@ fn classify(name: &str, err: minijinja::Error) -> TokenizerError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
-            return TokenizerError::TemplateException {
-                name: name.to_owned(),
-                message: raised.0.clone(),
-            };
+            return TokenizerError::TemplateException { name: name.to_owned(), message: raised.0.clone() };
         }
         source = e.source();
     }
-    TokenizerError::TemplateRender {
-        name: name.to_owned(),
-        reason: err.to_string(),
-    }
+    TokenizerError::TemplateRender { name: name.to_owned(), reason: err.to_string() }
 }
 
 fn system_now_unix_secs() -> i64 {
@@ -243,27 +207,18 @@ fn hf_environment() -> Environment<'static> {
 }
 
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, "template raised an exception")
-            .with_source(RaisedException(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, "template raised an exception")
+        .with_source(RaisedException(message)))
 }
 
 fn strftime_now(state: &State, format: &str) -> std::result::Result<String, minijinja::Error> {
-    let now = state
-        .lookup(NOW_VAR)
-        .and_then(|v| v.as_i64())
-        .unwrap_or_else(system_now_unix_secs);
+    let now = state.lookup(NOW_VAR).and_then(|v| v.as_i64()).unwrap_or_else(system_now_unix_secs);
     Ok(crate::strftime::format_utc(format, now))
 }
 
 /// `json.dumps(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`
 /// with the same keyword arguments as HF's override (`indent` may also be positional).
-fn tojson(
-    value: Value,
-    indent: Option<Value>,
-    kwargs: Kwargs,
-) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(value: Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
     let indent = match kwargs.get::<Option<Value>>("indent")?.or(indent) {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
@@ -324,12 +279,7 @@ impl JsonStyle {
         }
     }
 
-    fn write(
-        &self,
-        out: &mut String,
-        v: &Value,
-        depth: usize,
-    ) -> std::result::Result<(), minijinja::Error> {
+    fn write(&self, out: &mut String, v: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -425,15 +375,8 @@ mod tests {
 
     fn templates(src: &str) -> ChatTemplates {
         ChatTemplates::new(
-            &[NamedTemplate {
-                name: "default".into(),
-                template: src.into(),
-            }],
-            TemplateTokens {
-                bos: Some("<s>".into()),
-                eos: Some("</s>".into()),
-                ..Default::default()
-            },
+            &[NamedTemplate { name: "default".into(), template: src.into() }],
+            TemplateTokens { bos: Some("<s>".into()), eos: Some("</s>".into()), ..Default::default() },
         )
     }
 
@@ -450,14 +393,10 @@ mod tests {
     #[test]
     fn tojson_matches_python_json_dumps() {
         let out = render(r#"{{ {"a": 1, "b": [true, none, "x\"é"], "c": {}} | tojson }}"#);
-        assert_eq!(
-            out.unwrap(),
-            r#"{"a": 1, "b": [true, null, "x\"é"], "c": {}}"#
-        );
+        assert_eq!(out.unwrap(), r#"{"a": 1, "b": [true, null, "x\"é"], "c": {}}"#);
         let out = render(r#"{{ {"b": [1, 2], "a": "<"} | tojson(indent=2) }}"#).unwrap();
         assert_eq!(out, "{\n  \"b\": [\n    1,\n    2\n  ],\n  \"a\": \"<\"\n}");
-        let out =
-            render(r#"{{ {"b": 1, "a": 2} | tojson(sort_keys=true, separators=[",", ":"]) }}"#);
+        let out = render(r#"{{ {"b": 1, "a": 2} | tojson(sort_keys=true, separators=[",", ":"]) }}"#);
         assert_eq!(out.unwrap(), r#"{"a":2,"b":1}"#);
         let out = render(r#"{{ "é🎉" | tojson(ensure_ascii=true) }}"#);
         assert_eq!(out.unwrap(), r#""\u00e9\ud83c\udf89""#);
@@ -493,10 +432,8 @@ mod tests {
 
     #[test]
     fn raise_exception_is_a_clear_error() {
-        let err = render(
-            "{% if messages[0].role == 'user' %}{{ raise_exception('no users here') }}{% endif %}",
-        )
-        .unwrap_err();
+        let err =
+            render("{% if messages[0].role == 'user' %}{{ raise_exception('no users here') }}{% endif %}").unwrap_err();
         match err {
             TokenizerError::TemplateException { name, message } => {
                 assert_eq!(name, "default");
@@ -509,30 +446,15 @@ mod tests {
     #[test]
     fn broken_template_errors_at_render_not_load() {
         let err = render("{% for %}").unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::TemplateSyntax { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::TemplateSyntax { .. }), "{err}");
         let err = render("{{ 1 | no_such_filter }}").unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TokenizerError::TemplateSyntax { .. } | TokenizerError::TemplateRender { .. }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::TemplateSyntax { .. } | TokenizerError::TemplateRender { .. }), "{err}");
     }
 
     #[test]
     fn unknown_template_name_lists_available() {
         let err = templates("x")
-            .render(
-                &[],
-                &ChatOptions {
-                    template_name: Some("tool_use".into()),
-                    ..Default::default()
-                },
-            )
+            .render(&[], &ChatOptions { template_name: Some("tool_use".into()), ..Default::default() })
             .unwrap_err();
         assert!(err.to_string().contains("tool_use") && err.to_string().contains("default"));
     }
@@ -544,15 +466,9 @@ mod tests {
         let out = t
             .render(
                 &[ChatMessage::system("S"), ChatMessage::user("U")],
-                &ChatOptions {
-                    add_generation_prompt: true,
-                    ..Default::default()
-                },
+                &ChatOptions { add_generation_prompt: true, ..Default::default() },
             )
             .unwrap();
-        assert_eq!(
-            out,
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
-        );
+        assert_eq!(out, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
     }
 }

@@ -87,11 +87,8 @@ impl TokenizerConfig {
     /// Parses the JSON text of a `tokenizer_config.json`; `origin` only names the
     /// source in errors.
     pub fn from_json_str(json: &str, origin: &Path) -> Result<Self> {
-        let raw: RawConfig =
-            serde_json::from_str(json).map_err(|e| TokenizerError::InvalidConfig {
-                path: origin.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+        let raw: RawConfig = serde_json::from_str(json)
+            .map_err(|e| TokenizerError::InvalidConfig { path: origin.to_path_buf(), reason: e.to_string() })?;
         let mut config = TokenizerConfig {
             chat_templates: Vec::new(),
             bos_token: raw.bos_token.map(TokenSpec::into_text),
@@ -103,9 +100,7 @@ impl TokenizerConfig {
         };
         match raw.chat_template {
             None => {}
-            Some(TemplateSpec::Single(template)) => {
-                config.set_chat_template(DEFAULT_TEMPLATE_NAME, template)
-            }
+            Some(TemplateSpec::Single(template)) => config.set_chat_template(DEFAULT_TEMPLATE_NAME, template),
             Some(TemplateSpec::Named(list)) => {
                 for t in list {
                     config.set_chat_template(&t.name, t.template);
@@ -125,10 +120,7 @@ impl TokenizerConfig {
     pub fn set_chat_template(&mut self, name: &str, template: String) {
         match self.chat_templates.iter_mut().find(|t| t.name == name) {
             Some(existing) => existing.template = template,
-            None => self.chat_templates.push(NamedTemplate {
-                name: name.to_owned(),
-                template,
-            }),
+            None => self.chat_templates.push(NamedTemplate { name: name.to_owned(), template }),
         }
     }
 
@@ -152,10 +144,7 @@ impl TokenizerConfig {
 
 /// Reads a UTF-8 file, naming it in the error.
 pub(crate) fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-        path: PathBuf::from(path),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: PathBuf::from(path), source })
 }
 
 #[cfg(test)]
@@ -186,13 +175,7 @@ mod tests {
     #[test]
     fn template_as_string_or_named_list() {
         let c = parse(r#"{"chat_template": "{{ x }}"}"#);
-        assert_eq!(
-            c.chat_templates,
-            vec![NamedTemplate {
-                name: "default".into(),
-                template: "{{ x }}".into()
-            }]
-        );
+        assert_eq!(c.chat_templates, vec![NamedTemplate { name: "default".into(), template: "{{ x }}".into() }]);
         let c = parse(
             r#"{"chat_template": [{"name": "default", "template": "a"},
                                   {"name": "tool_use", "template": "b"},
@@ -205,14 +188,9 @@ mod tests {
 
     #[test]
     fn bad_json_names_the_file() {
-        let err = TokenizerConfig::from_json_str("{", Path::new("dir/tokenizer_config.json"))
-            .unwrap_err();
-        assert!(
-            err.to_string().contains("dir/tokenizer_config.json"),
-            "{err}"
-        );
-        let err =
-            TokenizerConfig::from_json_str(r#"{"bos_token": 3}"#, Path::new("x.json")).unwrap_err();
+        let err = TokenizerConfig::from_json_str("{", Path::new("dir/tokenizer_config.json")).unwrap_err();
+        assert!(err.to_string().contains("dir/tokenizer_config.json"), "{err}");
+        let err = TokenizerConfig::from_json_str(r#"{"bos_token": 3}"#, Path::new("x.json")).unwrap_err();
         assert!(matches!(err, TokenizerError::InvalidConfig { .. }));
     }
 
@@ -220,8 +198,6 @@ mod tests {
     fn missing_file_names_the_file() {
         let err = TokenizerConfig::from_file("/nonexistent/tokenizer_config.json").unwrap_err();
         assert!(matches!(err, TokenizerError::Io { .. }));
-        assert!(err
-            .to_string()
-            .contains("/nonexistent/tokenizer_config.json"));
+        assert!(err.to_string().contains("/nonexistent/tokenizer_config.json"));
     }
 }

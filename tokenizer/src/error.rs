@@ -38,10 +38,7 @@ pub enum TokenizerError {
     TemplateException { name: String, message: String },
     /// A template was requested by name but the model has no template of that name.
     #[error("no chat template named {name:?}; available: {available:?}")]
-    UnknownTemplate {
-        name: String,
-        available: Vec<String>,
-    },
+    UnknownTemplate { name: String, available: Vec<String> },
 }
 
 /// Shorthand used throughout the crate.

@@ -83,18 +83,12 @@ impl IncrementalDecoder {
             return Ok(String::new());
         }
         let skip = self.skip_special_tokens;
-        let mut prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let mut prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
         while prefix.is_empty() && self.prefix_offset > 0 {
             self.prefix_offset = self.prefix_offset.saturating_sub(PROMPT_CONTEXT);
-            prefix = self
-                .tokenizer
-                .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+            prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
         }
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], skip)?;
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
         if full.len() <= prefix.len() || (!force && full.ends_with('\u{FFFD}')) {
             return Ok(String::new());
         }

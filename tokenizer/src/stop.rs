@@ -32,11 +32,7 @@ impl StopMatcher {
     /// Empty stop strings are ignored (they would match before any text).
     pub fn new<S: Into<String>>(stops: impl IntoIterator<Item = S>) -> Self {
         StopMatcher {
-            stops: stops
-                .into_iter()
-                .map(Into::into)
-                .filter(|s: &String| !s.is_empty())
-                .collect(),
+            stops: stops.into_iter().map(Into::into).filter(|s: &String| !s.is_empty()).collect(),
             held: String::new(),
             matched: None,
         }
@@ -45,33 +41,20 @@ impl StopMatcher {
     /// Feeds the next piece of text.
     pub fn push(&mut self, text: &str) -> StopOutput {
         if self.matched.is_some() {
-            return StopOutput {
-                emit: String::new(),
-                stopped: true,
-            };
+            return StopOutput { emit: String::new(), stopped: true };
         }
         self.held.push_str(text);
         // Earliest occurrence of any stop string; ties go to the first listed.
-        let found = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, i)))
-            .min();
+        let found =
+            self.stops.iter().enumerate().filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, i))).min();
         if let Some((at, i)) = found {
             self.matched = Some(i);
             self.held.truncate(at);
-            return StopOutput {
-                emit: std::mem::take(&mut self.held),
-                stopped: true,
-            };
+            return StopOutput { emit: std::mem::take(&mut self.held), stopped: true };
         }
         let keep_from = self.partial_match_start();
         let rest = self.held.split_off(keep_from);
-        StopOutput {
-            emit: std::mem::replace(&mut self.held, rest),
-            stopped: false,
-        }
+        StopOutput { emit: std::mem::replace(&mut self.held, rest), stopped: false }
     }
 
     /// Releases held-back text at the end of the stream (empty once stopped).
@@ -111,11 +94,7 @@ mod tests {
 
     /// Naive reference: truncate before the earliest occurrence of any stop string.
     fn reference(text: &str, stops: &[String]) -> (String, bool) {
-        let cut = stops
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| text.find(s.as_str()))
-            .min();
+        let cut = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| text.find(s.as_str())).min();
         match cut {
             Some(at) => (text[..at].to_owned(), true),
             None => (text.to_owned(), false),
@@ -146,13 +125,7 @@ mod tests {
         let o = m.push("nd> trailing");
         assert_eq!((o.emit.as_str(), o.stopped), ("", true));
         assert_eq!(m.matched(), Some("</end>"));
-        assert_eq!(
-            m.push("more"),
-            StopOutput {
-                emit: String::new(),
-                stopped: true
-            }
-        );
+        assert_eq!(m.push("more"), StopOutput { emit: String::new(), stopped: true });
         assert_eq!(m.flush(), "");
     }
 
@@ -179,11 +152,8 @@ mod tests {
     }
 
     fn split_points(text: &str, raw: &[usize]) -> Vec<usize> {
-        let mut cuts: Vec<usize> = raw
-            .iter()
-            .map(|r| r % (text.len() + 1))
-            .filter(|&c| text.is_char_boundary(c))
-            .collect();
+        let mut cuts: Vec<usize> =
+            raw.iter().map(|r| r % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
         cuts.sort_unstable();
         cuts.dedup();
         cuts

@@ -40,10 +40,7 @@ impl Tokenizer {
     /// Loads a `tokenizer.json` alone: no chat template (the ChatML fallback is used),
     /// no BOS/EOS texts.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        Ok(Self::from_hf(
-            load_hf(path.as_ref())?,
-            TokenizerConfig::default(),
-        ))
+        Ok(Self::from_hf(load_hf(path.as_ref())?, TokenizerConfig::default()))
     }
 
     /// Wraps an already-built `tokenizers::Tokenizer` (e.g. one assembled from GGUF
@@ -60,15 +57,7 @@ impl Tokenizer {
                 pad: config.pad_token.clone(),
             },
         );
-        Tokenizer {
-            inner: Arc::new(Inner {
-                hf,
-                config,
-                templates,
-                bos_id,
-                eos_id,
-            }),
-        }
+        Tokenizer { inner: Arc::new(Inner { hf, config, templates, bos_id, eos_id }) }
     }
 
     /// Loads a Hugging Face model folder: `tokenizer.json` (required),
@@ -79,11 +68,8 @@ impl Tokenizer {
         let dir = dir.as_ref();
         let hf = load_hf(&dir.join("tokenizer.json"))?;
         let config_path = dir.join("tokenizer_config.json");
-        let mut config = if config_path.is_file() {
-            TokenizerConfig::from_file(&config_path)?
-        } else {
-            TokenizerConfig::default()
-        };
+        let mut config =
+            if config_path.is_file() { TokenizerConfig::from_file(&config_path)? } else { TokenizerConfig::default() };
         let map_path = dir.join("special_tokens_map.json");
         if map_path.is_file() {
             config.fill_from_special_tokens_map(&map_path)?;
@@ -110,10 +96,7 @@ impl Tokenizer {
             .inner
             .hf
             .encode_fast(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode {
-                len_bytes: text.len(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| TokenizerError::Encode { len_bytes: text.len(), reason: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -123,10 +106,7 @@ impl Tokenizer {
         self.inner
             .hf
             .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode {
-                len: ids.len(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| TokenizerError::Decode { len: ids.len(), reason: e.to_string() })
     }
 
     /// Number of ids, added tokens included.
@@ -170,18 +150,8 @@ impl Tokenizer {
     /// Renders `messages` with the model's default chat template (or the ChatML
     /// fallback, see [`crate::CHATML_FALLBACK_TEMPLATE`]). `strftime_now` reads the
     /// system clock; use [`Tokenizer::render_chat_with`] to inject one.
-    pub fn render_chat(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        self.render_chat_with(
-            messages,
-            &ChatOptions {
-                add_generation_prompt,
-                ..ChatOptions::default()
-            },
-        )
+    pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_chat_with(messages, &ChatOptions { add_generation_prompt, ..ChatOptions::default() })
     }
 
     /// Renders `messages` with full control over template choice and clock.
@@ -209,14 +179,9 @@ impl Tokenizer {
 
 /// Reads and parses a `tokenizer.json`, naming the file in every error.
 fn load_hf(path: &Path) -> Result<tokenizers::Tokenizer> {
-    let bytes = std::fs::read(path).map_err(|source| TokenizerError::Io {
-        path: PathBuf::from(path),
-        source,
-    })?;
-    tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::InvalidTokenizerFile {
-        path: PathBuf::from(path),
-        reason: e.to_string(),
-    })
+    let bytes = std::fs::read(path).map_err(|source| TokenizerError::Io { path: PathBuf::from(path), source })?;
+    tokenizers::Tokenizer::from_bytes(&bytes)
+        .map_err(|e| TokenizerError::InvalidTokenizerFile { path: PathBuf::from(path), reason: e.to_string() })
 }
 
 #[cfg(test)]
@@ -235,20 +200,14 @@ mod tests {
     fn missing_and_invalid_files_name_the_file() {
         let err = Tokenizer::from_file("/nonexistent/tokenizer.json").unwrap_err();
         assert!(matches!(err, TokenizerError::Io { .. }));
-        assert!(
-            err.to_string().contains("/nonexistent/tokenizer.json"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("/nonexistent/tokenizer.json"), "{err}");
 
         let dir = std::env::temp_dir().join(format!("cleave-tok-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let bad = dir.join("tokenizer.json");
         std::fs::write(&bad, "{\"not\": \"a tokenizer\"}").unwrap();
         let err = Tokenizer::from_model_dir(&dir).unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::InvalidTokenizerFile { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::InvalidTokenizerFile { .. }), "{err}");
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
         let err = Tokenizer::from_model_dir(dir.join("missing")).unwrap_err();
         assert!(err.to_string().contains("missing/tokenizer.json"), "{err}");

@@ -10,10 +10,7 @@ use serde_json::json;
 
 /// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100+.
 fn byte_to_char() -> Vec<char> {
-    let mut printable: Vec<u32> = (u32::from(b'!')..=u32::from(b'~'))
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
+    let mut printable: Vec<u32> = (u32::from(b'!')..=u32::from(b'~')).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
     let mut chars: Vec<u32> = printable.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -55,10 +52,7 @@ fn byte_level_tokenizer() -> Tokenizer {
                   "vocab": vocab, "merges": []}
     });
     let hf = tokenizers::Tokenizer::from_str(&spec.to_string()).unwrap();
-    let config = TokenizerConfig {
-        eos_token: Some("<|im_end|>".into()),
-        ..Default::default()
-    };
+    let config = TokenizerConfig { eos_token: Some("<|im_end|>".into()), ..Default::default() };
     Tokenizer::from_hf(hf, config)
 }
 
@@ -98,19 +92,10 @@ fn streaming_never_emits_partial_characters() {
 fn streaming_with_special_tokens_and_stop_strings() {
     let tok = byte_level_tokenizer();
     let prompt = [vec![256], tok.encode("assistant\n", false).unwrap()].concat();
-    let gen = [
-        tok.encode("Voilà: 日本", false).unwrap(),
-        vec![257],
-        tok.encode("語 STOP here", false).unwrap(),
-    ]
-    .concat();
-    for (skip, want) in [
-        (true, "Voilà: 日本語 "),
-        (false, "Voilà: 日本<|im_end|>語 "),
-    ] {
-        let mut dec = tok
-            .incremental_decoder(&prompt)
-            .with_skip_special_tokens(skip);
+    let gen =
+        [tok.encode("Voilà: 日本", false).unwrap(), vec![257], tok.encode("語 STOP here", false).unwrap()].concat();
+    for (skip, want) in [(true, "Voilà: 日本語 "), (false, "Voilà: 日本<|im_end|>語 ")] {
+        let mut dec = tok.incremental_decoder(&prompt).with_skip_special_tokens(skip);
         let mut stops = StopMatcher::new(["STOP"]);
         let mut out = String::new();
         for &id in &gen {

@@ -4,9 +4,7 @@
 
 use std::path::PathBuf;
 
-use cleave_tokenizer::{
-    ChatMessage, ChatOptions, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError,
-};
+use cleave_tokenizer::{ChatMessage, ChatOptions, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError};
 use serde::Deserialize;
 
 fn shared_dir() -> PathBuf {
@@ -42,8 +40,7 @@ struct Case {
 
 fn golden() -> Golden {
     let path = model_dir().join("golden.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()
 }
 
@@ -80,11 +77,7 @@ fn golden_encode_and_decode() {
     let golden = golden();
     assert_eq!(golden.cases.len(), 7);
     for case in &golden.cases {
-        let text = case
-            .prompt
-            .as_deref()
-            .or(case.rendered_prompt.as_deref())
-            .unwrap();
+        let text = case.prompt.as_deref().or(case.rendered_prompt.as_deref()).unwrap();
         let ids = tok.encode(text, case.add_special_tokens).unwrap();
         assert_eq!(ids, case.prompt_ids, "case {}: prompt ids", case.name);
         let alone = tok.decode(&case.generated_ids, true).unwrap();
@@ -133,17 +126,12 @@ fn incremental_handles_split_multibyte_characters() {
     let text = "héllo 日本語 🎉 naïve 🚀🤖 ok";
     let ids = tok.encode(text, false).unwrap();
     // The emoji are byte-fallback tokens (<0xF0> ...), i.e. split characters.
-    assert!(ids
-        .iter()
-        .any(|&id| tok.id_to_token(id).is_some_and(|t| t.starts_with("<0x"))));
+    assert!(ids.iter().any(|&id| tok.id_to_token(id).is_some_and(|t| t.starts_with("<0x"))));
     let mut dec = tok.incremental_decoder(&[]);
     let mut out = String::new();
     for &id in &ids {
         let piece = dec.push(id).unwrap();
-        assert!(
-            !piece.contains('\u{FFFD}'),
-            "broken UTF-8 emitted: {piece:?}"
-        );
+        assert!(!piece.contains('\u{FFFD}'), "broken UTF-8 emitted: {piece:?}");
         out.push_str(&piece);
     }
     out.push_str(&dec.finish().unwrap());
@@ -165,11 +153,7 @@ fn incremental_handles_split_multibyte_characters() {
             // well defined; the decoder completes the split character.
             assert!(text.ends_with(&out), "split {split}: {out:?}");
         } else {
-            assert_eq!(
-                out,
-                reference_incremental(&tok, prompt, gen, true),
-                "split {split}"
-            );
+            assert_eq!(out, reference_incremental(&tok, prompt, gen, true), "split {split}");
         }
     }
 }
@@ -187,11 +171,7 @@ fn incremental_special_tokens_skip_or_keep() {
             out.push_str(&dec.push(id).unwrap());
         }
         out.push_str(&dec.finish().unwrap());
-        assert_eq!(
-            out,
-            reference_incremental(&tok, &[1], &seq, skip),
-            "skip={skip}"
-        );
+        assert_eq!(out, reference_incremental(&tok, &[1], &seq, skip), "skip={skip}");
     }
 }
 
@@ -216,9 +196,7 @@ fn golden_chat_template() {
     let golden = golden();
     let case = golden.cases.iter().find(|c| c.name == "chat").unwrap();
     let messages = case.messages.as_ref().unwrap();
-    let rendered = tok
-        .render_chat(messages, case.add_generation_prompt.unwrap())
-        .unwrap();
+    let rendered = tok.render_chat(messages, case.add_generation_prompt.unwrap()).unwrap();
     assert_eq!(Some(&rendered), case.rendered_prompt.as_ref());
     assert_eq!(tok.encode(&rendered, false).unwrap(), case.prompt_ids);
 }
@@ -226,12 +204,7 @@ fn golden_chat_template() {
 #[test]
 fn tiny_llama_template_rejects_system_role() {
     let tok = tokenizer();
-    let err = tok
-        .render_chat(
-            &[ChatMessage::system("be brief"), ChatMessage::user("hi")],
-            true,
-        )
-        .unwrap_err();
+    let err = tok.render_chat(&[ChatMessage::system("be brief"), ChatMessage::user("hi")], true).unwrap_err();
     match &err {
         TokenizerError::TemplateException { message, .. } => {
             assert_eq!(message, "Only user and assistant roles are supported!")
@@ -251,21 +224,14 @@ fn with_template(template: &str) -> Tokenizer {
         eos_token: Some("<|im_end|>".into()),
         ..Default::default()
     };
-    config.chat_templates.push(NamedTemplate {
-        name: "default".into(),
-        template: template.into(),
-    });
+    config.chat_templates.push(NamedTemplate { name: "default".into(), template: template.into() });
     Tokenizer::from_hf(hf, config)
 }
 
 #[test]
 fn chatml_template_smollm2_style() {
     let tok = with_template(SMOLLM2_TEMPLATE);
-    let msgs = [
-        ChatMessage::user("Hi!"),
-        ChatMessage::assistant("Hello."),
-        ChatMessage::user("2+2?"),
-    ];
+    let msgs = [ChatMessage::user("Hi!"), ChatMessage::assistant("Hello."), ChatMessage::user("2+2?")];
     let with_prompt = tok.render_chat(&msgs, true).unwrap();
     assert_eq!(
         with_prompt,
@@ -334,13 +300,8 @@ fn raise_exception_template_is_an_error_not_a_panic() {
          {{ raise_exception('Conversation roles must be user/assistant, got ' + m.role) }}\
          {% endif %}{{ m.content }}{% endfor %}",
     );
-    assert_eq!(
-        tok.render_chat(&[ChatMessage::user("ok")], false).unwrap(),
-        "ok"
-    );
-    let err = tok
-        .render_chat(&[ChatMessage::new("tool", "x")], false)
-        .unwrap_err();
+    assert_eq!(tok.render_chat(&[ChatMessage::user("ok")], false).unwrap(), "ok");
+    let err = tok.render_chat(&[ChatMessage::new("tool", "x")], false).unwrap_err();
     assert!(
         matches!(&err, TokenizerError::TemplateException { message, .. }
             if message == "Conversation roles must be user/assistant, got tool"),
@@ -352,10 +313,7 @@ fn raise_exception_template_is_an_error_not_a_panic() {
 fn model_without_template_uses_chatml_fallback() {
     let tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
     let out = tok.render_chat(&[ChatMessage::user("Hi")], true).unwrap();
-    assert_eq!(
-        out,
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    );
+    assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
 }
 
 #[test]
