@@ -69,8 +69,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let cfg = files.config.clone();
     let params = cfg.num_parameters();
     let weight_bytes = params * 4;
+    // A prefill request asks for one token after its prompt, so it needs `len + 1` positions.
     let max_len =
-        args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_context + args.decode_steps as usize + 8);
+        (args.prefill.iter().copied().max().unwrap_or(0) + 1).max(args.decode_context + args.decode_steps as usize + 8);
     let mut ecfg: EngineConfig = args.engine.to_config();
     ecfg.enable_prefix_caching = false;
     ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
