@@ -204,7 +204,13 @@ proptest! {
         prompt in prop::collection::vec(TOKENS, 1..40),
         block_size in prop::sample::select(vec![1usize, 4, 16]),
         budget in 8usize..64,
+        whole_blocks in any::<bool>(),
     ) {
+        // A prompt of whole blocks is a full hit: its last block must be copied on write.
+        let mut prompt = prompt;
+        if whole_blocks && prompt.len() >= block_size {
+            prompt.truncate(prompt.len() / block_size * block_size);
+        }
         let params = SamplingParams { logprobs: Some(3), ..SamplingParams::default() };
         let stop = StopConditions { max_tokens: 5, ignore_eos: true, ..Default::default() };
         let mut core = tiny(config(block_size, 4096 / block_size, budget, 4));

@@ -131,11 +131,12 @@ fn variants() -> Vec<Variant> {
             ..llama("qwen3-qk-norm-bf16")
         },
         Variant {
-            // original_max_position_embeddings 32 puts the 8 frequencies of head_dim 16 in all
-            // three llama3 bands (high: wavelength < 8, medium: 8..32, low: > 32).
+            // With theta 500000, original_max_position_embeddings 64 puts the 8 frequencies of
+            // head_dim 16 in all three llama3 bands (high: wavelength < 16, i = 0; medium:
+            // 16..64, i = 1; low: > 64, the rest); `llama3_variant_covers_every_band` checks it.
             rope_scaling: Some(json!({
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64
             })),
             spec: SynthSpec { rope_theta: 500_000.0, ..base },
             ..llama("llama3-rope")
@@ -669,7 +670,6 @@ fn each_feature_changes_the_logits() {
         let dir = write_variant(v, 7);
         RefModel::load(&dir.0).logits(&prompt)
     };
-    let plain = logits_of(&llama("plain"));
     for v in variants().iter().filter(|v| v.write_bias || v.write_qk_norm || v.rope_scaling.is_some()) {
         let with = logits_of(v);
         let without = logits_of(&Variant {
@@ -683,5 +683,17 @@ fn each_feature_changes_the_logits() {
         let diff = with.iter().zip(&without).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(diff > 1e-2, "{}: its feature changes the logits by only {diff}", v.tag);
     }
-    assert_eq!(plain.len(), prompt.len() * base_spec().vocab_size);
+}
+
+/// The llama3 variant's settings put its frequencies in all three bands, so each branch of the
+/// scaling rule is exercised.
+#[test]
+fn llama3_variant_covers_every_band() {
+    let v = variant("llama3-rope");
+    let scaled = hf_inv_freq(v.spec.head_dim, v.spec.rope_theta as f64, v.rope_scaling.as_ref().unwrap());
+    let plain = hf_inv_freq(v.spec.head_dim, v.spec.rope_theta as f64, &Value::Null);
+    let ratios: Vec<f64> = scaled.iter().zip(&plain).map(|(s, p)| s / p).collect();
+    assert!(ratios.iter().any(|&r| r == 1.0), "a high-frequency band: {ratios:?}");
+    assert!(ratios.iter().any(|&r| (r - 1.0 / 8.0).abs() < 1e-12), "a low-frequency band: {ratios:?}");
+    assert!(ratios.iter().any(|&r| r > 1.0 / 8.0 + 1e-6 && r < 1.0 - 1e-6), "a medium band: {ratios:?}");
 }
