@@ -364,7 +364,7 @@ fn plausible_gguf() -> Vec<u8> {
         .raw(&0u32.to_le_bytes()) // F32
         .raw(&0u64.to_le_bytes());
     let mut b = g.0;
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.extend(vec![0u8; 32 * 4 * 4]);

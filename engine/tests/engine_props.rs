@@ -507,5 +507,5 @@ fn identical_prompts_share_blocks_and_match_alone() {
     }
     let cached: Vec<u32> = reqs.iter().map(|r| events[&r.id.0][0].cached_tokens).collect();
     assert_eq!(cached[0], 0);
-    assert!(cached.iter().any(|&c| c == 11), "a full hit (all but the last token): {cached:?}");
+    assert!(cached.contains(&11), "a full hit (all but the last token): {cached:?}");
 }

@@ -693,7 +693,7 @@ fn llama3_variant_covers_every_band() {
     let scaled = hf_inv_freq(v.spec.head_dim, v.spec.rope_theta as f64, v.rope_scaling.as_ref().unwrap());
     let plain = hf_inv_freq(v.spec.head_dim, v.spec.rope_theta as f64, &Value::Null);
     let ratios: Vec<f64> = scaled.iter().zip(&plain).map(|(s, p)| s / p).collect();
-    assert!(ratios.iter().any(|&r| r == 1.0), "a high-frequency band: {ratios:?}");
+    assert!(ratios.contains(&1.0), "a high-frequency band: {ratios:?}");
     assert!(ratios.iter().any(|&r| (r - 1.0 / 8.0).abs() < 1e-12), "a low-frequency band: {ratios:?}");
     assert!(ratios.iter().any(|&r| r > 1.0 / 8.0 + 1e-6 && r < 1.0 - 1e-6), "a medium band: {ratios:?}");
 }
