@@ -163,16 +163,29 @@ proptest! {
         budget in 4usize..24,
         block_size in prop::sample::select(vec![1usize, 4, 16]),
     ) {
-        let reqs: Vec<EngineRequest> =
-            prompts.iter().enumerate().map(|(i, p)| greedy(i as u64, p.clone(), max_tokens[i])).collect();
+        let reqs: Vec<EngineRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut r = greedy(i as u64, p.clone(), max_tokens[i]);
+                r.params.logprobs = Some(2);
+                r
+            })
+            .collect();
         let mut core = tiny(config(block_size, 4096 / block_size, budget, budget.min(4)));
         submit_all(&mut core, &reqs);
         let together = common::run_to_end(&mut core);
         assert_no_leak(&core);
         for r in &reqs {
             let evs = &together[&r.id.0];
+            let solo = alone(r);
             prop_assert_eq!(finish_of(r.id.0, evs), FinishReason::Length);
-            prop_assert_eq!(common::token_ids(evs), common::token_ids(&alone(r)), "request {}", r.id.0);
+            prop_assert_eq!(common::token_ids(evs), common::token_ids(&solo), "request {}", r.id.0);
+            // The logits themselves agree, not just their argmax.
+            for (a, b) in evs.iter().zip(&solo) {
+                let (a, b) = (&a.logprobs.as_ref().unwrap().chosen, &b.logprobs.as_ref().unwrap().chosen);
+                prop_assert!((a.logprob - b.logprob).abs() <= 1e-4, "request {}: {:?} vs {:?}", r.id.0, a, b);
+            }
         }
     }
 
