@@ -3,8 +3,11 @@
 //! Two regimes:
 //! - **Skinny** (`m <= SKINNY_MAX_M` by default, i.e. decode): the weight matrix is streamed from memory
 //!   from DRAM exactly once, so for small `m` time is bytes / bandwidth. Output rows are split
-//!   into contiguous ranges over the rayon pool (each range's weights fit L2); activation rows go
-//!   in groups of up to 8 and are cut along `k` so a group stays in L1; each step dots a group
+//!   into contiguous ranges over the rayon pool (each range's weights fit L2). On AVX-512, full
+//!   groups of 8 activation rows are cut along `k` so that all groups stay in L1, and each pair of
+//!   weight rows is dotted with every group while it is in L1 ([`simd::dots8_groups`]: 16
+//!   register accumulators, one transposing reduction), so weights come from memory once per
+//!   call. Leftover rows (and other ISAs) go in groups of up to 8, each step dotting a group
 //!   against 1-3 weight rows with register-resident accumulators ([`simd::dots`]).
 //! - **Wide** (prefill): the `gemm` crate's packed, cache-blocked kernel, parallel on our pool.
 //!
@@ -13,10 +16,12 @@
 use super::simd::{self, Isa};
 use rayon::prelude::*;
 
-/// Largest `m` served by the skinny kernel; larger batches go to `gemm`. Chosen by measurement
-/// (`examples/kernel_bench.rs`, 2 threads, AVX-512): the streaming kernel beats `gemm` up to
-/// m = 24 on 576×1536 and up to m = 32 on 4096×4096; gemm wins from m = 32..48.
-pub(crate) const SKINNY_MAX_M: usize = 24;
+/// Largest `m` served by the skinny kernel; larger batches go to `gemm`. `gemm` packs the whole
+/// weight matrix on every call (its `pack_lhs` was 40% of a batch-32 decode step), which only pays
+/// once `m` is large; with the 8-row AVX-512 kernel ([`simd::dots8_groups`]) the streaming kernel
+/// is ahead of gemm up to m = 32 on every base-100m shape and about even at m = 64
+/// (`examples/decode_shapes.rs`, 2 threads).
+pub(crate) const SKINNY_MAX_M: usize = 64;
 
 /// Activation rows per pass of the skinny kernel (accumulators must fit in registers).
 const MR: usize = 8;
@@ -94,7 +99,19 @@ fn tile(isa: Isa, x: &[f32], w: &[f32], bias: Option<&[f32]>, (m, k): (usize, us
     for (jj, o) in chunk.chunks_exact_mut(m).enumerate() {
         o.fill(bias.map_or(0.0, |b| b[j0 + jj]));
     }
-    for g0 in (0..m).step_by(MR) {
+    // Full groups of 8 rows on AVX-512: k blocks small enough that all groups' activations stay
+    // in L1, so each weight element comes from memory once and meets every activation row there.
+    let full = if isa == Isa::Avx512 { m / MR } else { 0 };
+    if full > 0 {
+        let kb = (L1_FLOATS / (full * MR)).max(64) / 16 * 16;
+        let w = &w[j0 * k..];
+        let rows = chunk.len() / m;
+        for k0 in (0..k).step_by(kb) {
+            let done = simd::dots8_groups(isa, x, w, (k, k0, (k0 + kb).min(k)), full, rows, chunk, m);
+            debug_assert!(done, "AVX-512 has the 8-row kernel");
+        }
+    }
+    for g0 in (full * MR..m).step_by(MR) {
         let g = (m - g0).min(MR);
         let kb = (L1_FLOATS / g).max(16);
         for k0 in (0..k).step_by(kb) {
@@ -132,7 +149,10 @@ impl Pass<'_> {
         // Weight rows per step: as many as keep `M × J` accumulators plus the loaded rows in
         // registers (32 with AVX-512, 16 with AVX2), so each activation load feeds `J` FMAs.
         match (self.isa, M) {
-            (Isa::Avx512, _) => self.run_j::<M, 3>(chunk),
+            // 3 rows for small groups (more loads in flight); 2 for larger ones, whose `M × 3`
+            // accumulators would spill to the stack.
+            (Isa::Avx512, 1..=4) => self.run_j::<M, 3>(chunk),
+            (Isa::Avx512, _) => self.run_j::<M, 2>(chunk),
             (Isa::Avx2Fma, 1..=4) => self.run_j::<M, 2>(chunk),
             _ => self.run_j::<M, 1>(chunk),
         }

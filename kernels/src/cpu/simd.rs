@@ -76,6 +76,46 @@ pub fn dots<const M: usize, const J: usize>(isa: Isa, xs: &[&[f32]; M], ws: &[&[
     }
 }
 
+/// The skinny kernel's inner loop for full groups of eight activation rows, on AVX-512:
+/// `out[j * m + r] += x[r, k0..k1] · w[j, k0..k1]` for every weight row `j < rows` and activation
+/// row `r < 8 * groups`, where `x` and `w` are row-major with row stride `k`. Weight rows go in
+/// pairs; each pair is loaded from memory once and dotted with every group while it sits in L1,
+/// so the caller picks `k1 - k0` small enough for the groups' `x` block to stay in L1 too.
+/// Returns `false`, touching nothing, when this ISA has no such kernel (the caller then uses
+/// [`dots`]).
+///
+/// # Panics
+/// If `k0 <= k1 <= k`, `8 * groups <= m`, `x.len() >= (8 * groups - 1) * k + k1`,
+/// `w.len() >= (rows - 1) * k + k1` or `out.len() >= (rows - 1) * m + 8 * groups` fails.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn dots8_groups(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    (k, k0, k1): (usize, usize, usize),
+    groups: usize,
+    rows: usize,
+    out: &mut [f32],
+    m: usize,
+) -> bool {
+    if rows == 0 || groups == 0 || k0 == k1 {
+        return true;
+    }
+    assert!(k0 <= k1 && k1 <= k && 8 * groups <= m);
+    assert!(x.len() >= (8 * groups - 1) * k + k1 && w.len() >= (rows - 1) * k + k1);
+    assert!(out.len() >= (rows - 1) * m + 8 * groups);
+    match isa {
+        // SAFETY: `detect` returned this ISA only if the CPU supports it; sizes asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            unsafe { avx512::dots8_groups(x, w, (k, k0, k1), groups, rows, out, m) };
+            true
+        }
+        _ => false,
+    }
+}
+
 /// `y[i] += a * x[i]` over `x.len()` elements.
 #[inline]
 pub fn axpy(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
@@ -215,6 +255,120 @@ mod avx512 {
             }
         }
         out
+    }
+
+    /// Sums of 16 vectors: lane `i` of the result is the horizontal sum of `a[i]`. A transposing
+    /// add tree (about 45 shuffles and adds) instead of 16 separate reductions (about 130).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn hsum16(a: &[__m512; 16]) -> __m512 {
+        // Level 1: pairs interleaved; each 128-bit lane holds [x0+x2, y0+y2, x1+x3, y1+y3] of (x, y).
+        let pair = |x: __m512, y: __m512| _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+        let p: [__m512; 8] = [
+            pair(a[0], a[1]),
+            pair(a[2], a[3]),
+            pair(a[4], a[5]),
+            pair(a[6], a[7]),
+            pair(a[8], a[9]),
+            pair(a[10], a[11]),
+            pair(a[12], a[13]),
+            pair(a[14], a[15]),
+        ];
+        // Level 2: each 128-bit lane holds the partial sums of four vectors, in order.
+        let quad = |x: __m512, y: __m512| {
+            let (xd, yd) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+            let lo = _mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd));
+            let hi = _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd));
+            _mm512_add_ps(lo, hi)
+        };
+        let q = [quad(p[0], p[1]), quad(p[2], p[3]), quad(p[4], p[5]), quad(p[6], p[7])];
+        // Levels 3 and 4: add the 128-bit lanes across vectors.
+        let fold = |x: __m512, y: __m512| {
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y))
+        };
+        fold(fold(q[0], q[1]), fold(q[2], q[3]))
+    }
+
+    /// 16 dot products: eight activation rows (`xp`) against two weight rows (`w0`, `w1`) over
+    /// `n` elements, returned as one vector (lanes 0..8: row `w0`, lanes 8..16: row `w1`).
+    ///
+    /// # Safety
+    /// AVX-512F available; every pointer valid for `n` reads.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn dots_8x2(xp: &[*const f32; 8], w0: *const f32, w1: *const f32, n: usize) -> __m512 {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        let mut i = 0;
+        // SAFETY (all loads): offsets stay below `n`, or are masked to it.
+        unsafe {
+            while i + 16 <= n {
+                let a = _mm512_loadu_ps(w0.add(i));
+                let b = _mm512_loadu_ps(w1.add(i));
+                for r in 0..8 {
+                    let xv = _mm512_loadu_ps(xp[r].add(i));
+                    acc[r] = _mm512_fmadd_ps(xv, a, acc[r]);
+                    acc[8 + r] = _mm512_fmadd_ps(xv, b, acc[8 + r]);
+                }
+                i += 16;
+            }
+            if i < n {
+                let t = tail_mask(n - i);
+                let a = _mm512_maskz_loadu_ps(t, w0.add(i));
+                let b = _mm512_maskz_loadu_ps(t, w1.add(i));
+                for r in 0..8 {
+                    let xv = _mm512_maskz_loadu_ps(t, xp[r].add(i));
+                    acc[r] = _mm512_fmadd_ps(xv, a, acc[r]);
+                    acc[8 + r] = _mm512_fmadd_ps(xv, b, acc[8 + r]);
+                }
+            }
+        }
+        hsum16(&acc)
+    }
+
+    /// # Safety
+    /// AVX-512F available; sizes as asserted by the safe wrapper `simd::dots8_groups`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dots8_groups(
+        x: &[f32],
+        w: &[f32],
+        (k, k0, k1): (usize, usize, usize),
+        groups: usize,
+        rows: usize,
+        out: &mut [f32],
+        m: usize,
+    ) {
+        let n = k1 - k0;
+        let (xb, wp, op) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+        // SAFETY (all accesses): activation row `g * 8 + r < 8 * groups` and weight rows
+        // `j, j + 1 < rows` span `.. * k + k0 .. * k + k1` inside `x` and `w`; outputs lie in
+        // `j * m + 8 * g .. + 8` for `j < rows`, inside `out` (all asserted by the wrapper).
+        unsafe {
+            let xp = |g: usize| -> [*const f32; 8] { std::array::from_fn(|r| xb.add((g * 8 + r) * k + k0)) };
+            let mut j = 0;
+            while j + 2 <= rows {
+                let (w0, w1) = (wp.add(j * k + k0), wp.add((j + 1) * k + k0));
+                for g in 0..groups {
+                    let s = dots_8x2(&xp(g), w0, w1, n);
+                    let (o0, o1) = (op.add(j * m + 8 * g), op.add((j + 1) * m + 8 * g));
+                    _mm256_storeu_ps(o0, _mm256_add_ps(_mm256_loadu_ps(o0), _mm512_castps512_ps256(s)));
+                    let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(s, s);
+                    _mm256_storeu_ps(o1, _mm256_add_ps(_mm256_loadu_ps(o1), _mm512_castps512_ps256(hi)));
+                }
+                j += 2;
+            }
+            if j < rows {
+                let w0 = std::slice::from_raw_parts(wp.add(j * k + k0), n);
+                for g in 0..groups {
+                    let p = xp(g);
+                    let xs: [&[f32]; 8] = std::array::from_fn(|r| std::slice::from_raw_parts(p[r], n));
+                    let [d] = dots::<8, 1>(&xs, &[w0]);
+                    let o = op.add(j * m + 8 * g);
+                    for (r, d) in d.iter().enumerate() {
+                        *o.add(r) += d;
+                    }
+                }
+            }
+        }
     }
 
     /// # Safety
