@@ -11,23 +11,27 @@ use super::gguf::{GgufError, GgufModel};
 use super::{Architecture, ModelConfig, ModelFiles, TensorSource};
 use crate::{EngineError, Result};
 
-impl From<GgufError> for EngineError {
-    fn from(e: GgufError) -> Self {
-        EngineError::ModelFile { path: "gguf".into(), detail: e.to_string() }
-    }
+/// The tensors of an open GGUF file, with its path for error messages.
+struct GgufSource {
+    path: std::path::PathBuf,
+    model: GgufModel,
 }
 
-impl TensorSource for GgufModel {
+impl TensorSource for GgufSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let actual = self.tensor_shape(name).map_err(|_| EngineError::MissingTensor { name: name.into() })?;
+        let actual = self.model.tensor_shape(name).map_err(|_| EngineError::MissingTensor { name: name.into() })?;
         if actual != shape {
             return Err(EngineError::TensorShape { name: name.into(), expected: shape.to_vec(), actual });
         }
-        Ok(self.tensor_f32(name)?.1)
+        let tensor = self
+            .model
+            .tensor_f32(name)
+            .map_err(|e: GgufError| EngineError::ModelFile { path: self.path.clone(), detail: e.to_string() })?;
+        Ok(tensor.1)
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.tensor_shape(name).is_ok()
+        self.model.tensor_shape(name).is_ok()
     }
 }
 
@@ -83,5 +87,10 @@ pub(super) fn open_gguf(path: &Path) -> Result<ModelFiles> {
         tcfg.set_chat_template(cleave_tokenizer::DEFAULT_TEMPLATE_NAME, template);
     }
     let tokenizer = Tokenizer::from_hf(gguf.tokenizer.clone(), tcfg);
-    Ok(ModelFiles { path: path.to_path_buf(), config, tokenizer, source: Box::new(gguf) })
+    Ok(ModelFiles {
+        path: path.to_path_buf(),
+        config,
+        tokenizer,
+        source: Box::new(GgufSource { path: path.to_path_buf(), model: gguf }),
+    })
 }

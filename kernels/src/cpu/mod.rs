@@ -129,11 +129,23 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_zeros(&self, len: usize) -> Result<Vec<f32>> {
-        let mut v = Vec::new();
-        v.try_reserve_exact(len)
-            .map_err(|_| KernelError::OutOfMemory { bytes: len.saturating_mul(std::mem::size_of::<f32>()) })?;
-        v.resize(len, 0.0);
-        Ok(v)
+        // Zeroed pages from the allocator (calloc/mmap) rather than writing zeros: a KV cache of
+        // gigabytes then costs nothing until it is used.
+        let oom = || KernelError::OutOfMemory { bytes: len.saturating_mul(std::mem::size_of::<f32>()) };
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let layout = std::alloc::Layout::array::<f32>(len).map_err(|_| oom())?;
+        // SAFETY: `layout` has non-zero size; a null return is handled; all-zero bits are a valid
+        // f32 (0.0), so the `len` elements are initialised; the pointer comes from the global
+        // allocator with exactly this layout, as `Vec::from_raw_parts` requires.
+        unsafe {
+            let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+            if ptr.is_null() {
+                return Err(oom());
+            }
+            Ok(Vec::from_raw_parts(ptr, len, len))
+        }
     }
 
     fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
