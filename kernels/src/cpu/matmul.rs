@@ -84,14 +84,32 @@ fn skinny(
         pool.install(|| out.par_chunks_mut(rows).enumerate().for_each(task));
         return;
     }
-    let mut tn = vec![0f32; m * n];
-    pool.install(|| tn.par_chunks_mut(rows * m).enumerate().for_each(task));
-    for (j, col) in tn.chunks_exact(m).enumerate() {
-        for (i, &v) in col.iter().enumerate() {
-            out[i * n + j] = v;
-        }
-    }
+    // Each task computes its columns `j0..j1` transposed (`[j1 - j0, m]`) in a task-local buffer,
+    // then writes them into `out` itself: the transpose runs in parallel and while the tile is hot.
+    let dst = OutPtr(out.as_mut_ptr());
+    let dst = &dst;
+    pool.install(|| {
+        (0..n.div_ceil(rows)).into_par_iter().for_each(|c| {
+            let (j0, j1) = (c * rows, ((c + 1) * rows).min(n));
+            let mut tile_t = vec![0f32; (j1 - j0) * m];
+            task((c, &mut tile_t));
+            for i in 0..m {
+                // SAFETY: `out` is `[m, n]` (checked by the caller); row `i`, columns `j0..j1` lie
+                // inside it, and tasks own disjoint column ranges, so no two tasks write the same
+                // element and nothing reads `out` until the parallel loop has joined.
+                let row = unsafe { std::slice::from_raw_parts_mut(dst.0.add(i * n + j0), j1 - j0) };
+                for (o, col) in row.iter_mut().zip(tile_t.chunks_exact(m)) {
+                    *o = col[i];
+                }
+            }
+        })
+    });
 }
+
+/// `out`'s base pointer, shared by the tasks of [`skinny`], which write disjoint elements.
+struct OutPtr(*mut f32);
+// SAFETY: only used to write disjoint column ranges from tasks joined before `out` is used again.
+unsafe impl Sync for OutPtr {}
 
 /// Fills `chunk`, rows `j0..` of the transposed output `[n, m]`, with `bias[j] + x[i] · w[j]`:
 /// activation rows in groups of up to `MR`, each group in `k` blocks that fit L1.
