@@ -10,7 +10,7 @@ use cleave_kernels::{AttnSeq, Backend};
 use cleave_protocol::{FinishReason, RequestId, SamplingParams, StopConditions, TokenEvent};
 use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer};
 
-use crate::model::{ForwardBatch, KvStorage, Model, ModelFiles};
+use crate::model::{ForwardBatch, KvStorage, Model, ModelFiles, Workspace};
 use crate::sampler::{Sampler, SamplerScratch};
 use crate::sched::{Scheduler, SchedulerConfig, SeqRequest};
 use crate::{EngineError, Result};
@@ -94,6 +94,8 @@ pub struct EngineCore<B: Backend> {
     backend: B,
     model: Model<B>,
     kv: KvStorage<B>,
+    /// Activation buffers reused across steps.
+    workspace: Workspace<B>,
     sched: Scheduler,
     tokenizer: Tokenizer,
     eos_token_ids: Vec<u32>,
@@ -142,6 +144,7 @@ impl<B: Backend> EngineCore<B> {
             backend,
             model,
             kv,
+            workspace: Workspace::default(),
             sched,
             tokenizer,
             eos_token_ids,
@@ -300,7 +303,7 @@ impl<B: Backend> EngineCore<B> {
             seqs: &seqs,
             logit_rows: &logit_rows,
         };
-        let logits = self.model.forward(&self.backend, fwd, &mut self.kv)?;
+        let logits = self.model.forward_with(&self.backend, fwd, &mut self.kv, &mut self.workspace)?;
         let vocab = self.model.config.vocab_size;
         let mut outputs = Vec::with_capacity(logit_rows.len());
         let mut logprobs = HashMap::new();

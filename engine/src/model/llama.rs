@@ -110,6 +110,18 @@ impl<B: Backend> Model<B> {
     /// Runs the batch, writing its K/V into `kv`, and returns the logits of `logit_rows` as
     /// `[logit_rows.len(), vocab_size]` on the host.
     pub fn forward(&self, backend: &B, batch: ForwardBatch<'_>, kv: &mut KvStorage<B>) -> Result<Vec<f32>> {
+        self.forward_with(backend, batch, kv, &mut Workspace::default())
+    }
+
+    /// [`Model::forward`] with activation buffers kept in `ws` between calls, so that steady-state
+    /// steps allocate (and fault in) no memory.
+    pub fn forward_with(
+        &self,
+        backend: &B,
+        batch: ForwardBatch<'_>,
+        kv: &mut KvStorage<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = batch.tokens.len();
         let (h, i, qd, kvd, hd) =
@@ -121,53 +133,95 @@ impl<B: Backend> Model<B> {
             block_size: kv.block_size(),
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let mut x = backend.alloc_zeros(t * h)?;
-        backend.embedding(&self.embed, batch.tokens, c.vocab_size, h, &mut x)?;
-        let mut normed = backend.alloc_zeros(t * h)?;
-        let mut q = backend.alloc_zeros(t * qd)?;
-        let mut k = backend.alloc_zeros(t * kvd)?;
-        let mut v = backend.alloc_zeros(t * kvd)?;
-        let mut attn = backend.alloc_zeros(t * qd)?;
-        let mut proj = backend.alloc_zeros(t * h)?;
-        let mut gate = backend.alloc_zeros(t * i)?;
-        let mut up = backend.alloc_zeros(t * i)?;
-        let mut act = backend.alloc_zeros(t * i)?;
-        let mut qk_tmp = if c.qk_norm { Some(backend.alloc_zeros(t * qd)?) } else { None };
+        let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp } = ws.ensure(backend, c, t)?;
+        backend.embedding(&self.embed, batch.tokens, c.vocab_size, h, x)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            backend.rms_norm(&x, &layer.input_norm, c.rms_norm_eps, t, h, &mut normed)?;
-            backend.linear(&normed, &layer.q, layer.q_bias.as_ref(), t, h, qd, &mut q)?;
-            backend.linear(&normed, &layer.k, layer.k_bias.as_ref(), t, h, kvd, &mut k)?;
-            backend.linear(&normed, &layer.v, layer.v_bias.as_ref(), t, h, kvd, &mut v)?;
+            backend.rms_norm(x, &layer.input_norm, c.rms_norm_eps, t, h, normed)?;
+            backend.linear(normed, &layer.q, layer.q_bias.as_ref(), t, h, qd, q)?;
+            backend.linear(normed, &layer.k, layer.k_bias.as_ref(), t, h, kvd, k)?;
+            backend.linear(normed, &layer.v, layer.v_bias.as_ref(), t, h, kvd, v)?;
             if let (Some(qn), Some(kn), Some(tmp)) = (&layer.q_norm, &layer.k_norm, qk_tmp.as_mut()) {
-                backend.copy(&q, 0, tmp, 0, t * qd)?;
-                backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, &mut q)?;
-                backend.copy(&k, 0, tmp, 0, t * kvd)?;
-                backend.rms_norm(tmp, kn, c.rms_norm_eps, t * c.num_kv_heads, hd, &mut k)?;
+                backend.copy(q, 0, tmp, 0, t * qd)?;
+                backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, q)?;
+                backend.copy(k, 0, tmp, 0, t * kvd)?;
+                backend.rms_norm(tmp, kn, c.rms_norm_eps, t * c.num_kv_heads, hd, k)?;
             }
-            backend.rope(&mut q, batch.positions, c.num_heads, hd, &self.rope)?;
-            backend.rope(&mut k, batch.positions, c.num_kv_heads, hd, &self.rope)?;
-            backend.write_kv(&k, &v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
-            backend.paged_attention(&q, &kv.k[l], &kv.v[l], batch.seqs, shape, &mut attn)?;
-            backend.linear(&attn, &layer.o, None, t, qd, h, &mut proj)?;
-            backend.add_assign(&mut x, &proj, t * h)?;
-            backend.rms_norm(&x, &layer.post_norm, c.rms_norm_eps, t, h, &mut normed)?;
-            backend.linear(&normed, &layer.gate, None, t, h, i, &mut gate)?;
-            backend.linear(&normed, &layer.up, None, t, h, i, &mut up)?;
-            backend.silu_mul(&gate, &up, t * i, &mut act)?;
-            backend.linear(&act, &layer.down, None, t, i, h, &mut proj)?;
-            backend.add_assign(&mut x, &proj, t * h)?;
+            backend.rope(q, batch.positions, c.num_heads, hd, &self.rope)?;
+            backend.rope(k, batch.positions, c.num_kv_heads, hd, &self.rope)?;
+            backend.write_kv(k, v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
+            backend.paged_attention(q, &kv.k[l], &kv.v[l], batch.seqs, shape, attn)?;
+            backend.linear(attn, &layer.o, None, t, qd, h, proj)?;
+            backend.add_assign(x, proj, t * h)?;
+            backend.rms_norm(x, &layer.post_norm, c.rms_norm_eps, t, h, normed)?;
+            backend.linear(normed, &layer.gate, None, t, h, i, gate)?;
+            backend.linear(normed, &layer.up, None, t, h, i, up)?;
+            backend.silu_mul(gate, up, t * i, act)?;
+            backend.linear(act, &layer.down, None, t, i, h, proj)?;
+            backend.add_assign(x, proj, t * h)?;
         }
         let r = batch.logit_rows.len();
         if r == 0 {
             return Ok(Vec::new());
         }
         let mut last = backend.alloc_zeros(r * h)?;
-        backend.gather_rows(&x, batch.logit_rows, h, &mut last)?;
+        backend.gather_rows(x, batch.logit_rows, h, &mut last)?;
         let mut last_normed = backend.alloc_zeros(r * h)?;
         backend.rms_norm(&last, &self.norm, c.rms_norm_eps, r, h, &mut last_normed)?;
         let mut logits = backend.alloc_zeros(r * c.vocab_size)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         backend.linear(&last_normed, head, None, r, h, c.vocab_size, &mut logits)?;
         Ok(backend.download(&logits)?)
+    }
+}
+
+/// Activation buffers of [`Model::forward_with`], grown to the largest batch seen and reused.
+/// Kernels touch only the leading elements a call describes, so longer buffers are fine.
+pub struct Workspace<B: Backend> {
+    tokens: usize,
+    bufs: Option<Buffers<B>>,
+}
+
+impl<B: Backend> Default for Workspace<B> {
+    fn default() -> Self {
+        Self { tokens: 0, bufs: None }
+    }
+}
+
+struct Buffers<B: Backend> {
+    x: B::Buf,
+    normed: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    attn: B::Buf,
+    proj: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    act: B::Buf,
+    qk_tmp: Option<B::Buf>,
+}
+
+impl<B: Backend> Workspace<B> {
+    fn ensure(&mut self, backend: &B, c: &ModelConfig, t: usize) -> Result<&mut Buffers<B>> {
+        if self.bufs.is_none() || t > self.tokens {
+            let (h, i, qd, kvd) = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width());
+            let t = t.max(1);
+            self.bufs = None; // free the old buffers before allocating the new ones
+            self.bufs = Some(Buffers {
+                x: backend.alloc_zeros(t * h)?,
+                normed: backend.alloc_zeros(t * h)?,
+                q: backend.alloc_zeros(t * qd)?,
+                k: backend.alloc_zeros(t * kvd)?,
+                v: backend.alloc_zeros(t * kvd)?,
+                attn: backend.alloc_zeros(t * qd)?,
+                proj: backend.alloc_zeros(t * h)?,
+                gate: backend.alloc_zeros(t * i)?,
+                up: backend.alloc_zeros(t * i)?,
+                act: backend.alloc_zeros(t * i)?,
+                qk_tmp: if c.qk_norm { Some(backend.alloc_zeros(t * qd)?) } else { None },
+            });
+            self.tokens = t;
+        }
+        Ok(self.bufs.as_mut().expect("allocated above"))
     }
 }

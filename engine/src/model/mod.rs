@@ -10,7 +10,7 @@ pub mod storage;
 pub mod synth;
 
 pub use config::{Architecture, ModelConfig};
-pub use llama::{ForwardBatch, Model};
+pub use llama::{ForwardBatch, Model, Workspace};
 pub use load::ModelFiles;
 pub use storage::KvStorage;
 
