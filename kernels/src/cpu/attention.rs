@@ -8,6 +8,9 @@
 //! the same key-major walk. Scores are kept in full (`q_block × keys` floats), which is exact
 //! two-pass softmax rather than an online rescaling.
 //!
+//! Sequences whose chunk has at least [`TILED_MIN_Q`] queries (prefill) go to the tiled
+//! matrix-product path instead ([`super::attention_tiled`]).
+//!
 //! Inputs were validated by the caller (`check::paged_attention`).
 
 use super::simd::{self, Isa};
@@ -17,6 +20,9 @@ use rayon::prelude::*;
 
 /// Queries per work item.
 const Q_BLOCK: usize = 16;
+
+/// Chunk length from which a sequence takes the tiled (matrix-product) path.
+const TILED_MIN_Q: usize = 32;
 
 #[derive(Debug, Clone, Copy)]
 struct Item {
@@ -39,8 +45,12 @@ pub(crate) fn paged_attention(
     dims: AttnDims,
     out: &mut [f32],
 ) {
+    let tiled: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].q_len >= TILED_MIN_Q).collect();
+    if !tiled.is_empty() {
+        super::attention_tiled::paged_attention(pool, q, k_cache, v_cache, seqs, &tiled, shape, dims, out);
+    }
     let mut items = Vec::new();
-    for (seq, s) in seqs.iter().enumerate() {
+    for (seq, s) in seqs.iter().enumerate().filter(|(_, s)| s.q_len < TILED_MIN_Q) {
         for head in 0..shape.num_heads {
             for q0 in (0..s.q_len).step_by(Q_BLOCK) {
                 items.push(Item { seq, head, q0, q1: (q0 + Q_BLOCK).min(s.q_len) });

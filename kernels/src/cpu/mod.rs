@@ -8,6 +8,7 @@
 //! differ only in summation order.
 
 mod attention;
+mod attention_tiled;
 mod matmul;
 pub mod simd;
 
