@@ -87,13 +87,16 @@ impl EngineHandle {
     pub fn submit(&self, req: EngineRequest) -> Result<TokenStream> {
         let (etx, erx) = unbounded_channel();
         let id = req.id;
-        match self.tx.try_send(Command::Submit(req, etx)) {
-            Ok(()) => Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false }),
-            Err(TrySendError::Full(_)) => {
-                Err(EngineError::Rejected(format!("engine queue full ({COMMAND_QUEUE} pending)")))
-            }
-            Err(TrySendError::Disconnected(_)) => Err(EngineError::Stopped),
-        }
+        self.send(Command::Submit(req, etx))?;
+        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false })
+    }
+
+    /// Queues a command without blocking: a full queue is the caller's back-pressure signal.
+    fn send(&self, cmd: Command) -> Result<()> {
+        self.tx.try_send(cmd).map_err(|e| match e {
+            TrySendError::Full(_) => EngineError::Rejected(format!("engine queue full ({COMMAND_QUEUE} pending)")),
+            TrySendError::Disconnected(_) => EngineError::Stopped,
+        })
     }
 
     /// Cancels a request; its blocks are freed at the next step.
@@ -104,13 +107,8 @@ impl EngineHandle {
     /// Asks the loop for a snapshot of its load; answered between steps.
     pub fn snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<EngineSnapshot>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        match self.tx.try_send(Command::Snapshot(tx)) {
-            Ok(()) => Ok(rx),
-            Err(TrySendError::Full(_)) => {
-                Err(EngineError::Rejected(format!("engine queue full ({COMMAND_QUEUE} pending)")))
-            }
-            Err(TrySendError::Disconnected(_)) => Err(EngineError::Stopped),
-        }
+        self.send(Command::Snapshot(tx))?;
+        Ok(rx)
     }
 }
 

@@ -64,6 +64,8 @@ struct SeqState {
     sampler: Sampler,
     detok: IncrementalDecoder,
     stop: StopMatcher,
+    /// Prompt tokens served from the prefix cache (known after the first step that ran it).
+    cached_tokens: u32,
 }
 
 /// Counters of what the engine has done (for benchmarks and metrics).
@@ -228,6 +230,7 @@ impl<B: Backend> EngineCore<B> {
                 params: req.params,
                 prompt: req.prompt,
                 output: Vec::new(),
+                cached_tokens: 0,
             },
         );
         Ok(())
@@ -328,6 +331,7 @@ impl<B: Backend> EngineCore<B> {
         for upd in updates {
             let Some(seq) = self.seqs.get_mut(&upd.seq_id) else { continue };
             seq.output.push(upd.token);
+            seq.cached_tokens = upd.cached_tokens;
             let text = seq.detok.push(upd.token)?;
             let mut finish = upd.finish;
             let mut out = seq.stop.push(&text);
@@ -371,7 +375,7 @@ impl<B: Backend> EngineCore<B> {
             logprobs: None,
             finish_reason: Some(reason),
             prompt_tokens: seq.prompt.len() as u32,
-            cached_tokens: 0,
+            cached_tokens: seq.cached_tokens,
             completion_tokens: seq.output.len() as u32,
             error: None,
         }
