@@ -1,1 +1,28 @@
-//! coordinator: filled by a later issue. Dependency direction is fixed now (see STYLE.md).
+//! cleave's coordinator: the OpenAI-compatible HTTP edge.
+//!
+//! Requests are parsed ([`api`]), validated and tokenized once ([`validate`]), and handed to
+//! the request router as one [`Dispatch`] per choice over a bounded channel ([`dispatch`]);
+//! token events come back and are detokenized, stop-string-matched and shaped into JSON or
+//! SSE here ([`generate`], [`respond`]), because only the edge sees a request's whole
+//! stream. HTTP statuses are chosen in [`error`] only.
+//!
+//! Allowed dependencies: cleave-protocol and cleave-tokenizer (never the engine or
+//! kernels), axum/tokio, metrics.
+
+pub mod api;
+pub mod config;
+pub mod dispatch;
+pub mod error;
+pub mod generate;
+mod handlers;
+pub mod metrics;
+pub mod model;
+pub mod respond;
+pub mod server;
+pub mod validate;
+
+pub use config::CoordinatorArgs;
+pub use dispatch::{dispatch_channel, Dispatch, DispatchEvent, DispatchSender};
+pub use error::{CoordinatorError, ErrorResponse};
+pub use model::ModelInfo;
+pub use server::{router, serve, serve_with_shutdown, AppState};

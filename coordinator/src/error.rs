@@ -1,0 +1,178 @@
+//! The crate's one error type, and the one place where HTTP status codes are chosen
+//! (`impl IntoResponse for CoordinatorError`). Everything else returns a variant with the
+//! facts in its fields.
+
+use std::path::PathBuf;
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use cleave_protocol::RequestId;
+use cleave_tokenizer::TokenizerError;
+use serde::Serialize;
+
+/// Everything that can go wrong in the coordinator, from loading the model folder to a
+/// request the router could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// config.json or generation_config.json is unreadable or not the JSON we expect.
+    #[error("invalid model config {path}: {reason}")]
+    ModelConfig { path: PathBuf, reason: String },
+    /// Loading the tokenizer, encoding or decoding failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// The listener failed.
+    #[error("serving HTTP failed: {0}")]
+    Serve(#[source] std::io::Error),
+    /// The request body is not the JSON this endpoint expects.
+    #[error("malformed request body: {reason}")]
+    MalformedJson { reason: String },
+    /// The request body could not be read (too large, connection broke).
+    #[error("request body rejected: {reason}")]
+    BodyRejected { reason: String, too_large: bool },
+    /// A parameter is missing or out of range.
+    #[error("invalid parameter `{param}`: {message}")]
+    InvalidParam { param: String, message: String },
+    /// The request names a model this coordinator does not serve.
+    #[error("model {requested:?} does not exist; this server serves {served:?}")]
+    UnknownModel { requested: String, served: String },
+    /// The chat template refused the conversation (e.g. a role the model does not support).
+    #[error("the chat template rejected the messages: {message}")]
+    ChatTemplate { message: String },
+    /// Prompt plus requested completion do not fit the model's context.
+    #[error(
+        "this model's maximum context length is {context_len} tokens; the request has {prompt_tokens} prompt \
+         tokens and asks for {max_tokens} completion tokens"
+    )]
+    ContextLength { prompt_tokens: usize, max_tokens: u32, context_len: u32 },
+    /// Missing or wrong `Authorization: Bearer` key.
+    #[error("invalid or missing API key")]
+    Unauthorized,
+    /// The admission queue is full.
+    #[error("the server is at capacity ({capacity} queued requests); retry after {retry_after_secs} s")]
+    QueueFull { capacity: usize, retry_after_secs: u32 },
+    /// The router has stopped (shutting down).
+    #[error("the request router is not running")]
+    RouterGone,
+    /// No node can serve the request (the router said so).
+    #[error("no node can serve the request: {reason}")]
+    Unavailable { request_id: RequestId, reason: String },
+    /// The node serving the request reported an error.
+    #[error("{request_id} failed: {reason}")]
+    BackendFailed { request_id: RequestId, reason: String },
+    /// The router dropped the request's event stream without a final event.
+    #[error("{request_id}: the router dropped the request after {tokens} tokens")]
+    BackendGone { request_id: RequestId, tokens: u32 },
+    /// No event arrived in time.
+    #[error("{request_id}: no token event within {waited_ms} ms (after {tokens} tokens)")]
+    Timeout { request_id: RequestId, waited_ms: u64, tokens: u32 },
+    /// No such route.
+    #[error("no route for {path}")]
+    NotFound { path: String },
+}
+
+/// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct ErrorResponse {
+    pub error: ErrorBody,
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct ErrorBody {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+impl CoordinatorError {
+    /// The HTTP status of this error. The only place statuses are chosen.
+    pub fn status(&self) -> StatusCode {
+        use CoordinatorError as E;
+        match self {
+            E::MalformedJson { .. }
+            | E::InvalidParam { .. }
+            | E::UnknownModel { .. }
+            | E::ChatTemplate { .. }
+            | E::ContextLength { .. } => StatusCode::BAD_REQUEST,
+            E::BodyRejected { too_large: true, .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            E::BodyRejected { too_large: false, .. } => StatusCode::BAD_REQUEST,
+            E::Unauthorized => StatusCode::UNAUTHORIZED,
+            E::NotFound { .. } => StatusCode::NOT_FOUND,
+            E::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            E::RouterGone | E::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            E::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            E::ModelConfig { .. } | E::Tokenizer(_) | E::Serve(_) | E::BackendFailed { .. } | E::BackendGone { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// The OpenAI-shaped body of this error.
+    pub fn to_response_body(&self) -> ErrorResponse {
+        use CoordinatorError as E;
+        let kind = match self.status() {
+            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
+            _ => "server_error",
+        };
+        let (param, code) = match self {
+            E::InvalidParam { param, .. } => (Some(param.clone()), None),
+            E::UnknownModel { .. } => (Some("model".to_owned()), Some("model_not_found")),
+            E::ContextLength { .. } => (Some("max_tokens".to_owned()), Some("context_length_exceeded")),
+            E::ChatTemplate { .. } => (Some("messages".to_owned()), None),
+            E::Unauthorized => (None, Some("invalid_api_key")),
+            E::QueueFull { .. } => (None, Some("rate_limit_exceeded")),
+            E::Timeout { .. } => (None, Some("timeout")),
+            _ => (None, None),
+        };
+        ErrorResponse {
+            error: ErrorBody { message: self.to_string(), kind: kind.to_owned(), param, code: code.map(str::to_owned) },
+        }
+    }
+}
+
+impl IntoResponse for CoordinatorError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(error = %self, status = status.as_u16(), "request failed");
+        } else {
+            tracing::debug!(error = %self, status = status.as_u16(), "request refused");
+        }
+        let mut response = (status, Json(self.to_response_body())).into_response();
+        let headers = response.headers_mut();
+        match &self {
+            CoordinatorError::QueueFull { retry_after_secs, .. } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+            }
+            CoordinatorError::Unauthorized => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_and_statuses() {
+        let e = CoordinatorError::QueueFull { capacity: 3, retry_after_secs: 2 };
+        let r = e.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let e = CoordinatorError::InvalidParam { param: "top_p".into(), message: "x".into() };
+        let b = e.to_response_body();
+        assert_eq!((b.error.kind.as_str(), b.error.param.as_deref()), ("invalid_request_error", Some("top_p")));
+        let json = serde_json::to_value(&b).unwrap();
+        assert!(json["error"]["code"].is_null());
+        assert_eq!(json["error"]["type"], "invalid_request_error");
+    }
+}

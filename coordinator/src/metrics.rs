@@ -1,0 +1,70 @@
+//! Metric names (every one the coordinator records, in one place) and the Prometheus
+//! recorder behind `GET /metrics`.
+//!
+//! The recorder is process-global (the `metrics` facade has one); [`prometheus_handle`]
+//! installs it on first use and every server in the process renders the same registry.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// HTTP requests answered, labelled `endpoint` and `status`.
+pub const HTTP_REQUESTS_TOTAL: &str = "cleave_http_requests_total";
+/// Requests refused because the admission queue was full.
+pub const ADMISSION_REJECTED_TOTAL: &str = "cleave_admission_rejected_total";
+/// Requests (choices) that failed after admission, labelled `reason`.
+pub const REQUEST_FAILURES_TOTAL: &str = "cleave_request_failures_total";
+/// Prompt tokens admitted.
+pub const PROMPT_TOKENS_TOTAL: &str = "cleave_prompt_tokens_total";
+/// Tokens generated and received by the edge.
+pub const GENERATION_TOKENS_TOTAL: &str = "cleave_generation_tokens_total";
+/// Requests being generated now.
+pub const REQUESTS_RUNNING: &str = "cleave_requests_running";
+/// Dispatches waiting in the admission queue (sampled when a request is admitted).
+pub const QUEUE_DEPTH: &str = "cleave_queue_depth_requests";
+/// Admission to first token of a choice.
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "cleave_time_to_first_token_seconds";
+/// Between two consecutive tokens of a choice.
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "cleave_inter_token_latency_seconds";
+/// Mean time per output token after the first, per choice.
+pub const TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "cleave_time_per_output_token_seconds";
+/// Admission to the last event of a choice.
+pub const E2E_LATENCY_SECONDS: &str = "cleave_e2e_request_latency_seconds";
+
+/// Histogram buckets for every `*_seconds` metric: 1 ms to 5 min.
+const SECONDS_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// The process's Prometheus handle, installing the recorder on first call. `None` when
+/// another recorder was installed first (then /metrics is empty rather than wrong).
+pub fn prometheus_handle() -> Option<PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), SECONDS_BUCKETS)
+                .ok()?;
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            describe();
+            Some(handle)
+        })
+        .clone()
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(HTTP_REQUESTS_TOTAL, "HTTP requests answered by endpoint and status");
+    describe_counter!(ADMISSION_REJECTED_TOTAL, "requests refused with 429 (admission queue full)");
+    describe_counter!(REQUEST_FAILURES_TOTAL, "admitted choices that failed, by reason");
+    describe_counter!(PROMPT_TOKENS_TOTAL, Unit::Count, "prompt tokens admitted");
+    describe_counter!(GENERATION_TOKENS_TOTAL, Unit::Count, "tokens generated");
+    describe_gauge!(REQUESTS_RUNNING, "requests being generated");
+    describe_gauge!(QUEUE_DEPTH, "dispatches waiting for the router");
+    describe_histogram!(TIME_TO_FIRST_TOKEN_SECONDS, Unit::Seconds, "time to first token");
+    describe_histogram!(INTER_TOKEN_LATENCY_SECONDS, Unit::Seconds, "inter-token latency");
+    describe_histogram!(TIME_PER_OUTPUT_TOKEN_SECONDS, Unit::Seconds, "time per output token after the first");
+    describe_histogram!(E2E_LATENCY_SECONDS, Unit::Seconds, "end-to-end request latency");
+}

@@ -1,0 +1,96 @@
+//! What the coordinator knows about the served model: its tokenizer and a few config-level
+//! facts (name, context length, EOS ids). Never weights: those live on the nodes.
+//!
+//! Invariant: `context_len >= 1`; `eos_token_ids` lists every id the model's
+//! generation_config.json / config.json / tokenizer call EOS, without duplicates.
+
+use std::path::{Path, PathBuf};
+
+use cleave_tokenizer::Tokenizer;
+use serde::Deserialize;
+
+use crate::config::CoordinatorArgs;
+use crate::error::CoordinatorError;
+
+/// Context length used when neither the arguments nor config.json give one.
+pub const FALLBACK_CONTEXT_LEN: u32 = 2048;
+
+/// The served model as the HTTP edge sees it. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// `model` in requests and in /v1/models.
+    pub name: String,
+    pub tokenizer: Tokenizer,
+    /// Most tokens (prompt plus generated) one sequence may hold.
+    pub context_len: u32,
+    /// Token ids that end generation unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// `5` or `[5, 7]` in config.json / generation_config.json.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Deserialize, Default)]
+struct ConfigFacts {
+    #[serde(default)]
+    max_position_embeddings: Option<u32>,
+    #[serde(default)]
+    n_positions: Option<u32>,
+    #[serde(default)]
+    max_seq_len: Option<u32>,
+    #[serde(default)]
+    eos_token_id: Option<OneOrMany>,
+}
+
+impl ModelInfo {
+    /// Loads the tokenizer and facts of a Hugging Face model folder. `config.json` and
+    /// `generation_config.json` are optional; a malformed one is an error naming the file.
+    pub fn from_args(args: &CoordinatorArgs) -> Result<Self, CoordinatorError> {
+        let dir = &args.model;
+        let tokenizer = Tokenizer::from_model_dir(dir)?;
+        let config = read_facts(&dir.join("config.json"))?;
+        let generation = read_facts(&dir.join("generation_config.json"))?;
+        let name = args.served_model_name.clone().unwrap_or_else(|| default_name(dir));
+        let context_len = args
+            .max_model_len
+            .or(config.max_position_embeddings)
+            .or(config.n_positions)
+            .or(config.max_seq_len)
+            .unwrap_or(FALLBACK_CONTEXT_LEN)
+            .max(1);
+        let mut eos_token_ids = Vec::new();
+        for ids in [generation.eos_token_id, config.eos_token_id].into_iter().flatten() {
+            match ids {
+                OneOrMany::One(id) => eos_token_ids.push(id),
+                OneOrMany::Many(v) => eos_token_ids.extend(v),
+            }
+        }
+        eos_token_ids.extend(tokenizer.eos_token_id());
+        let mut seen = std::collections::HashSet::new();
+        eos_token_ids.retain(|id| seen.insert(*id));
+        Ok(ModelInfo { name, tokenizer, context_len, eos_token_ids })
+    }
+}
+
+/// The folder's last component (`/models/tiny-llama` -> `tiny-llama`).
+fn default_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "cleave".into())
+}
+
+fn read_facts(path: &Path) -> Result<ConfigFacts, CoordinatorError> {
+    if !path.is_file() {
+        return Ok(ConfigFacts::default());
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CoordinatorError::ModelConfig { path: PathBuf::from(path), reason: e.to_string() })?;
+    serde_json::from_str(&text)
+        .map_err(|e| CoordinatorError::ModelConfig { path: PathBuf::from(path), reason: e.to_string() })
+}

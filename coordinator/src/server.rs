@@ -1,0 +1,251 @@
+//! The axum application: shared state, routes, middleware (API key, x-request-id, request
+//! metrics) and the small endpoints (/health, /metrics, /v1/models, /tokenize, /detokenize).
+//! The generation endpoints live in [`crate::handlers`].
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
+use tokio::net::TcpListener;
+
+use crate::api::{DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse};
+use crate::config::CoordinatorArgs;
+use crate::dispatch::DispatchSender;
+use crate::error::CoordinatorError;
+use crate::generate::{AdmitConfig, IdSource};
+use crate::handlers;
+use crate::metrics as m;
+use crate::model::ModelInfo;
+use crate::validate::{chat_prompt_ids, Limits};
+
+/// The `x-request-id` header, accepted and echoed.
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Everything the handlers share. Immutable after construction (the mutable state is the
+/// router actor behind `dispatch`), cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub(crate) inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub model: ModelInfo,
+    pub dispatch: DispatchSender,
+    pub admit: AdmitConfig,
+    pub limits: Limits,
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    pub ids: IdSource,
+    pub metrics: Option<PrometheusHandle>,
+    pub started_unix: u64,
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl AppState {
+    /// State for a server of `model` whose requests go to `dispatch` (a channel made with
+    /// [`crate::dispatch_channel`] of capacity `args.max_queued_requests`).
+    pub fn new(args: &CoordinatorArgs, model: ModelInfo, dispatch: DispatchSender) -> Self {
+        let micros = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(1);
+        AppState {
+            inner: Arc::new(Inner {
+                model,
+                dispatch,
+                admit: AdmitConfig {
+                    event_buffer: args.event_buffer,
+                    queue_capacity: args.max_queued_requests,
+                    retry_after_secs: args.retry_after_secs,
+                    timeouts: args.timeouts(),
+                },
+                limits: Limits { max_choices: args.max_choices.max(1) },
+                api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+                max_body_bytes: args.max_body_bytes,
+                ids: IdSource::new(micros),
+                metrics: m::prometheus_handle(),
+                started_unix: unix_now(),
+            }),
+        }
+    }
+
+    pub fn model(&self) -> &ModelInfo {
+        &self.inner.model
+    }
+}
+
+/// The application's routes with their middleware.
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(api)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(state.inner.max_body_bytes))
+        .layer(middleware::from_fn(request_id_and_metrics))
+        .with_state(state)
+}
+
+/// Serves `router(state)` on an already-bound listener until the listener fails.
+pub async fn serve(listener: TcpListener, state: AppState) -> Result<(), CoordinatorError> {
+    tracing::info!(addr = ?listener.local_addr().ok(), model = %state.inner.model.name, "coordinator HTTP edge listening");
+    axum::serve(listener, router(state)).await.map_err(CoordinatorError::Serve)
+}
+
+/// Like [`serve`], stopping gracefully (in-flight requests finish) when `shutdown` resolves.
+pub async fn serve_with_shutdown(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), CoordinatorError> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(CoordinatorError::Serve)
+}
+
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.inner.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if given != Some(key.as_str()) {
+            return CoordinatorError::Unauthorized.into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Echoes `x-request-id`, counts responses by endpoint and status, and opens the request's
+/// tracing span.
+async fn request_id_and_metrics(req: Request, next: Next) -> Response {
+    let request_id = req.headers().get(&X_REQUEST_ID).cloned();
+    let endpoint = endpoint_label(req.uri().path());
+    let span = tracing::debug_span!("http", endpoint, request_id = ?request_id.as_ref().and_then(|v| v.to_str().ok()));
+    let mut response = tracing::Instrument::instrument(next.run(req), span).await;
+    if let Some(id) = request_id {
+        response.headers_mut().insert(X_REQUEST_ID.clone(), id);
+    }
+    ::metrics::counter!(m::HTTP_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => response.status().as_str().to_owned())
+        .increment(1);
+    response
+}
+
+/// A fixed label per route (unknown paths share one, so clients cannot grow the registry).
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "completions",
+        "/v1/chat/completions" => "chat_completions",
+        "/v1/models" => "models",
+        "/tokenize" => "tokenize",
+        "/detokenize" => "detokenize",
+        "/health" => "health",
+        "/metrics" => "metrics",
+        _ => "other",
+    }
+}
+
+/// Parses a JSON body with OpenAI-shaped errors (axum's `Json` rejection is plain text).
+pub(crate) fn parse_json<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, CoordinatorError> {
+    let bytes = body.map_err(|e| CoordinatorError::BodyRejected {
+        too_large: e.status() == StatusCode::PAYLOAD_TOO_LARGE,
+        reason: e.body_text(),
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| CoordinatorError::MalformedJson { reason: e.to_string() })
+}
+
+pub(crate) fn check_model(state: &AppState, requested: Option<&String>) -> Result<(), CoordinatorError> {
+    match requested {
+        Some(r) if *r != state.inner.model.name => {
+            Err(CoordinatorError::UnknownModel { requested: r.clone(), served: state.inner.model.name.clone() })
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn not_found(uri: Uri) -> CoordinatorError {
+    CoordinatorError::NotFound { path: uri.path().to_owned() }
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let text = match &state.inner.metrics {
+        Some(h) => {
+            h.run_upkeep();
+            h.render()
+        }
+        None => String::new(),
+    };
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"))], text).into_response()
+}
+
+async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let model = &state.inner.model;
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: model.name.clone(),
+            object: "model".into(),
+            created: state.inner.started_unix,
+            owned_by: "cleave".into(),
+            max_model_len: model.context_len,
+        }],
+    })
+}
+
+async fn tokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<TokenizeResponse>, CoordinatorError> {
+    let req: TokenizeRequest = parse_json(body)?;
+    check_model(&state, req.model.as_ref())?;
+    let model = &state.inner.model;
+    let tokens = match (req.prompt, req.messages) {
+        (Some(prompt), None) => model.tokenizer.encode(&prompt, req.add_special_tokens.unwrap_or(true))?,
+        (None, Some(messages)) => chat_prompt_ids(model, &messages, req.add_generation_prompt.unwrap_or(true))?,
+        _ => {
+            return Err(CoordinatorError::InvalidParam {
+                param: "prompt".into(),
+                message: "give exactly one of `prompt` and `messages`".into(),
+            })
+        }
+    };
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: model.context_len, tokens }))
+}
+
+async fn detokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<DetokenizeResponse>, CoordinatorError> {
+    let req: DetokenizeRequest = parse_json(body)?;
+    check_model(&state, req.model.as_ref())?;
+    let model = &state.inner.model;
+    let vocab = model.tokenizer.vocab_size();
+    if let Some(bad) = req.tokens.iter().find(|&&id| id as usize >= vocab) {
+        return Err(CoordinatorError::InvalidParam {
+            param: "tokens".into(),
+            message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
+        });
+    }
+    Ok(Json(DetokenizeResponse { prompt: model.tokenizer.decode(&req.tokens, true)? }))
+}
