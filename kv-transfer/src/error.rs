@@ -25,4 +25,49 @@ pub enum KvTransferError {
     ConnectionLost { addr: SocketAddr, reason: String },
     #[error("timed out after {ms} ms waiting for {what}")]
     Timeout { what: String, ms: u64 },
+
+    // --- handoff protocol (frame codec, receiver state machine, sender) ---
+    #[error("malformed frame: {reason}")]
+    MalformedFrame { reason: String },
+    #[error("frame {what} of {len} bytes exceeds the limit of {max}")]
+    FrameTooLarge { what: &'static str, len: usize, max: usize },
+    #[error("frame truncated: stream ended after {got} of {expected} bytes")]
+    Truncated { expected: usize, got: usize },
+    #[error("handoff protocol version {got} not supported (this node speaks {supported})")]
+    VersionUnsupported { got: u16, supported: u16 },
+    #[error("kv layout mismatch on {field}: ours {ours}, theirs {theirs}")]
+    LayoutMismatch { field: &'static str, ours: String, theirs: String },
+    #[error("unknown lease {lease}")]
+    UnknownLease { lease: cleave_protocol::LeaseId },
+    #[error("lease {lease} expired")]
+    LeaseExpired { lease: cleave_protocol::LeaseId },
+    #[error("lease {lease} cancelled")]
+    Cancelled { lease: cleave_protocol::LeaseId },
+    #[error("checksum mismatch on {lease} layer {layer} tokens {token_start}+{token_count}: header {expected:#010x}, payload {got:#010x}")]
+    ChecksumMismatch {
+        lease: cleave_protocol::LeaseId,
+        layer: u32,
+        token_start: u32,
+        token_count: u32,
+        expected: u32,
+        got: u32,
+    },
+    #[error("gap in {lease} layer {layer}: expected token {expected}, chunk starts at {got}")]
+    ChunkGap { lease: cleave_protocol::LeaseId, layer: u32, expected: u32, got: u32 },
+    #[error("chunk out of bounds on {lease}: {reason}")]
+    ChunkOutOfBounds { lease: cleave_protocol::LeaseId, reason: String },
+    #[error("out of kv blocks: need {need}, {free} free")]
+    OutOfBlocks { need: usize, free: usize },
+    #[error("invalid handoff request: {reason}")]
+    InvalidRequest { reason: String },
+    #[error("peer aborted {lease}: {code}: {reason}")]
+    PeerAborted { lease: cleave_protocol::LeaseId, code: String, reason: String },
+    #[error("sender of {lease} went away: {reason}")]
+    SenderGone { lease: cleave_protocol::LeaseId, reason: String },
+    #[error("protocol violation: {reason}")]
+    Protocol { reason: String },
+    #[error("block pool write failed on {lease}: {reason}")]
+    SinkWrite { lease: cleave_protocol::LeaseId, reason: String },
+    #[error("{what} is shut down")]
+    Closed { what: &'static str },
 }

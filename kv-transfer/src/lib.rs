@@ -4,10 +4,92 @@
 //!
 //! Modules:
 //! - [`net`]: authenticated byte streams to peers over QUIC or TCP (TLS or plain);
-//! - [`tls`]: the cluster CA and node certificates (mutual TLS on every internal link).
+//! - [`tls`]: the cluster CA and node certificates (mutual TLS on every internal link);
+//! - [`frame`]: the wire format (length-prefixed flatbuffers headers + `Bytes` payloads);
+//! - [`receiver`]: the sans-IO lease and coverage state machine of a decode node;
+//! - [`actor`]: the receiver's async driver, the in-process transport;
+//! - [`sender`]: the prefill side, layer chunks over several streams;
+//! - [`sink`]: the block-pool interface the receiver writes through;
+//! - [`transport`]: the per-peer transport trait;
+//! - `rdma` (feature `rdma`): one-sided RDMA WRITE WITH IMMEDIATE into leased blocks.
+//!
+//! # The handoff
+//!
+//! 1. The decode node reserves blocks ([`actor::ReceiverHandle::reserve`]) and gets a
+//!    [`cleave_protocol::HandoffTicket`] plus a [`actor::LeaseWaiter`]. Out of blocks: refused
+//!    here, before any prefill work is done.
+//! 2. The prefill node starts a [`sender::KvSender`] from the ticket: layout checked locally,
+//!    streams opened, `Open` sent on each; the receiver checks version, lease, request and layout
+//!    and answers `Accept` (or `Abort`) before any KV byte moves.
+//! 3. As each layer of each prefill chunk is computed, its K and V go out as one chunk frame
+//!    (layer `l` on stream `l % streams`). The receiver checks bounds, order and CRC-32 and
+//!    writes the run into the leased blocks (one write per contiguous run).
+//! 4. `finish(first_token)` sends `Complete`; once every layer holds every token the receiver
+//!    answers `Ack` and the waiter resolves with the blocks and the first token.
+//!
+//! # Who owns the blocks
+//!
+//! ```text
+//!              reserve (sink.reserve)              Open accepted
+//!   [Free] ───────────────────────────▶ [Leased] ────────────────▶ [Receiving]
+//!     ▲                                   │  │                        │   │
+//!     │ sink.release (Effect::Released)   │  │ all layers + Complete  │   │
+//!     └───────────────────────────────────┘  └───────────┬────────────┘   │
+//!     ▲                                                  ▼                │
+//!     │                                        [Adopted by the request]   │
+//!     └───────────────────────────────────────────────────────────────────┘
+//!                     sink.release (Effect::Released)
+//! ```
+//!
+//! - **Free**: on the pool's free list; owned by the pool.
+//! - **Leased / Receiving**: owned by the receiver's lease table (one entry, with an expiry).
+//!   The sender never owns destination blocks; it only writes through the receiver.
+//! - **Adopted**: after `Completed` the blocks belong to the decode request; the receiver
+//!   forgets them and the engine frees them when the request ends.
+//!
+//! Every edge out of Leased/Receiving other than completion ends in exactly one
+//! `Effect::Released`, which the actor turns into `sink.release(blocks)` and an error on the
+//! lease's waiter; the sender is told with an `Abort` frame where a stream is still open:
+//!
+//! | event                                        | who frees        | receiver error    | sender error            |
+//! |----------------------------------------------|------------------|-------------------|-------------------------|
+//! | sender dies / drops its `KvSender` (stream ends or breaks) | receiver | `SenderGone` / `Truncated` / `Io` | (gone) |
+//! | connection lost mid-transfer                 | receiver         | `SenderGone`/`Io` | `ConnectionLost`        |
+//! | receiver dies                                | nobody: its pool dies with it | —    | `ConnectionLost`/`Timeout` |
+//! | lease expires (timer, or `Open` after expiry)| receiver         | `LeaseExpired`    | `PeerAborted(LeaseExpired)` |
+//! | request cancelled (`ReceiverHandle::cancel`) | receiver         | `Cancelled`       | `PeerAborted(Cancelled)` |
+//! | corrupt chunk (CRC mismatch)                 | receiver         | `ChecksumMismatch`| `PeerAborted(Checksum)` |
+//! | gap, out-of-bounds chunk, malformed frame    | receiver         | `ChunkGap` / `ChunkOutOfBounds` / `MalformedFrame` | `PeerAborted(..)` |
+//! | layout, request or token-count mismatch at `Open` | receiver    | `LayoutMismatch` / `InvalidRequest` | `PeerAborted(LayoutMismatch)` |
+//! | block write fails (`sink.write`)             | receiver         | `SinkWrite`       | `PeerAborted(Internal)` |
+//!
+//! A duplicate chunk (tokens already received) is dropped and reported, not an error; a chunk
+//! for a lease that already ended is late: dropped and reported. A sender whose layout differs
+//! from the ticket refuses locally in [`sender::KvSender::start`] and never opens a stream.
+//!
+//! Invariant checked by every fault test: after the dust settles both sides hold zero leased
+//! blocks (`ReceiverStats::reserved_blocks == 0`, the pool's free count back where it started
+//! minus adopted blocks).
 
+pub mod actor;
 pub mod error;
+pub mod frame;
+#[allow(clippy::all)]
+pub mod generated;
 pub mod net;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod receiver;
+pub mod sender;
+pub mod sink;
 pub mod tls;
+pub mod transport;
 
+pub use actor::{
+    Completed, InProcessTransport, LeaseWaiter, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation,
+};
 pub use error::{KvTransferError, Result};
+pub use receiver::{KvWrite, ReceiverStats};
+pub use sender::{ChunkSender, KvSender, LayerChunk, SendConfig, TransferReport};
+pub use sink::{KvSink, MemoryPool};
+pub use transport::{NetTransport, Transport};

@@ -6,6 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod handoff;
+pub use handoff::{HandoffTicket, LeaseId, TransportKind, HANDOFF_VERSION};
+
 /// Identifies one request across every process of a cleave cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);

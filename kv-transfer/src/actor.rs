@@ -1,0 +1,459 @@
+//! The receiver actor: one task per node owns the [`Receiver`] state machine and the
+//! [`KvSink`]; everything else talks to it through a bounded command channel with `oneshot`
+//! replies.
+//!
+//! Tasks and channels:
+//! - the actor: commands in (reserve, cancel, stats, new stream, frames), lease timer;
+//! - per accepted stream, a reader (frames -> actor, bounded: a slow pool slows the sender)
+//!   and a writer (control frames from the actor, bounded; a stream that does not read its
+//!   control frames is closed);
+//! - optionally an accept loop feeding streams from a [`Listener`].
+//!
+//! Every wait is bounded: reads by `stream_idle_timeout`, writes by `write_timeout`, leases by
+//! their ttl, handle calls by `command_timeout`. Dropping the [`ReceiverService`] stops all of
+//! them (the node died: its streams close, senders see the loss).
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId, TransportKind, HANDOFF_VERSION};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
+
+use crate::frame::{read_frame, write_control, Control, Frame, Limits};
+use crate::net::{BoxRead, BoxWrite, DuplexStream, Listener, PeerInfo};
+use crate::receiver::{Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
+use crate::sink::KvSink;
+use crate::transport::{BoxFuture, Transport};
+use crate::{KvTransferError, Result};
+
+/// Settings of a receiver.
+#[derive(Debug, Clone)]
+pub struct ReceiverConfig {
+    /// The layout of this node's KV pool; senders with any other are refused.
+    pub layout: KvLayout,
+    /// The address put in tickets (where the listener is reachable).
+    pub advertise_addr: SocketAddr,
+    /// The transport put in tickets.
+    pub transport: TransportKind,
+    /// Default lease lifetime.
+    pub lease_ttl: Duration,
+    /// Capacity of the command channel (frames from all streams share it).
+    pub command_queue: usize,
+    /// Bound on a handle call (the actor answers at once unless overloaded).
+    pub command_timeout: Duration,
+    /// A stream that sends nothing for this long is closed.
+    pub stream_idle_timeout: Duration,
+    /// Bound on writing one control frame.
+    pub write_timeout: Duration,
+    /// Largest chunk payload accepted (K and V together).
+    pub max_payload: usize,
+}
+
+impl ReceiverConfig {
+    pub fn new(layout: KvLayout, advertise_addr: SocketAddr, transport: TransportKind) -> Self {
+        Self {
+            layout,
+            advertise_addr,
+            transport,
+            lease_ttl: Duration::from_secs(120),
+            command_queue: 256,
+            command_timeout: Duration::from_secs(10),
+            stream_idle_timeout: Duration::from_secs(120),
+            write_timeout: Duration::from_secs(10),
+            max_payload: crate::frame::DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
+/// A lease that completed: its blocks now belong to the decode request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    pub lease: LeaseId,
+    pub request_id: RequestId,
+    pub blocks: Vec<u32>,
+    pub first_token: u32,
+}
+
+/// Resolves when the lease completes or ends.
+#[derive(Debug)]
+pub struct LeaseWaiter {
+    lease: LeaseId,
+    rx: oneshot::Receiver<Result<Completed>>,
+}
+
+impl LeaseWaiter {
+    pub fn lease(&self) -> LeaseId {
+        self.lease
+    }
+
+    /// Waits for the outcome at most `limit` (the lease's own expiry ends it sooner or later
+    /// anyway; this bounds the caller).
+    pub async fn wait(self, limit: Duration) -> Result<Completed> {
+        match timeout(limit, self.rx).await {
+            Err(_) => Err(KvTransferError::Timeout {
+                what: format!("handoff of {}", self.lease),
+                ms: limit.as_millis() as u64,
+            }),
+            Ok(Err(_)) => Err(KvTransferError::Closed { what: "kv receiver" }),
+            Ok(Ok(r)) => r,
+        }
+    }
+}
+
+/// A granted reservation: the ticket for the sender and the waiter for the decode node.
+#[derive(Debug)]
+pub struct Reservation {
+    pub ticket: HandoffTicket,
+    pub done: LeaseWaiter,
+}
+
+enum Cmd {
+    Reserve {
+        request_id: RequestId,
+        num_tokens: u32,
+        ttl: Option<Duration>,
+        reply: oneshot::Sender<Result<Reservation>>,
+    },
+    Cancel {
+        lease: LeaseId,
+        reply: oneshot::Sender<bool>,
+    },
+    Stats {
+        reply: oneshot::Sender<ReceiverStats>,
+    },
+    Stream {
+        stream: DuplexStream,
+        peer: Option<PeerInfo>,
+    },
+    Frame {
+        stream: StreamId,
+        item: Result<Option<Frame>>,
+    },
+}
+
+/// Cheap, cloneable access to a receiver actor.
+#[derive(Clone)]
+pub struct ReceiverHandle {
+    tx: mpsc::Sender<Cmd>,
+    command_timeout: Duration,
+}
+
+impl ReceiverHandle {
+    async fn call<T>(&self, what: &'static str, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T> {
+        let (reply, rx) = oneshot::channel();
+        let ms = self.command_timeout.as_millis() as u64;
+        let sent = timeout(self.command_timeout, self.tx.send(make(reply))).await;
+        match sent {
+            Err(_) => return Err(KvTransferError::Timeout { what: format!("kv receiver queue ({what})"), ms }),
+            Ok(Err(_)) => return Err(KvTransferError::Closed { what: "kv receiver" }),
+            Ok(Ok(())) => {}
+        }
+        match timeout(self.command_timeout, rx).await {
+            Err(_) => Err(KvTransferError::Timeout { what: format!("kv receiver reply ({what})"), ms }),
+            Ok(Err(_)) => Err(KvTransferError::Closed { what: "kv receiver" }),
+            Ok(Ok(v)) => Ok(v),
+        }
+    }
+
+    /// Reserves blocks for `num_tokens` tokens of a request and returns the ticket. Refused up
+    /// front ([`KvTransferError::OutOfBlocks`]) when the pool cannot hold them.
+    pub async fn reserve(&self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
+        self.call("reserve", |reply| Cmd::Reserve { request_id, num_tokens, ttl, reply }).await?
+    }
+
+    /// Cancels a lease (the request was cancelled): its blocks go back to the pool, its sender
+    /// gets an abort. Returns false when the lease had already ended.
+    pub async fn cancel(&self, lease: LeaseId) -> Result<bool> {
+        self.call("cancel", |reply| Cmd::Cancel { lease, reply }).await
+    }
+
+    pub async fn stats(&self) -> Result<ReceiverStats> {
+        self.call("stats", |reply| Cmd::Stats { reply }).await
+    }
+
+    /// Hands an accepted stream to the receiver.
+    pub async fn attach(&self, stream: DuplexStream, peer: Option<PeerInfo>) -> Result<()> {
+        let ms = self.command_timeout.as_millis() as u64;
+        match timeout(self.command_timeout, self.tx.send(Cmd::Stream { stream, peer })).await {
+            Err(_) => Err(KvTransferError::Timeout { what: "kv receiver queue (attach)".into(), ms }),
+            Ok(Err(_)) => Err(KvTransferError::Closed { what: "kv receiver" }),
+            Ok(Ok(())) => Ok(()),
+        }
+    }
+
+    /// A transport for a sender in the same process: streams are in-memory pipes.
+    pub fn in_process(&self) -> InProcessTransport {
+        InProcessTransport { handle: self.clone(), pipe_bytes: 4 << 20 }
+    }
+}
+
+/// In-process transport: each stream is a [`tokio::io::duplex`] pipe whose far end is handed
+/// to the receiver directly. One memory copy per byte, no sockets, same protocol.
+#[derive(Clone)]
+pub struct InProcessTransport {
+    handle: ReceiverHandle,
+    pipe_bytes: usize,
+}
+
+impl Transport for InProcessTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::InProcess
+    }
+
+    fn open(&self, _peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
+        Box::pin(async move {
+            let (a, b) = tokio::io::duplex(self.pipe_bytes);
+            self.handle.attach(crate::transport::duplex_from(b), None).await?;
+            Ok(crate::transport::duplex_from(a))
+        })
+    }
+}
+
+/// Aborts a task when dropped.
+pub(crate) struct AbortOnDrop<T>(pub(crate) JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A running receiver. Dropping it stops the actor, its streams and its accept loop (as if the
+/// node died).
+pub struct ReceiverService {
+    handle: ReceiverHandle,
+    _actor: AbortOnDrop<()>,
+    _accept: Option<AbortOnDrop<()>>,
+}
+
+impl ReceiverService {
+    /// Starts a receiver over `sink`, accepting streams from `listener` when given.
+    pub fn spawn<S: KvSink>(cfg: ReceiverConfig, sink: S, listener: Option<Listener>) -> Self {
+        let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
+        let handle = ReceiverHandle { tx: tx.clone(), command_timeout: cfg.command_timeout };
+        let base = RandomState::new().build_hasher().finish() >> 1;
+        let actor = Actor {
+            sm: Receiver::new(cfg.layout.clone(), base),
+            sink,
+            tx,
+            limits: Limits { max_payload: cfg.max_payload, layout: Some(cfg.layout.clone()) },
+            cfg,
+            waiters: HashMap::new(),
+            streams: HashMap::new(),
+            next_stream: 1,
+        };
+        let actor = AbortOnDrop(tokio::spawn(actor.run(rx)));
+        let accept = listener.map(|mut l| {
+            let h = handle.clone();
+            AbortOnDrop(tokio::spawn(async move {
+                while let Some(r) = l.accept().await {
+                    match r {
+                        Ok((s, peer)) => {
+                            if h.attach(s, Some(peer)).await.is_err() {
+                                break;
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "kv receiver: accept failed"),
+                    }
+                }
+            }))
+        });
+        Self { handle, _actor: actor, _accept: accept }
+    }
+
+    pub fn handle(&self) -> &ReceiverHandle {
+        &self.handle
+    }
+}
+
+/// A stream's tasks. The writer task is detached: it ends once `writer` is dropped and what
+/// was queued is written (each write bounded), so an Abort still reaches the peer.
+struct StreamTasks {
+    writer: mpsc::Sender<Control>,
+    _reader: AbortOnDrop<()>,
+}
+
+struct Actor<S> {
+    sm: Receiver,
+    sink: S,
+    tx: mpsc::Sender<Cmd>,
+    cfg: ReceiverConfig,
+    limits: Limits,
+    waiters: HashMap<LeaseId, oneshot::Sender<Result<Completed>>>,
+    streams: HashMap<StreamId, StreamTasks>,
+    next_stream: StreamId,
+}
+
+fn now() -> std::time::Instant {
+    TokioInstant::now().into_std()
+}
+
+impl<S: KvSink> Actor<S> {
+    async fn run(mut self, mut rx: mpsc::Receiver<Cmd>) {
+        loop {
+            let deadline = self.sm.next_deadline();
+            let timer = async move {
+                match deadline {
+                    Some(d) => sleep_until(TokioInstant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                cmd = rx.recv() => match cmd {
+                    Some(cmd) => self.command(cmd),
+                    None => break,
+                },
+                () = timer => {
+                    let fx = self.sm.poll_expired(now());
+                    self.apply(fx);
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Reserve { request_id, num_tokens, ttl, reply } => {
+                let r = self.reserve(request_id, num_tokens, ttl);
+                let _ = reply.send(r);
+            }
+            Cmd::Cancel { lease, reply } => {
+                let fx = self.sm.cancel(lease);
+                let _ = reply.send(!fx.is_empty());
+                self.apply(fx);
+            }
+            Cmd::Stats { reply } => {
+                let _ = reply.send(self.sm.stats());
+            }
+            Cmd::Stream { stream, peer } => self.add_stream(stream, peer),
+            Cmd::Frame { stream, item } => {
+                let fx = match item {
+                    Ok(Some(frame)) => self.sm.on_frame(now(), stream, frame),
+                    Ok(None) => self.sm.on_stream_closed(now(), stream),
+                    Err(e) => self.sm.on_stream_error(now(), stream, e),
+                };
+                self.apply(fx);
+            }
+        }
+    }
+
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
+        if num_tokens == 0 {
+            return Err(KvTransferError::InvalidRequest { reason: "a handoff of zero tokens".into() });
+        }
+        let need = HandoffTicket::blocks_for(num_tokens, self.cfg.layout.block_size);
+        let blocks = self.sink.reserve(need)?;
+        let ttl = ttl.unwrap_or(self.cfg.lease_ttl);
+        let spec = LeaseSpec { request_id, blocks: blocks.clone(), num_tokens, ttl };
+        let lease = match self.sm.open_lease(now(), spec) {
+            Ok(l) => l,
+            Err(e) => {
+                self.sink.release(&blocks);
+                return Err(e);
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.waiters.insert(lease, tx);
+        Ok(Reservation {
+            ticket: HandoffTicket {
+                version: HANDOFF_VERSION,
+                request_id,
+                lease_id: lease,
+                receiver_addr: self.cfg.advertise_addr,
+                transport: self.cfg.transport,
+                layout: self.cfg.layout.clone(),
+                block_ids: blocks,
+                num_tokens,
+                lease_ttl: ttl,
+            },
+            done: LeaseWaiter { lease, rx },
+        })
+    }
+
+    fn add_stream(&mut self, stream: DuplexStream, peer: Option<PeerInfo>) {
+        let id = self.next_stream;
+        self.next_stream += 1;
+        tracing::debug!(stream = id, peer = ?peer.as_ref().map(|p| p.addr), "kv receiver: stream accepted");
+        let DuplexStream { send, recv } = stream;
+        let reader =
+            tokio::spawn(read_loop(id, recv, self.limits.clone(), self.cfg.stream_idle_timeout, self.tx.clone()));
+        let (wtx, wrx) = mpsc::channel(16);
+        tokio::spawn(write_loop(send, wrx, self.cfg.write_timeout));
+        self.streams.insert(id, StreamTasks { writer: wtx, _reader: AbortOnDrop(reader) });
+        self.sm.stream_opened(id);
+    }
+
+    fn apply(&mut self, fx: Vec<Effect>) {
+        let mut queue: std::collections::VecDeque<Effect> = fx.into();
+        while let Some(e) = queue.pop_front() {
+            match e {
+                Effect::Write(w) => {
+                    if let Err(err) = self.sink.write(&w) {
+                        queue.extend(self.sm.fail(w.lease, err));
+                    }
+                }
+                Effect::Send { stream, msg } => {
+                    if let Some(t) = self.streams.get(&stream) {
+                        if t.writer.try_send(msg).is_err() {
+                            tracing::warn!(stream, "kv receiver: control queue full or closed; closing stream");
+                            self.close_stream(stream);
+                        }
+                    }
+                }
+                Effect::Close { stream } => self.close_stream(stream),
+                Effect::Completed { lease, request_id, blocks, first_token } => {
+                    tracing::debug!(%lease, %request_id, "kv receiver: handoff complete");
+                    if let Some(w) = self.waiters.remove(&lease) {
+                        let _ = w.send(Ok(Completed { lease, request_id, blocks, first_token }));
+                    }
+                }
+                Effect::Released { lease, request_id, blocks, error } => {
+                    tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
+                    self.sink.release(&blocks);
+                    if let Some(w) = self.waiters.remove(&lease) {
+                        let _ = w.send(Err(error));
+                    }
+                }
+                Effect::Dropped { stream, lease, layer, token_start, why } => {
+                    tracing::debug!(stream, %lease, layer, token_start, ?why, "kv receiver: chunk dropped");
+                }
+            }
+        }
+    }
+
+    /// Stops a stream's reader now; its writer sends what is queued (an Abort) and shuts down.
+    fn close_stream(&mut self, stream: StreamId) {
+        self.streams.remove(&stream);
+    }
+}
+
+async fn read_loop(id: StreamId, mut recv: BoxRead, limits: Limits, idle: Duration, tx: mpsc::Sender<Cmd>) {
+    loop {
+        let item = match timeout(idle, read_frame(&mut recv, &limits)).await {
+            Err(_) => {
+                Err(KvTransferError::Timeout { what: format!("a frame on stream {id}"), ms: idle.as_millis() as u64 })
+            }
+            Ok(r) => r,
+        };
+        let last = !matches!(item, Ok(Some(_)));
+        if tx.send(Cmd::Frame { stream: id, item }).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+async fn write_loop(mut send: BoxWrite, mut rx: mpsc::Receiver<Control>, limit: Duration) {
+    while let Some(msg) = rx.recv().await {
+        match timeout(limit, write_control(&mut send, &msg)).await {
+            Ok(Ok(())) => {}
+            _ => return,
+        }
+    }
+    let _ = timeout(limit, send.shutdown()).await;
+}

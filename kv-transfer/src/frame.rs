@@ -1,0 +1,633 @@
+//! The frame codec of the handoff protocol.
+//!
+//! A frame on the wire is
+//! `[u32 LE header_len][u32 LE payload_len][header: a flatbuffers `Frame`][payload]`.
+//! Only [`Frame::Chunk`] carries a payload (K then V); every other frame has `payload_len == 0`.
+//!
+//! Invariants (checked by [`parse_prefix`] and [`parse_header`] before any payload is read or
+//! allocated):
+//! - `header_len <= MAX_HEADER_BYTES` and `payload_len <= Limits::max_payload`;
+//! - the header verifies as a flatbuffer and its `version` is [`HANDOFF_VERSION`];
+//! - a chunk's `k_len + v_len == payload_len`, `k_len == v_len`, and when a layout is known,
+//!   `k_len == token_count * num_kv_heads * head_dim * dtype_size` and `layer < num_layers`;
+//! - payloads are never copied after they are read: [`decode_frame`] splits them off the read
+//!   buffer and `k`, `v` are slices of the same [`Bytes`].
+//!
+//! Every failure is an error value ([`KvTransferError::MalformedFrame`], `FrameTooLarge`,
+//! `Truncated`, `VersionUnsupported`), never a panic: `tests/fuzz_frames.rs` holds the decoder to
+//! that over arbitrary bytes and mutations of valid frames.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use cleave_protocol::{KvDtype, KvLayout, LeaseId, RequestId, HANDOFF_VERSION};
+use flatbuffers::FlatBufferBuilder;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::generated::handoff_generated::cleave::kv::wire as fb;
+use crate::{KvTransferError, Result};
+
+/// Bytes of the length prefix before every header.
+pub const PREFIX_BYTES: usize = 8;
+/// Largest header accepted. Real headers are under 200 bytes; an Abort reason is cut to fit.
+pub const MAX_HEADER_BYTES: usize = 1024;
+/// Longest abort reason put on the wire (longer ones are truncated at a char boundary).
+pub const MAX_REASON_BYTES: usize = 512;
+/// Default bound on one chunk's payload (K and V together).
+pub const DEFAULT_MAX_PAYLOAD: usize = 256 << 20;
+
+/// Why a transfer was aborted, as carried on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortCode {
+    Unknown,
+    VersionUnsupported,
+    LayoutMismatch,
+    UnknownLease,
+    LeaseExpired,
+    Checksum,
+    Gap,
+    Malformed,
+    Cancelled,
+    SenderGone,
+    OutOfBounds,
+    Internal,
+}
+
+impl AbortCode {
+    fn to_wire(self) -> fb::AbortCode {
+        match self {
+            AbortCode::Unknown => fb::AbortCode::Unknown,
+            AbortCode::VersionUnsupported => fb::AbortCode::VersionUnsupported,
+            AbortCode::LayoutMismatch => fb::AbortCode::LayoutMismatch,
+            AbortCode::UnknownLease => fb::AbortCode::UnknownLease,
+            AbortCode::LeaseExpired => fb::AbortCode::LeaseExpired,
+            AbortCode::Checksum => fb::AbortCode::Checksum,
+            AbortCode::Gap => fb::AbortCode::Gap,
+            AbortCode::Malformed => fb::AbortCode::Malformed,
+            AbortCode::Cancelled => fb::AbortCode::Cancelled,
+            AbortCode::SenderGone => fb::AbortCode::SenderGone,
+            AbortCode::OutOfBounds => fb::AbortCode::OutOfBounds,
+            AbortCode::Internal => fb::AbortCode::Internal,
+        }
+    }
+
+    fn from_wire(c: fb::AbortCode) -> Self {
+        match c {
+            fb::AbortCode::VersionUnsupported => AbortCode::VersionUnsupported,
+            fb::AbortCode::LayoutMismatch => AbortCode::LayoutMismatch,
+            fb::AbortCode::UnknownLease => AbortCode::UnknownLease,
+            fb::AbortCode::LeaseExpired => AbortCode::LeaseExpired,
+            fb::AbortCode::Checksum => AbortCode::Checksum,
+            fb::AbortCode::Gap => AbortCode::Gap,
+            fb::AbortCode::Malformed => AbortCode::Malformed,
+            fb::AbortCode::Cancelled => AbortCode::Cancelled,
+            fb::AbortCode::SenderGone => AbortCode::SenderGone,
+            fb::AbortCode::OutOfBounds => AbortCode::OutOfBounds,
+            fb::AbortCode::Internal => AbortCode::Internal,
+            _ => AbortCode::Unknown,
+        }
+    }
+
+    /// The abort code that describes an error.
+    pub fn of(err: &KvTransferError) -> Self {
+        use KvTransferError as E;
+        match err {
+            E::VersionUnsupported { .. } => AbortCode::VersionUnsupported,
+            E::LayoutMismatch { .. } => AbortCode::LayoutMismatch,
+            E::UnknownLease { .. } => AbortCode::UnknownLease,
+            E::LeaseExpired { .. } => AbortCode::LeaseExpired,
+            E::ChecksumMismatch { .. } => AbortCode::Checksum,
+            E::ChunkGap { .. } => AbortCode::Gap,
+            E::MalformedFrame { .. } | E::FrameTooLarge { .. } | E::Truncated { .. } => AbortCode::Malformed,
+            E::Protocol { .. } => AbortCode::Malformed,
+            E::Cancelled { .. } => AbortCode::Cancelled,
+            E::SenderGone { .. } => AbortCode::SenderGone,
+            E::ChunkOutOfBounds { .. } => AbortCode::OutOfBounds,
+            _ => AbortCode::Internal,
+        }
+    }
+}
+
+impl std::fmt::Display for AbortCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+/// First frame of every stream of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Open {
+    pub request_id: RequestId,
+    pub lease_id: LeaseId,
+    pub layout: KvLayout,
+    pub num_tokens: u32,
+    pub stream_index: u16,
+    pub stream_count: u16,
+}
+
+/// A frame without payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    Open(Open),
+    Accept { lease_id: LeaseId },
+    Complete { lease_id: LeaseId, first_token: u32 },
+    Ack { lease_id: LeaseId },
+    Abort { lease_id: LeaseId, code: AbortCode, reason: String },
+}
+
+/// Header of one run of tokens of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkHeader {
+    pub lease_id: LeaseId,
+    pub layer: u32,
+    pub token_start: u32,
+    pub token_count: u32,
+    pub k_len: u32,
+    pub v_len: u32,
+    /// CRC-32 (IEEE) of K followed by V.
+    pub crc32: u32,
+}
+
+/// A decoded header, before its payload is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Header {
+    Control(Control),
+    Chunk(ChunkHeader),
+}
+
+/// A whole frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Control(Control),
+    Chunk { header: ChunkHeader, k: Bytes, v: Bytes },
+}
+
+/// Bounds the decoder enforces before allocating.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_payload: usize,
+    /// When known (the receiver's layout), chunk lengths are checked against it.
+    pub layout: Option<KvLayout>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_payload: DEFAULT_MAX_PAYLOAD, layout: None }
+    }
+}
+
+/// CRC-32 of K followed by V.
+pub fn checksum(k: &[u8], v: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(k);
+    h.update(v);
+    h.finalize()
+}
+
+/// Bytes of K (or V) of `token_count` tokens of one layer.
+pub fn run_bytes(layout: &KvLayout, token_count: u32) -> usize {
+    token_count as usize * layout.num_kv_heads as usize * layout.head_dim as usize * layout.dtype.size_bytes()
+}
+
+fn malformed(reason: impl Into<String>) -> KvTransferError {
+    KvTransferError::MalformedFrame { reason: reason.into() }
+}
+
+fn dtype_to_wire(d: KvDtype) -> fb::Dtype {
+    match d {
+        KvDtype::F32 => fb::Dtype::F32,
+        KvDtype::F16 => fb::Dtype::F16,
+        KvDtype::Bf16 => fb::Dtype::Bf16,
+    }
+}
+
+fn dtype_from_wire(d: fb::Dtype) -> Result<KvDtype> {
+    match d {
+        fb::Dtype::F32 => Ok(KvDtype::F32),
+        fb::Dtype::F16 => Ok(KvDtype::F16),
+        fb::Dtype::Bf16 => Ok(KvDtype::Bf16),
+        other => Err(malformed(format!("unknown dtype {}", other.0))),
+    }
+}
+
+fn finish_with_prefix(
+    mut fbb: FlatBufferBuilder<'_>,
+    body_type: fb::Body,
+    body: flatbuffers::WIPOffset<flatbuffers::UnionWIPOffset>,
+    payload_len: usize,
+) -> BytesMut {
+    let frame = fb::Frame::create(&mut fbb, &fb::FrameArgs { version: HANDOFF_VERSION, body_type, body: Some(body) });
+    fbb.finish(frame, None);
+    let data = fbb.finished_data();
+    let mut out = BytesMut::with_capacity(PREFIX_BYTES + data.len());
+    out.put_u32_le(data.len() as u32);
+    out.put_u32_le(payload_len as u32);
+    out.put_slice(data);
+    out
+}
+
+/// Encodes a control frame (prefix and header; no payload).
+pub fn encode_control(msg: &Control) -> Bytes {
+    let mut fbb = FlatBufferBuilder::with_capacity(128);
+    let (ty, body) = match msg {
+        Control::Open(o) => {
+            let l = &o.layout;
+            let layout = fb::Layout::new(
+                l.model_fingerprint,
+                l.num_layers,
+                l.num_kv_heads,
+                l.head_dim,
+                l.block_size,
+                dtype_to_wire(l.dtype),
+            );
+            let t = fb::Open::create(
+                &mut fbb,
+                &fb::OpenArgs {
+                    request_id: o.request_id.0,
+                    lease_id: o.lease_id.0,
+                    layout: Some(&layout),
+                    num_tokens: o.num_tokens,
+                    stream_index: o.stream_index,
+                    stream_count: o.stream_count,
+                },
+            );
+            (fb::Body::Open, t.as_union_value())
+        }
+        Control::Accept { lease_id } => {
+            let t = fb::Accept::create(&mut fbb, &fb::AcceptArgs { lease_id: lease_id.0 });
+            (fb::Body::Accept, t.as_union_value())
+        }
+        Control::Complete { lease_id, first_token } => {
+            let t =
+                fb::Complete::create(&mut fbb, &fb::CompleteArgs { lease_id: lease_id.0, first_token: *first_token });
+            (fb::Body::Complete, t.as_union_value())
+        }
+        Control::Ack { lease_id } => {
+            let t = fb::Ack::create(&mut fbb, &fb::AckArgs { lease_id: lease_id.0 });
+            (fb::Body::Ack, t.as_union_value())
+        }
+        Control::Abort { lease_id, code, reason } => {
+            let mut cut = reason.len().min(MAX_REASON_BYTES);
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let r = fbb.create_string(&reason[..cut]);
+            let t = fb::Abort::create(
+                &mut fbb,
+                &fb::AbortArgs { lease_id: lease_id.0, code: code.to_wire(), reason: Some(r) },
+            );
+            (fb::Body::Abort, t.as_union_value())
+        }
+    };
+    finish_with_prefix(fbb, ty, body, 0).freeze()
+}
+
+/// Encodes a chunk's prefix and header; K and V follow it on the wire unchanged.
+pub fn encode_chunk_header(h: &ChunkHeader) -> Bytes {
+    let mut fbb = FlatBufferBuilder::with_capacity(96);
+    let t = fb::Chunk::create(
+        &mut fbb,
+        &fb::ChunkArgs {
+            lease_id: h.lease_id.0,
+            layer: h.layer,
+            token_start: h.token_start,
+            token_count: h.token_count,
+            k_len: h.k_len,
+            v_len: h.v_len,
+            crc32: h.crc32,
+        },
+    );
+    finish_with_prefix(fbb, fb::Body::Chunk, t.as_union_value(), h.k_len as usize + h.v_len as usize).freeze()
+}
+
+/// Encodes a whole chunk frame into one buffer (copies K and V; for tests and small frames).
+pub fn encode_chunk(h: &ChunkHeader, k: &[u8], v: &[u8]) -> Bytes {
+    let head = encode_chunk_header(h);
+    let mut out = BytesMut::with_capacity(head.len() + k.len() + v.len());
+    out.put_slice(&head);
+    out.put_slice(k);
+    out.put_slice(v);
+    out.freeze()
+}
+
+/// Reads the length prefix; refuses lengths over the limits before anything is allocated.
+pub fn parse_prefix(prefix: [u8; PREFIX_BYTES], limits: &Limits) -> Result<(usize, usize)> {
+    let header_len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+    let payload_len = u32::from_le_bytes([prefix[4], prefix[5], prefix[6], prefix[7]]) as usize;
+    if header_len == 0 {
+        return Err(malformed("empty header"));
+    }
+    if header_len > MAX_HEADER_BYTES {
+        return Err(KvTransferError::FrameTooLarge { what: "header", len: header_len, max: MAX_HEADER_BYTES });
+    }
+    if payload_len > limits.max_payload {
+        return Err(KvTransferError::FrameTooLarge { what: "payload", len: payload_len, max: limits.max_payload });
+    }
+    Ok((header_len, payload_len))
+}
+
+/// Verifies and decodes a header, checking it against the payload length and the layout.
+pub fn parse_header(buf: &[u8], payload_len: usize, limits: &Limits) -> Result<Header> {
+    let opts = flatbuffers::VerifierOptions {
+        max_depth: 8,
+        max_tables: 16,
+        max_apparent_size: MAX_HEADER_BYTES * 2,
+        ..Default::default()
+    };
+    let f = fb::root_as_frame_with_opts(&opts, buf).map_err(|e| malformed(format!("header does not verify: {e}")))?;
+    if f.version() != HANDOFF_VERSION {
+        return Err(KvTransferError::VersionUnsupported { got: f.version(), supported: HANDOFF_VERSION });
+    }
+    let no_payload = |h: Header| {
+        if payload_len != 0 {
+            Err(malformed(format!("control frame with a {payload_len}-byte payload")))
+        } else {
+            Ok(h)
+        }
+    };
+    let missing = |what: &str| malformed(format!("{what} frame without a body"));
+    match f.body_type() {
+        fb::Body::Open => {
+            let o = f.body_as_open().ok_or_else(|| missing("open"))?;
+            let l = o.layout().ok_or_else(|| malformed("open frame without a layout"))?;
+            no_payload(Header::Control(Control::Open(Open {
+                request_id: RequestId(o.request_id()),
+                lease_id: LeaseId(o.lease_id()),
+                layout: KvLayout {
+                    model_fingerprint: l.model_fingerprint(),
+                    dtype: dtype_from_wire(l.dtype())?,
+                    num_layers: l.num_layers(),
+                    num_kv_heads: l.num_kv_heads(),
+                    head_dim: l.head_dim(),
+                    block_size: l.block_size(),
+                },
+                num_tokens: o.num_tokens(),
+                stream_index: o.stream_index(),
+                stream_count: o.stream_count(),
+            })))
+        }
+        fb::Body::Accept => {
+            let a = f.body_as_accept().ok_or_else(|| missing("accept"))?;
+            no_payload(Header::Control(Control::Accept { lease_id: LeaseId(a.lease_id()) }))
+        }
+        fb::Body::Complete => {
+            let c = f.body_as_complete().ok_or_else(|| missing("complete"))?;
+            no_payload(Header::Control(Control::Complete {
+                lease_id: LeaseId(c.lease_id()),
+                first_token: c.first_token(),
+            }))
+        }
+        fb::Body::Ack => {
+            let a = f.body_as_ack().ok_or_else(|| missing("ack"))?;
+            no_payload(Header::Control(Control::Ack { lease_id: LeaseId(a.lease_id()) }))
+        }
+        fb::Body::Abort => {
+            let a = f.body_as_abort().ok_or_else(|| missing("abort"))?;
+            no_payload(Header::Control(Control::Abort {
+                lease_id: LeaseId(a.lease_id()),
+                code: AbortCode::from_wire(a.code()),
+                reason: a.reason().unwrap_or("").to_string(),
+            }))
+        }
+        fb::Body::Chunk => {
+            let c = f.body_as_chunk().ok_or_else(|| missing("chunk"))?;
+            let h = ChunkHeader {
+                lease_id: LeaseId(c.lease_id()),
+                layer: c.layer(),
+                token_start: c.token_start(),
+                token_count: c.token_count(),
+                k_len: c.k_len(),
+                v_len: c.v_len(),
+                crc32: c.crc32(),
+            };
+            check_chunk_lengths(&h, payload_len, limits.layout.as_ref())?;
+            Ok(Header::Chunk(h))
+        }
+        other => Err(malformed(format!("unknown frame body type {}", other.0))),
+    }
+}
+
+/// Checks a chunk header's lengths against the payload and (when known) the layout.
+pub fn check_chunk_lengths(h: &ChunkHeader, payload_len: usize, layout: Option<&KvLayout>) -> Result<()> {
+    if h.k_len as usize + h.v_len as usize != payload_len {
+        return Err(malformed(format!("chunk k_len {} + v_len {} != payload {payload_len}", h.k_len, h.v_len)));
+    }
+    if h.k_len != h.v_len {
+        return Err(malformed(format!("chunk k_len {} != v_len {}", h.k_len, h.v_len)));
+    }
+    if h.token_count == 0 {
+        return Err(malformed("chunk with zero tokens"));
+    }
+    if h.token_start.checked_add(h.token_count).is_none() {
+        return Err(malformed("chunk token range overflows"));
+    }
+    if let Some(l) = layout {
+        if h.layer >= l.num_layers {
+            return Err(malformed(format!("chunk layer {} of {}", h.layer, l.num_layers)));
+        }
+        let want = run_bytes(l, h.token_count);
+        if h.k_len as usize != want {
+            return Err(malformed(format!(
+                "chunk of {} tokens has k_len {}, layout needs {want}",
+                h.token_count, h.k_len
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Sans-IO decoder: takes one whole frame off the front of `buf`, or returns `Ok(None)` when
+/// more bytes are needed. The payload is split off `buf` without copying.
+pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>> {
+    if buf.len() < PREFIX_BYTES {
+        return Ok(None);
+    }
+    let mut prefix = [0u8; PREFIX_BYTES];
+    prefix.copy_from_slice(&buf[..PREFIX_BYTES]);
+    let (header_len, payload_len) = parse_prefix(prefix, limits)?;
+    if buf.len() < PREFIX_BYTES + header_len {
+        return Ok(None);
+    }
+    let header = parse_header(&buf[PREFIX_BYTES..PREFIX_BYTES + header_len], payload_len, limits)?;
+    if buf.len() < PREFIX_BYTES + header_len + payload_len {
+        return Ok(None);
+    }
+    buf.advance(PREFIX_BYTES + header_len);
+    let payload = buf.split_to(payload_len).freeze();
+    Ok(Some(assemble(header, payload)))
+}
+
+fn assemble(header: Header, payload: Bytes) -> Frame {
+    match header {
+        Header::Control(c) => Frame::Control(c),
+        Header::Chunk(h) => {
+            let k = payload.slice(..h.k_len as usize);
+            let v = payload.slice(h.k_len as usize..);
+            Frame::Chunk { header: h, k, v }
+        }
+    }
+}
+
+/// Reads one frame from a stream. `Ok(None)` on a clean end of stream at a frame boundary; an
+/// end inside a frame is [`KvTransferError::Truncated`]. The payload is read straight into its
+/// own buffer (one allocation, bounded by `limits` before it is made, no copy afterwards).
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits) -> Result<Option<Frame>> {
+    let mut prefix = [0u8; PREFIX_BYTES];
+    let mut got = 0;
+    while got < PREFIX_BYTES {
+        let n = r.read(&mut prefix[got..]).await.map_err(io_err("frame prefix"))?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(None);
+            }
+            return Err(KvTransferError::Truncated { expected: PREFIX_BYTES, got });
+        }
+        got += n;
+    }
+    let (header_len, payload_len) = parse_prefix(prefix, limits)?;
+    let mut head = [0u8; MAX_HEADER_BYTES];
+    read_exact_or_truncated(r, &mut head[..header_len], PREFIX_BYTES).await?;
+    let header = parse_header(&head[..header_len], payload_len, limits)?;
+    let mut payload = BytesMut::zeroed(payload_len);
+    read_exact_or_truncated(r, &mut payload[..], PREFIX_BYTES + header_len).await?;
+    Ok(Some(assemble(header, payload.freeze())))
+}
+
+async fn read_exact_or_truncated<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut [u8],
+    before: usize,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = r.read(&mut buf[got..]).await.map_err(io_err("frame body"))?;
+        if n == 0 {
+            return Err(KvTransferError::Truncated { expected: before + buf.len(), got: before + got });
+        }
+        got += n;
+    }
+    Ok(())
+}
+
+fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> KvTransferError {
+    move |source| KvTransferError::Io { what: what.to_string(), source }
+}
+
+/// Writes a control frame and flushes it.
+pub async fn write_control<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, msg: &Control) -> Result<()> {
+    w.write_all(&encode_control(msg)).await.map_err(io_err("control frame"))?;
+    w.flush().await.map_err(io_err("control frame"))
+}
+
+/// Writes a chunk frame: header, then K and V as they are (no copy into a frame buffer).
+pub async fn write_chunk<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, h: &ChunkHeader, k: &[u8], v: &[u8]) -> Result<()> {
+    w.write_all(&encode_chunk_header(h)).await.map_err(io_err("chunk header"))?;
+    w.write_all(k).await.map_err(io_err("chunk payload"))?;
+    w.write_all(v).await.map_err(io_err("chunk payload"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            model_fingerprint: 7,
+            dtype: KvDtype::F32,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 4,
+            block_size: 4,
+        }
+    }
+
+    #[test]
+    fn control_frames_round_trip() {
+        let msgs = [
+            Control::Open(Open {
+                request_id: RequestId(9),
+                lease_id: LeaseId(3),
+                layout: layout(),
+                num_tokens: 5,
+                stream_index: 1,
+                stream_count: 2,
+            }),
+            Control::Accept { lease_id: LeaseId(3) },
+            Control::Complete { lease_id: LeaseId(3), first_token: 42 },
+            Control::Ack { lease_id: LeaseId(3) },
+            Control::Abort { lease_id: LeaseId(3), code: AbortCode::Gap, reason: "x".into() },
+        ];
+        let limits = Limits { layout: Some(layout()), ..Default::default() };
+        for m in msgs {
+            let mut buf = BytesMut::from(&encode_control(&m)[..]);
+            let f = decode_frame(&mut buf, &limits).unwrap().unwrap();
+            assert_eq!(f, Frame::Control(m));
+            assert!(buf.is_empty());
+        }
+    }
+
+    #[test]
+    fn chunk_round_trips_and_payload_is_not_copied() {
+        let l = layout();
+        let k = vec![1u8; run_bytes(&l, 3)];
+        let v = vec![2u8; run_bytes(&l, 3)];
+        let h = ChunkHeader {
+            lease_id: LeaseId(1),
+            layer: 1,
+            token_start: 0,
+            token_count: 3,
+            k_len: k.len() as u32,
+            v_len: v.len() as u32,
+            crc32: checksum(&k, &v),
+        };
+        let wire = encode_chunk(&h, &k, &v);
+        let mut buf = BytesMut::from(&wire[..]);
+        let base = buf.as_ptr() as usize;
+        let limits = Limits { layout: Some(l), ..Default::default() };
+        let Frame::Chunk { header, k: k2, v: v2 } = decode_frame(&mut buf, &limits).unwrap().unwrap() else {
+            panic!("not a chunk")
+        };
+        assert_eq!(header, h);
+        assert_eq!(&k2[..], &k[..]);
+        assert_eq!(&v2[..], &v[..]);
+        // K points into the read buffer: no copy was made.
+        let kp = k2.as_ptr() as usize;
+        assert!(kp >= base && kp < base + wire.len());
+    }
+
+    #[test]
+    fn wrong_version_and_lengths_are_refused() {
+        let l = layout();
+        let h = ChunkHeader {
+            lease_id: LeaseId(1),
+            layer: 0,
+            token_start: 0,
+            token_count: 2,
+            k_len: 8,
+            v_len: 8,
+            crc32: 0,
+        };
+        let wire = encode_chunk(&h, &[0; 8], &[0; 8]);
+        let limits = Limits { layout: Some(l), ..Default::default() };
+        let err = decode_frame(&mut BytesMut::from(&wire[..]), &limits).unwrap_err();
+        assert!(matches!(err, KvTransferError::MalformedFrame { .. }), "{err}");
+
+        let mut fbb = FlatBufferBuilder::new();
+        let t = fb::Ack::create(&mut fbb, &fb::AckArgs { lease_id: 1 });
+        let f = fb::Frame::create(
+            &mut fbb,
+            &fb::FrameArgs { version: 99, body_type: fb::Body::Ack, body: Some(t.as_union_value()) },
+        );
+        fbb.finish(f, None);
+        let mut buf = BytesMut::new();
+        buf.put_u32_le(fbb.finished_data().len() as u32);
+        buf.put_u32_le(0);
+        buf.put_slice(fbb.finished_data());
+        let err = decode_frame(&mut buf, &Limits::default()).unwrap_err();
+        assert!(matches!(err, KvTransferError::VersionUnsupported { got: 99, .. }), "{err}");
+
+        let mut big = BytesMut::new();
+        big.put_u32_le(16);
+        big.put_u32_le(u32::MAX);
+        let err = decode_frame(&mut big, &Limits::default()).unwrap_err();
+        assert!(matches!(err, KvTransferError::FrameTooLarge { what: "payload", .. }), "{err}");
+    }
+}

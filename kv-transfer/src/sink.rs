@@ -1,0 +1,156 @@
+//! The receiver's view of a block pool: the one interface through which received KV reaches
+//! memory. The decode node implements it over the engine's paged KV cache; [`MemoryPool`] is the
+//! implementation for tests and benchmarks.
+//!
+//! Contract of an implementation:
+//! - `reserve(n)` either returns exactly `n` distinct free blocks, which stay out of the free
+//!   pool until `release`d or adopted by a request, or fails with
+//!   [`KvTransferError::OutOfBlocks`] without reserving anything;
+//! - `write` copies `w.k`/`w.v` (token-major `[token_count, num_kv_heads, head_dim]`, layout
+//!   dtype, little-endian) into layer `w.layer` of the blocks holding tokens
+//!   `w.token_start..w.token_start + w.token_count`; tokens that share a block are one copy;
+//! - `release(blocks)` returns blocks to the free pool; it is called exactly once per failed
+//!   lease and never for a completed one (those blocks belong to the decode request).
+
+use std::sync::{Arc, Mutex};
+
+use cleave_protocol::KvLayout;
+
+use crate::receiver::KvWrite;
+use crate::{KvTransferError, Result};
+
+/// Where a receiver reserves blocks and writes the KV it receives.
+pub trait KvSink: Send + 'static {
+    fn reserve(&mut self, num_blocks: usize) -> Result<Vec<u32>>;
+    fn write(&mut self, w: &KvWrite) -> Result<()>;
+    fn release(&mut self, blocks: &[u32]);
+}
+
+/// A block pool in plain memory: per block and layer, K then V, each
+/// `[block_size, num_kv_heads, head_dim]` of the dtype.
+///
+/// Cloning shares the pool (a test keeps one handle to look inside while the receiver owns the
+/// other); the lock is held only for one call.
+#[derive(Clone)]
+pub struct MemoryPool {
+    inner: Arc<Mutex<PoolInner>>,
+}
+
+struct PoolInner {
+    layout: KvLayout,
+    num_blocks: usize,
+    free: Vec<u32>,
+    data: Vec<u8>,
+    writes: u64,
+}
+
+impl MemoryPool {
+    pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
+        let bytes = num_blocks * layout.num_layers as usize * 2 * layout.half_block_bytes();
+        Self {
+            inner: Arc::new(Mutex::new(PoolInner {
+                layout,
+                num_blocks,
+                free: (0..num_blocks as u32).rev().collect(),
+                data: vec![0; bytes],
+                writes: 0,
+            })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.lock().free.len()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.lock().num_blocks
+    }
+
+    /// Number of `write` calls so far (one per contiguous run).
+    pub fn writes(&self) -> u64 {
+        self.lock().writes
+    }
+
+    /// Returns a completed request's blocks to the pool (what the decode engine does when the
+    /// request finishes).
+    pub fn free_request(&self, blocks: &[u32]) {
+        self.lock().free.extend_from_slice(blocks);
+    }
+
+    /// K and V of tokens `start..start+count` of one layer, gathered from `blocks`.
+    pub fn gather(&self, blocks: &[u32], layer: u32, start: u32, count: u32) -> (Vec<u8>, Vec<u8>) {
+        let p = self.lock();
+        let tok = p.token_bytes();
+        let mut k = Vec::with_capacity(count as usize * tok);
+        let mut v = Vec::with_capacity(count as usize * tok);
+        for t in start..start + count {
+            let (ko, vo) = p.offsets(blocks, layer, t);
+            k.extend_from_slice(&p.data[ko..ko + tok]);
+            v.extend_from_slice(&p.data[vo..vo + tok]);
+        }
+        (k, v)
+    }
+}
+
+impl PoolInner {
+    fn token_bytes(&self) -> usize {
+        self.layout.num_kv_heads as usize * self.layout.head_dim as usize * self.layout.dtype.size_bytes()
+    }
+
+    /// Byte offsets of token `t`'s K and V in layer `layer`.
+    fn offsets(&self, blocks: &[u32], layer: u32, t: u32) -> (usize, usize) {
+        let bs = self.layout.block_size as usize;
+        let half = self.layout.half_block_bytes();
+        let block = blocks[t as usize / bs] as usize;
+        let base = (block * self.layout.num_layers as usize + layer as usize) * 2 * half;
+        let slot = (t as usize % bs) * self.token_bytes();
+        (base + slot, base + half + slot)
+    }
+}
+
+impl KvSink for MemoryPool {
+    fn reserve(&mut self, num_blocks: usize) -> Result<Vec<u32>> {
+        let mut p = self.lock();
+        if p.free.len() < num_blocks {
+            return Err(KvTransferError::OutOfBlocks { need: num_blocks, free: p.free.len() });
+        }
+        let at = p.free.len() - num_blocks;
+        Ok(p.free.split_off(at))
+    }
+
+    fn write(&mut self, w: &KvWrite) -> Result<()> {
+        let mut p = self.lock();
+        let tok = p.token_bytes();
+        let bs = p.layout.block_size;
+        let need = w.token_count as usize * tok;
+        let last_block = (w.token_start + w.token_count).div_ceil(bs) as usize;
+        if w.k.len() != need || w.v.len() != need || last_block > w.blocks.len() || w.layer >= p.layout.num_layers {
+            return Err(KvTransferError::SinkWrite { lease: w.lease, reason: "write outside the lease".into() });
+        }
+        if let Some(b) = w.blocks.iter().find(|b| **b as usize >= p.num_blocks) {
+            return Err(KvTransferError::SinkWrite { lease: w.lease, reason: format!("block {b} not in the pool") });
+        }
+        p.writes += 1;
+        // One copy per block the run touches.
+        let mut t = w.token_start;
+        let end = w.token_start + w.token_count;
+        while t < end {
+            let run_end = ((t / bs + 1) * bs).min(end);
+            let n = (run_end - t) as usize * tok;
+            let src = (t - w.token_start) as usize * tok;
+            let (ko, vo) = p.offsets(&w.blocks, w.layer, t);
+            p.data[ko..ko + n].copy_from_slice(&w.k[src..src + n]);
+            p.data[vo..vo + n].copy_from_slice(&w.v[src..src + n]);
+            t = run_end;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, blocks: &[u32]) {
+        self.lock().free.extend_from_slice(blocks);
+    }
+}

@@ -1,0 +1,73 @@
+//! Transports: how a sender reaches a receiver, chosen per peer from the ticket.
+//!
+//! A transport opens ordered byte streams to a receiver; the handoff protocol
+//! ([`crate::frame`], [`crate::sender`]) runs unchanged on top. What an implementation must
+//! guarantee:
+//! - every stream is reliable and ordered in each direction, and a stream's end (clean or not)
+//!   is seen by the other side as end of stream or an error, never as silence: the receiver
+//!   frees a lease when a stream bound to it ends before completion;
+//! - `open` is bounded in time (its own timeout) and never blocks the runtime;
+//! - streams are independent: a sender may use several at once for one transfer (layers spread
+//!   across them), and a stream is never shared by two transfers at the same time;
+//! - a peer restart is survivable: a cached connection found dead is dropped and the next
+//!   `open` reconnects (no stale state across a restart).
+//!
+//! Implementations: [`NetTransport`] (QUIC, TCP+TLS, plain TCP over [`crate::net`]),
+//! [`crate::actor::InProcessTransport`] (a node that prefills and decodes itself), and later
+//! RDMA (feature `rdma`), which keeps the control frames on a stream and moves the payload
+//! with one-sided writes.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+
+use cleave_protocol::TransportKind;
+
+use crate::net::{Connector, DuplexStream, NetConfig, NetKind};
+use crate::Result;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Opens streams to receivers.
+pub trait Transport: Send + Sync {
+    fn kind(&self) -> TransportKind;
+    /// Opens one new stream to the receiver at `peer`.
+    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>>;
+}
+
+/// Streams over the network (QUIC, TCP+TLS or plain TCP), connections reused by the
+/// [`Connector`].
+pub struct NetTransport {
+    kind: TransportKind,
+    connector: Connector,
+}
+
+impl NetTransport {
+    pub fn new(cfg: &NetConfig) -> Result<Self> {
+        let kind = match cfg.kind {
+            NetKind::Quic => TransportKind::Quic,
+            NetKind::TcpTls => TransportKind::TcpTls,
+            NetKind::TcpPlain => TransportKind::TcpPlain,
+        };
+        Ok(Self { kind, connector: Connector::new(cfg)? })
+    }
+}
+
+impl Transport for NetTransport {
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+
+    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
+        Box::pin(self.connector.open(peer))
+    }
+}
+
+/// A [`DuplexStream`] from any tokio stream (tests, in-process pipes, plain sockets).
+pub fn duplex_from<S>(stream: S) -> DuplexStream
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let (r, w) = tokio::io::split(stream);
+    DuplexStream { send: Box::pin(w), recv: Box::pin(r) }
+}
