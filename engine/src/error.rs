@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use cleave_protocol::RequestId;
+
 /// Everything that can go wrong inside the engine, with the facts needed to act on it.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -37,6 +39,20 @@ pub enum EngineError {
     Rejected(String),
     #[error("the engine has stopped")]
     Stopped,
+    #[error("no KV import is reserved for {id}")]
+    UnknownImport { id: RequestId },
+    #[error("{id} is already live in this engine (an import reservation or a running request)")]
+    DuplicateImport { id: RequestId },
+    #[error("cannot reserve KV for {id}: {num_tokens} tokens need {need} blocks, {available} available")]
+    ImportRefused { id: RequestId, num_tokens: usize, need: usize, available: usize },
+    #[error("bad KV chunk for {id} (layer {layer}, tokens from {token_start}): {detail}")]
+    ImportChunk { id: RequestId, layer: u32, token_start: u32, detail: String },
+    #[error("KV import of {id} is incomplete: layer {layer} has {have} of {need} tokens")]
+    ImportIncomplete { id: RequestId, layer: u32, have: usize, need: usize },
+    #[error("KV import of {id} reserved {reserved} tokens but the prompt has {prompt}")]
+    ImportMismatch { id: RequestId, reserved: usize, prompt: usize },
+    #[error("KV export of {id} failed: {source}")]
+    KvExport { id: RequestId, source: crate::export::SinkError },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

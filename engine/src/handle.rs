@@ -3,23 +3,51 @@
 //! The loop owns the [`EngineCore`] outright (no locks): commands arrive on a bounded channel,
 //! token events leave on one channel per request. Dropping a [`TokenStream`] cancels its request,
 //! so a client that disconnects frees its KV blocks at the engine's next step.
+//!
+//! Disaggregation: [`EngineHandle::submit_prefill_only`] (layer-wise KV export, see
+//! [`crate::export`]) and the import commands [`EngineHandle::reserve_import`],
+//! [`EngineHandle::import_kv`], [`EngineHandle::release_import`] and
+//! [`EngineHandle::submit_imported`] (see [`crate::import`]). Commands are applied in the order
+//! they were sent, so the chunks of one request are written in order and before a
+//! `submit_imported` sent after them. A loop that stops releases every import reservation.
 
+use std::collections::HashSet;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use cleave_kernels::Backend;
-use cleave_protocol::{RequestId, TokenEvent};
+use cleave_protocol::{KvLayout, RequestId, TokenEvent};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
 
+use crate::export::KvExport;
+use crate::import::ImportStart;
 use crate::runner::{EngineCore, EngineRequest, EngineSnapshot};
 use crate::{EngineError, Result};
 
 enum Command {
     Submit(EngineRequest, UnboundedSender<TokenEvent>),
+    SubmitPrefillOnly(EngineRequest, KvExport, UnboundedSender<TokenEvent>),
+    ReserveImport { id: RequestId, num_tokens: usize, reply: oneshot::Sender<Result<Vec<u32>>> },
+    ImportKv { id: RequestId, layer: u32, token_start: u32, k: Bytes, v: Bytes, reply: oneshot::Sender<Result<()>> },
+    ReleaseImport { id: RequestId, reply: oneshot::Sender<Result<()>> },
+    SubmitImported(EngineRequest, ImportStart, UnboundedSender<TokenEvent>),
     Cancel(RequestId),
-    Snapshot(tokio::sync::oneshot::Sender<EngineSnapshot>),
+    Snapshot(oneshot::Sender<EngineSnapshot>),
+    PrefixHashes(oneshot::Sender<Vec<u64>>),
     Shutdown,
+}
+
+/// Facts about the engine that do not change while it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// Block layout and model fingerprint (see [`EngineCore::kv_layout`]).
+    pub kv_layout: KvLayout,
+    pub max_model_len: usize,
+    pub kv_blocks_total: usize,
 }
 
 /// How many commands may wait for the engine loop before `submit` reports the queue full.
@@ -29,6 +57,7 @@ pub const COMMAND_QUEUE: usize = 4096;
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: SyncSender<Command>,
+    info: Arc<EngineInfo>,
 }
 
 /// The engine loop's thread; dropping it (or calling [`EngineThread::shutdown`]) stops the loop
@@ -44,6 +73,8 @@ pub struct TokenStream {
     rx: UnboundedReceiver<TokenEvent>,
     tx: SyncSender<Command>,
     finished: bool,
+    /// A prefill-only request: its stream ends after the first token event.
+    handoff: bool,
 }
 
 impl TokenStream {
@@ -66,7 +97,7 @@ impl TokenStream {
     }
 
     fn note(&mut self, ev: &Option<TokenEvent>) {
-        if ev.as_ref().is_none_or(|e| e.finish_reason.is_some()) {
+        if self.handoff || ev.as_ref().is_none_or(|e| e.finish_reason.is_some()) {
             self.finished = true;
         }
     }
@@ -88,7 +119,68 @@ impl EngineHandle {
         let (etx, erx) = unbounded_channel();
         let id = req.id;
         self.send(Command::Submit(req, etx))?;
-        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false })
+        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: false })
+    }
+
+    /// Facts about the engine (KV layout, model fingerprint, limits).
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// Submits a prefill-only request whose K/V goes to `export` (see [`crate::export`]). The
+    /// stream yields one event, the first token (`finish_reason` `None` when the request is to
+    /// be handed off), or an error event, and then ends.
+    pub fn submit_prefill_only(&self, req: EngineRequest, export: KvExport) -> Result<TokenStream> {
+        let (etx, erx) = unbounded_channel();
+        let id = req.id;
+        self.send(Command::SubmitPrefillOnly(req, export, etx))?;
+        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: true })
+    }
+
+    /// Reserves blocks for `num_tokens` tokens of K/V that will arrive for `id`
+    /// ([`EngineCore::reserve_import`]); the reply carries the block ids or why not.
+    pub fn reserve_import(&self, id: RequestId, num_tokens: usize) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReserveImport { id, num_tokens, reply })?;
+        Ok(rx)
+    }
+
+    /// Writes one chunk of K/V into `id`'s reservation ([`EngineCore::import_kv`]), after every
+    /// command sent before it.
+    pub fn import_kv(
+        &self,
+        id: RequestId,
+        layer: u32,
+        token_start: u32,
+        k: Bytes,
+        v: Bytes,
+    ) -> Result<oneshot::Receiver<Result<()>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ImportKv { id, layer, token_start, k, v, reply })?;
+        Ok(rx)
+    }
+
+    /// Gives `id`'s reserved blocks back ([`EngineCore::release_import`]).
+    pub fn release_import(&self, id: RequestId) -> Result<oneshot::Receiver<Result<()>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReleaseImport { id, reply })?;
+        Ok(rx)
+    }
+
+    /// Starts decoding an imported request ([`EngineCore::add_imported`]): its stream starts
+    /// with the token after `start.first_token`; a refusal arrives as an error event.
+    pub fn submit_imported(&self, req: EngineRequest, start: ImportStart) -> Result<TokenStream> {
+        let (etx, erx) = unbounded_channel();
+        let id = req.id;
+        self.send(Command::SubmitImported(req, start, etx))?;
+        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: false })
+    }
+
+    /// Keys of the blocks in the prefix cache ([`EngineCore::cached_prefix_hashes`]).
+    pub fn prefix_hashes(&self) -> Result<oneshot::Receiver<Vec<u64>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::PrefixHashes(reply))?;
+        Ok(rx)
     }
 
     /// Queues a command without blocking: a full queue is the caller's back-pressure signal.
@@ -105,8 +197,8 @@ impl EngineHandle {
     }
 
     /// Asks the loop for a snapshot of its load; answered between steps.
-    pub fn snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<EngineSnapshot>> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+    pub fn snapshot(&self) -> Result<oneshot::Receiver<EngineSnapshot>> {
+        let (tx, rx) = oneshot::channel();
         self.send(Command::Snapshot(tx))?;
         Ok(rx)
     }
@@ -127,7 +219,12 @@ impl EngineThread {
             .spawn(move || {
                 let core = match make() {
                     Ok(core) => {
-                        let _ = ready_tx.send(Ok(()));
+                        let info = EngineInfo {
+                            kv_layout: core.kv_layout(),
+                            max_model_len: core.max_model_len(),
+                            kv_blocks_total: core.scheduler().kv().num_blocks(),
+                        };
+                        let _ = ready_tx.send(Ok(info));
                         core
                     }
                     Err(e) => {
@@ -140,7 +237,7 @@ impl EngineThread {
             })
             .map_err(|e| EngineError::io("engine thread", e))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Self { handle: EngineHandle { tx }, join: Some(join) }),
+            Ok(Ok(info)) => Ok(Self { handle: EngineHandle { tx, info: Arc::new(info) }, join: Some(join) }),
             Ok(Err(e)) => {
                 let _ = join.join();
                 Err(e)
@@ -174,7 +271,17 @@ impl Drop for EngineThread {
 }
 
 fn run_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>) -> Result<()> {
+    let result = drive(&mut core, rx);
+    if let Err(e) = core.release_all_imports() {
+        tracing::error!(error = %e, "releasing kv import reservations at shutdown");
+    }
+    result
+}
+
+fn drive<B: Backend>(core: &mut EngineCore<B>, rx: Receiver<Command>) -> Result<()> {
     let mut senders: std::collections::HashMap<RequestId, UnboundedSender<TokenEvent>> = Default::default();
+    // Prefill-only requests: their stream closes after their one event.
+    let mut handoff: HashSet<RequestId> = HashSet::new();
     loop {
         // Block while idle; otherwise only drain what is already queued.
         let first = if core.has_work() {
@@ -200,9 +307,46 @@ fn run_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>) -> Resul
                         }
                     }
                 }
+                Command::SubmitPrefillOnly(req, export, etx) => {
+                    let id = req.id;
+                    match core.add_prefill_only(req, export, Instant::now()) {
+                        Ok(()) => {
+                            senders.insert(id, etx);
+                            handoff.insert(id);
+                        }
+                        Err(e) => {
+                            tracing::debug!(request_id = %id, error = %e, "prefill-only request rejected");
+                            let _ = etx.send(core.error_event(id, &e));
+                        }
+                    }
+                }
+                Command::ReserveImport { id, num_tokens, reply } => {
+                    let _ = reply.send(core.reserve_import(id, num_tokens));
+                }
+                Command::ImportKv { id, layer, token_start, k, v, reply } => {
+                    let _ = reply.send(core.import_kv(id, layer, token_start, &k, &v));
+                }
+                Command::ReleaseImport { id, reply } => {
+                    let _ = reply.send(core.release_import(id));
+                }
+                Command::SubmitImported(req, start, etx) => {
+                    let id = req.id;
+                    match core.add_imported(req, start, Instant::now()) {
+                        Ok(()) => {
+                            senders.insert(id, etx);
+                        }
+                        Err(e) => {
+                            tracing::debug!(request_id = %id, error = %e, "imported request rejected");
+                            let _ = etx.send(core.error_event(id, &e));
+                        }
+                    }
+                }
                 Command::Cancel(id) => core.abort(id),
                 Command::Snapshot(reply) => {
                     let _ = reply.send(core.snapshot());
+                }
+                Command::PrefixHashes(reply) => {
+                    let _ = reply.send(core.cached_prefix_hashes());
                 }
                 Command::Shutdown => return Ok(()),
             }
@@ -223,7 +367,8 @@ fn run_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>) -> Resul
         };
         for ev in events {
             let id = ev.request_id;
-            let last = ev.finish_reason.is_some();
+            let was_handoff = handoff.remove(&id);
+            let last = ev.finish_reason.is_some() || was_handoff;
             let gone = senders.get(&id).is_none_or(|tx| tx.send(ev).is_err());
             if last {
                 senders.remove(&id);

@@ -6,7 +6,9 @@
 //! tested deterministically. Only [`handle`] owns a thread.
 
 pub mod error;
+pub mod export;
 pub mod handle;
+pub mod import;
 pub mod kv;
 pub mod model;
 pub mod runner;
@@ -14,5 +16,7 @@ pub mod sampler;
 pub mod sched;
 
 pub use error::{EngineError, Result};
-pub use handle::{EngineHandle, EngineThread, TokenStream};
+pub use export::{ExportDone, KvChunk, KvExport, KvExportEvent, SinkError};
+pub use handle::{EngineHandle, EngineInfo, EngineThread, TokenStream};
+pub use import::ImportStart;
 pub use runner::{EngineConfig, EngineCore, EngineRequest, EngineSnapshot, EngineStats};

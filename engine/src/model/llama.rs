@@ -35,6 +35,8 @@ pub struct Model<B: Backend> {
     /// `[max_positions, head_dim]` cos|sin table.
     rope: B::Buf,
     max_positions: usize,
+    /// See [`Model::fingerprint`].
+    fingerprint: u64,
 }
 
 /// One forward pass's inputs: tokens of several sequences packed together.
@@ -58,7 +60,12 @@ impl<B: Backend> Model<B> {
         let c = &config;
         let (h, i, qd, kvd, hd) =
             (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width(), c.head_dim);
-        let get = |name: &str, shape: &[usize]| -> Result<B::Buf> { Ok(backend.upload(&source.load(name, shape)?)?) };
+        let fp = std::cell::Cell::new(c.fingerprint());
+        let get = |name: &str, shape: &[usize]| -> Result<B::Buf> {
+            let data = source.load(name, shape)?;
+            fp.set(fingerprint_tensor(fp.get(), name, shape, &data));
+            Ok(backend.upload(&data)?)
+        };
         let opt = |cond: bool, name: &str, shape: &[usize]| -> Result<Option<B::Buf>> {
             if cond {
                 get(name, shape).map(Some)
@@ -99,7 +106,16 @@ impl<B: Backend> Model<B> {
         let max_positions = c.max_position_embeddings.max(1);
         let inv_freq = cleave_kernels::rope_inv_freq(hd, c.rope_theta, &c.rope_scaling);
         let rope = backend.upload(&cleave_kernels::rope_table(&inv_freq, max_positions))?;
-        Ok(Self { config, embed, layers, norm, lm_head, rope, max_positions })
+        let fingerprint = fp.get();
+        Ok(Self { config, embed, layers, norm, lm_head, rope, max_positions, fingerprint })
+    }
+
+    /// A stable 64-bit identity of the model: its config ([`ModelConfig::fingerprint`]) and, for
+    /// every tensor in load order, its name, shape and a sample of its values (the first and
+    /// last 16 and 32 strided ones, as loaded f32 bits). Two nodes whose fingerprints differ must
+    /// not exchange KV. Costs a few hundred reads per tensor at load.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// Longest context the RoPE table covers.
@@ -121,6 +137,21 @@ impl<B: Backend> Model<B> {
         batch: ForwardBatch<'_>,
         kv: &mut KvStorage<B>,
         ws: &mut Workspace<B>,
+    ) -> Result<Vec<f32>> {
+        self.forward_hooked(backend, batch, kv, ws, &mut |_, _| Ok(()))
+    }
+
+    /// [`Model::forward_with`] that calls `on_kv(layer, kv)` right after each layer has written
+    /// the batch's K/V into `kv`, before that layer's attention and the layers after it run
+    /// (layer-wise KV export: the caller can ship layer `l` while `l + 1..` compute). An error
+    /// from `on_kv` aborts the pass.
+    pub fn forward_hooked(
+        &self,
+        backend: &B,
+        batch: ForwardBatch<'_>,
+        kv: &mut KvStorage<B>,
+        ws: &mut Workspace<B>,
+        on_kv: &mut dyn FnMut(usize, &KvStorage<B>) -> Result<()>,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = batch.tokens.len();
@@ -149,6 +180,7 @@ impl<B: Backend> Model<B> {
             backend.rope(q, batch.positions, c.num_heads, hd, &self.rope)?;
             backend.rope(k, batch.positions, c.num_kv_heads, hd, &self.rope)?;
             backend.write_kv(k, v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
+            on_kv(l, kv)?;
             backend.paged_attention(q, &kv.k[l], &kv.v[l], batch.seqs, shape, attn)?;
             backend.linear(attn, &layer.o, None, t, qd, h, proj)?;
             backend.add_assign(x, proj, t * h)?;
@@ -172,6 +204,26 @@ impl<B: Backend> Model<B> {
         backend.linear(&last_normed, head, None, r, h, c.vocab_size, &mut logits)?;
         Ok(backend.download(&logits)?)
     }
+}
+
+/// Folds one tensor's name, shape and a sample of its values into a fingerprint (FNV-1a).
+fn fingerprint_tensor(mut h: u64, name: &str, shape: &[usize], data: &[f32]) -> u64 {
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    };
+    eat(name.as_bytes());
+    for &d in shape {
+        eat(&(d as u64).to_le_bytes());
+    }
+    let n = data.len();
+    let stride = (n / 32).max(1);
+    let sample = data.iter().take(16).chain(data.iter().skip(n.saturating_sub(16))).chain(data.iter().step_by(stride));
+    for x in sample {
+        eat(&x.to_bits().to_le_bytes());
+    }
+    h
 }
 
 /// Activation buffers of [`Model::forward_with`], grown to the largest batch seen and reused.

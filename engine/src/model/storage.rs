@@ -5,6 +5,7 @@
 //! moves whole blocks (copy-on-write copies, and handing blocks of one layer out to and in from
 //! the KV transfer layer).
 
+use bytes::{BufMut, Bytes, BytesMut};
 use cleave_kernels::{Backend, KernelError};
 
 use super::ModelConfig;
@@ -111,6 +112,104 @@ impl<B: Backend> KvStorage<B> {
         }
         backend.write(&mut self.k[layer], off, k)?;
         backend.write(&mut self.v[layer], off, v)?;
+        Ok(())
+    }
+
+    /// Elements of K (or V) of one token in one layer (`num_kv_heads * head_dim`).
+    pub fn kv_width(&self) -> usize {
+        self.kv_width
+    }
+
+    /// Contiguous runs `(position, element offset, tokens)` covering positions `start..end` of a
+    /// sequence whose block table is `blocks` (position `p` is in `blocks[p / block_size]`).
+    fn runs(&self, blocks: &[u32], start: usize, end: usize) -> Result<Vec<(usize, usize, usize)>> {
+        let bs = self.block_size;
+        if end.div_ceil(bs) > blocks.len() {
+            return Err(KernelError::Shape {
+                op: "kv_rows",
+                detail: format!(
+                    "positions {start}..{end} need {} blocks, the table has {}",
+                    end.div_ceil(bs),
+                    blocks.len()
+                ),
+            }
+            .into());
+        }
+        let mut runs = Vec::new();
+        let mut p = start;
+        while p < end {
+            let off = p % bs;
+            let n = (bs - off).min(end - p);
+            let base = self.check_block(blocks[p / bs])?;
+            runs.push((p, base + off * self.kv_width, n));
+            p += n;
+        }
+        Ok(runs)
+    }
+
+    /// K and V of positions `start..end` of one layer of a sequence with block table `blocks`,
+    /// each as `(end - start) * kv_width` f32 little-endian values, token-major (position
+    /// order): the wire layout of a KV chunk.
+    pub fn export_rows(
+        &self,
+        backend: &B,
+        layer: usize,
+        blocks: &[u32],
+        start: usize,
+        end: usize,
+    ) -> Result<(Bytes, Bytes)> {
+        self.check_layer(layer)?;
+        let bytes = (end.saturating_sub(start)) * self.kv_width * 4;
+        let (mut k, mut v) = (BytesMut::with_capacity(bytes), BytesMut::with_capacity(bytes));
+        for (_, off, n) in self.runs(blocks, start, end)? {
+            let len = n * self.kv_width;
+            for (pool, out) in [(&self.k[layer], &mut k), (&self.v[layer], &mut v)] {
+                for x in backend.read(pool, off, len)? {
+                    out.put_f32_le(x);
+                }
+            }
+        }
+        Ok((k.freeze(), v.freeze()))
+    }
+
+    /// Writes K and V rows in the layout of [`KvStorage::export_rows`] (their length gives the
+    /// token count) to positions `token_start..` of one layer of a sequence with block table
+    /// `blocks`. Errors (nothing written) when the layer is out of range, the lengths differ or
+    /// are not a whole number of tokens, or the positions run past the table.
+    pub fn import_rows(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        blocks: &[u32],
+        token_start: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let row_bytes = self.kv_width * 4;
+        if k.len() != v.len() || k.len() % row_bytes != 0 {
+            return Err(KernelError::Shape {
+                op: "import_rows",
+                detail: format!(
+                    "k has {} bytes, v {}: need equal multiples of {row_bytes} (one token)",
+                    k.len(),
+                    v.len()
+                ),
+            }
+            .into());
+        }
+        let count = k.len() / row_bytes;
+        let runs = self.runs(blocks, token_start, token_start + count)?;
+        let mut floats = Vec::new();
+        for (p, off, n) in runs {
+            let from = (p - token_start) * row_bytes;
+            let to = from + n * row_bytes;
+            for (src, pool) in [(&k[from..to], &mut self.k[layer]), (&v[from..to], &mut self.v[layer])] {
+                floats.clear();
+                floats.extend(src.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+                backend.write(pool, off, &floats)?;
+            }
+        }
         Ok(())
     }
 }

@@ -1,15 +1,22 @@
 //! The engine core: one model on one backend, its KV storage, the scheduler and the per-request
 //! output state (sampler, incremental detokenizer, stop strings). Plain state: [`EngineCore::step`]
 //! takes `now` and returns the token events of that step; the thread that drives it lives in
-//! [`crate::handle`].
+//! [`crate::handle`]. The disaggregation hooks (prefill-only requests with layer-wise KV export,
+//! KV import on the decode side) live in `disagg`.
 
-use std::collections::HashMap;
+mod disagg;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_kernels::{AttnSeq, Backend};
 use cleave_protocol::{FinishReason, RequestId, SamplingParams, StopConditions, TokenEvent};
 use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer};
 
+use crate::export::{ExportDone, ExportState, KvChunk, KvExportEvent};
+use crate::import::Imports;
 use crate::model::{ForwardBatch, KvStorage, Model, ModelFiles, Workspace};
 use crate::sampler::{Sampler, SamplerScratch};
 use crate::sched::{Scheduler, SchedulerConfig, SeqRequest};
@@ -66,6 +73,10 @@ struct SeqState {
     stop: StopMatcher,
     /// Prompt tokens served from the prefix cache (known after the first step that ran it).
     cached_tokens: u32,
+    /// Set for a prefill-only request (see [`crate::export`]).
+    export: Option<ExportState>,
+    /// For an imported request: the prefill side's `cached_tokens`, reported instead of ours.
+    cached_override: Option<u32>,
 }
 
 /// Counters of what the engine has done (for benchmarks and metrics).
@@ -90,6 +101,22 @@ pub struct EngineSnapshot {
     pub steps: u64,
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
+    /// Prompt tokens still to compute: waiting requests (whole prompt) and running ones still
+    /// in prefill (what is left of it).
+    pub queued_prefill_tokens: usize,
+    /// KV import reservations not yet turned into running requests (including ones waiting
+    /// for a sequence slot).
+    pub import_reservations: usize,
+    /// Blocks those reservations hold (counted in `kv_blocks_in_use` too).
+    pub kv_blocks_reserved: usize,
+}
+
+/// An imported request whose K/V is complete, waiting for a free sequence slot.
+struct Parked {
+    seq: SeqRequest,
+    state: SeqState,
+    blocks: Vec<u32>,
+    first_token: u32,
 }
 
 pub struct EngineCore<B: Backend> {
@@ -105,6 +132,14 @@ pub struct EngineCore<B: Backend> {
     scratch: SamplerScratch,
     seed: u64,
     stats: EngineStats,
+    imports: Imports,
+    parked: VecDeque<Parked>,
+    /// Events produced between steps (imports that ended at once, cancelled parked imports),
+    /// returned by the next `step`.
+    pending: Vec<TokenEvent>,
+    /// Layers whose K/V has been written, over all forward passes (see
+    /// [`EngineCore::kv_layers_written`]).
+    kv_layers_written: Arc<AtomicU64>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -154,6 +189,10 @@ impl<B: Backend> EngineCore<B> {
             scratch: SamplerScratch::default(),
             seed: cfg.seed,
             stats: EngineStats::default(),
+            imports: Imports::default(),
+            parked: VecDeque::new(),
+            pending: Vec::new(),
+            kv_layers_written: Arc::default(),
         })
     }
 
@@ -186,7 +225,23 @@ impl<B: Backend> EngineCore<B> {
             steps: self.stats.steps,
             prefill_tokens: self.stats.prefill_tokens,
             decode_tokens: self.stats.decode_tokens,
+            queued_prefill_tokens: self.sched.num_pending_prefill_tokens(),
+            import_reservations: self.imports.len() + self.parked.len(),
+            kv_blocks_reserved: self.imports.num_blocks() + self.parked.iter().map(|p| p.blocks.len()).sum::<usize>(),
         }
+    }
+
+    /// Keys of the blocks in the prefix cache ([`crate::kv::hash_chain`] of a prompt with this
+    /// engine's block size names the blocks a request could reuse), for routing.
+    pub fn cached_prefix_hashes(&self) -> Vec<u64> {
+        self.sched.cached_hashes().collect()
+    }
+
+    /// A counter of layers whose K/V a forward pass has written, bumped right after each
+    /// layer's KV export hook: a sink that reads it sees how far the pass is (tests use it to
+    /// prove that layer `l` is exported before layer `l + 1` runs).
+    pub fn kv_layers_written(&self) -> Arc<AtomicU64> {
+        self.kv_layers_written.clone()
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -195,11 +250,25 @@ impl<B: Backend> EngineCore<B> {
 
     /// Whether a step would do anything.
     pub fn has_work(&self) -> bool {
-        !self.sched.is_idle()
+        !self.sched.is_idle() || !self.pending.is_empty() || !self.parked.is_empty()
     }
 
     /// Queues a request. Rejects (without side effects) one that can never be served.
     pub fn add_request(&mut self, req: EngineRequest, now: Instant) -> Result<()> {
+        self.check_request(&req)?;
+        if self.imports.contains(req.id.0) || self.parked.iter().any(|p| p.seq.id == req.id.0) {
+            return Err(EngineError::DuplicateImport { id: req.id });
+        }
+        let id = req.id.0;
+        let seq = self.seq_request(&req, now);
+        self.sched.add(seq)?;
+        let state = self.seq_state(req, None);
+        self.seqs.insert(id, state);
+        Ok(())
+    }
+
+    /// Checks what the scheduler cannot: sampling parameters and token ids.
+    fn check_request(&self, req: &EngineRequest) -> Result<()> {
         req.params.validate().map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
             return Err(EngineError::InvalidRequest(format!(
@@ -207,39 +276,49 @@ impl<B: Backend> EngineCore<B> {
                 self.model.config.vocab_size
             )));
         }
-        let id = req.id.0;
-        let seq = SeqRequest {
-            id,
+        Ok(())
+    }
+
+    fn seq_request(&self, req: &EngineRequest, now: Instant) -> SeqRequest {
+        SeqRequest {
+            id: req.id.0,
             prompt: req.prompt.clone(),
             max_tokens: req.stop.max_tokens,
             eos_token_ids: self.eos_token_ids.clone(),
             stop_token_ids: req.stop.stop_token_ids.clone(),
             ignore_eos: req.stop.ignore_eos,
             arrival: now,
-        };
-        self.sched.add(seq)?;
+        }
+    }
+
+    /// The output-side state of a new request; `seed` overrides the sampler's seed.
+    fn seq_state(&self, req: EngineRequest, seed: Option<u64>) -> SeqState {
         // Requests without a seed get one derived from the engine seed and their id, so a run
         // is reproducible without every request repeating the same random stream.
-        let fallback = self.seed ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.seqs.insert(
-            id,
-            SeqState {
-                sampler: Sampler::new(&req.params, fallback),
-                detok: self.tokenizer.incremental_decoder(&req.prompt),
-                stop: StopMatcher::new(req.stop.stop_strings.iter().cloned()),
-                params: req.params,
-                prompt: req.prompt,
-                output: Vec::new(),
-                cached_tokens: 0,
-            },
-        );
-        Ok(())
+        let fallback = self.seed ^ req.id.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let params = match seed {
+            Some(s) => SamplingParams { seed: Some(s), ..req.params.clone() },
+            None => req.params.clone(),
+        };
+        SeqState {
+            sampler: Sampler::new(&params, fallback),
+            detok: self.tokenizer.incremental_decoder(&req.prompt),
+            stop: StopMatcher::new(req.stop.stop_strings.iter().cloned()),
+            params: req.params,
+            prompt: req.prompt,
+            output: Vec::new(),
+            cached_tokens: 0,
+            export: None,
+            cached_override: None,
+        }
     }
 
     /// Cancels a request; its blocks are freed at the next step, which reports it `Cancelled`.
+    /// Also releases a KV import reservation of that id (see [`crate::import`]).
     pub fn abort(&mut self, id: RequestId) {
         // Unknown ids (already finished) are fine: cancellation races completion.
         let _ = self.sched.abort(id.0);
+        self.abort_import(id);
     }
 
     /// The final event of a request that failed.
@@ -259,8 +338,9 @@ impl<B: Backend> EngineCore<B> {
 
     /// Runs one iteration: schedule, forward, sample, commit. Returns the events it produced.
     pub fn step(&mut self, now: Instant) -> Result<Vec<TokenEvent>> {
+        let mut events = std::mem::take(&mut self.pending);
+        self.admit_parked(&mut events)?;
         let batch = self.sched.schedule(now)?;
-        let mut events = Vec::new();
         for &(id, reason) in &batch.finished {
             if let Some(seq) = self.seqs.remove(&id) {
                 events.push(self.final_event(id, &seq, reason));
@@ -306,11 +386,34 @@ impl<B: Backend> EngineCore<B> {
             seqs: &seqs,
             logit_rows: &logit_rows,
         };
-        let logits = self.model.forward_with(&self.backend, fwd, &mut self.kv, &mut self.workspace)?;
+        let exports = self.export_cached(&batch)?;
+        let (backend, seqs_state, written) = (&self.backend, &mut self.seqs, &self.kv_layers_written);
+        let mut on_kv = |layer: usize, kv: &KvStorage<B>| -> Result<()> {
+            for item in &exports {
+                let Some(exp) = seqs_state.get_mut(&item.seq_id).and_then(|s| s.export.as_mut()) else { continue };
+                let (k, v) = kv.export_rows(backend, layer, &item.block_table, item.from, item.to)?;
+                exp.send(KvExportEvent::Chunk(KvChunk {
+                    request_id: RequestId(item.seq_id),
+                    layer: layer as u32,
+                    token_start: item.from as u32,
+                    token_count: (item.to - item.from) as u32,
+                    k,
+                    v,
+                }));
+            }
+            written.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        };
+        let logits = self.model.forward_hooked(&self.backend, fwd, &mut self.kv, &mut self.workspace, &mut on_kv)?;
+        let failed = self.finish_exports(&exports, &mut events)?;
         let vocab = self.model.config.vocab_size;
         let mut outputs = Vec::with_capacity(logit_rows.len());
         let mut logprobs = HashMap::new();
         for (row, item) in batch.items.iter().filter(|i| i.sample).enumerate() {
+            if failed.contains(&item.seq_id) {
+                outputs.push((item.seq_id, 0)); // ignored: the sequence is finishing
+                continue;
+            }
             let seq = self
                 .seqs
                 .get_mut(&item.seq_id)
@@ -328,15 +431,21 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         let updates = self.sched.commit(&outputs, now)?;
+        let max_model_len = self.max_model_len();
         for upd in updates {
             let Some(seq) = self.seqs.get_mut(&upd.seq_id) else { continue };
             seq.output.push(upd.token);
-            seq.cached_tokens = upd.cached_tokens;
+            seq.cached_tokens = seq.cached_override.unwrap_or(upd.cached_tokens);
             let text = seq.detok.push(upd.token)?;
-            let mut finish = upd.finish;
+            // A prefill-only request is scheduled with max_tokens 1: tell a real end from a
+            // handoff (None).
+            let mut finish = match &seq.export {
+                Some(exp) => disagg::handoff_finish(upd.finish, exp.max_tokens, seq.prompt.len() + 1 >= max_model_len),
+                None => upd.finish,
+            };
             let mut out = seq.stop.push(&text);
             if out.stopped {
-                if finish.is_none() {
+                if upd.finish.is_none() {
                     // Ended by a stop string, which the scheduler cannot see.
                     self.sched.finish(upd.seq_id, FinishReason::Stop)?;
                 }
@@ -349,17 +458,37 @@ impl<B: Backend> EngineCore<B> {
                     out.emit.push_str(&seq.stop.flush());
                 }
             }
-            events.push(TokenEvent {
+            let event = TokenEvent {
                 request_id: RequestId(upd.seq_id),
                 token_id: Some(upd.token),
                 text: out.emit,
                 logprobs: logprobs.remove(&upd.seq_id),
                 finish_reason: finish,
                 prompt_tokens: upd.prompt_tokens,
-                cached_tokens: upd.cached_tokens,
+                cached_tokens: seq.cached_tokens,
                 completion_tokens: upd.num_generated,
                 error: None,
-            });
+            };
+            if let Some(exp) = seq.export.as_mut() {
+                exp.send(KvExportEvent::Done(ExportDone {
+                    request_id: RequestId(upd.seq_id),
+                    first_token: upd.token,
+                    finish,
+                    prompt_tokens: upd.prompt_tokens,
+                    cached_tokens: seq.cached_tokens,
+                    sampler_seed: seq.sampler.seed(),
+                }));
+                let failed = exp.failed;
+                // The engine is done with it either way; the scheduler already freed it.
+                self.seqs.remove(&upd.seq_id);
+                let id = RequestId(upd.seq_id);
+                events.push(match failed {
+                    Some(source) => self.error_event(id, &EngineError::KvExport { id, source }),
+                    None => event,
+                });
+                continue;
+            }
+            events.push(event);
             if finish.is_some() {
                 self.seqs.remove(&upd.seq_id);
             }

@@ -152,6 +152,22 @@ impl Scheduler {
         self.kv.cached_hashes()
     }
 
+    /// Prompt tokens still to compute: all of a waiting sequence's tokens (prefix-cache hits
+    /// are only known at admission) and what is left of a running sequence's prefill.
+    pub fn num_pending_prefill_tokens(&self) -> usize {
+        self.seqs
+            .values()
+            .map(|s| {
+                let left = s.tokens.len() - s.table.num_tokens();
+                if left > 1 || s.num_generated() == 0 {
+                    left
+                } else {
+                    0
+                }
+            })
+            .sum()
+    }
+
     /// Preemptions so far.
     pub fn num_preemptions(&self) -> u64 {
         self.num_preemptions

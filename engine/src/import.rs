@@ -1,0 +1,190 @@
+//! KV imports: the decode side of a handoff.
+//!
+//! Life of an import, all on the engine thread, keyed by the request id:
+//!
+//! 1. [`crate::EngineCore::reserve_import`]`(id, num_tokens)` takes
+//!    `ceil(num_tokens / block_size)` fresh blocks (refused up front, with no side effect, when
+//!    the pool cannot supply them) and returns their ids in position order.
+//! 2. [`crate::EngineCore::import_kv`]`(id, layer, token_start, k, v)` writes rows (the layout of
+//!    [`crate::export::KvChunk`]) into those blocks. Chunks may come in any order and may repeat
+//!    (a rewrite is harmless); a bad chunk is an error that leaves the reservation alone.
+//! 3. [`crate::EngineCore::add_imported`]`(req, start)` checks that every layer covers every
+//!    prompt token, and turns the reservation into a running sequence that decodes from the
+//!    token after `start.first_token`; or [`crate::EngineCore::release_import`]`(id)` gives the
+//!    blocks back (lease expiry, failed transfer).
+//!
+//! Ownership: from `reserve_import` until `add_imported` or `release_import` the blocks belong to
+//! the reservation; `add_imported` consumes the reservation on every outcome (success: the
+//! scheduler owns the blocks; error: they are released). `abort(id)` releases a reservation,
+//! and a shutting-down engine releases them all. So a reserved block is freed on every path.
+//!
+//! Equality with a single engine: the imported K/V is bit-identical to what the prefill engine
+//! computed; the decode side replays the first token through its incremental detokenizer and
+//! stop-string matcher (discarding the text, which the prefill node already streamed, but
+//! keeping what they hold back), counts it in `completion_tokens`, and seeds the sampler with
+//! the prefill side's seed. The sampler's draw for output position `i` depends only on the seed
+//! and `i` (see [`crate::sampler`]), so seeded sampling continues exactly the stream a single
+//! engine would have produced.
+
+use std::collections::HashMap;
+
+use cleave_kernels::Backend;
+use cleave_protocol::RequestId;
+
+use crate::model::KvStorage;
+use crate::sched::Scheduler;
+use crate::{EngineError, Result};
+
+/// How an imported request starts decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportStart {
+    /// The token the prefill node sampled (and already streamed to the client).
+    pub first_token: u32,
+    /// The prefill side's sampler seed ([`crate::export::ExportDone::sampler_seed`]); `None`:
+    /// derive it as a plain request would (the request's seed, else this engine's seed and id).
+    pub sampler_seed: Option<u64>,
+    /// Prompt tokens the prefill node served from its prefix cache, reported in usage.
+    pub cached_tokens: u32,
+}
+
+/// One reservation.
+#[derive(Debug)]
+struct Import {
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    /// `covered[layer * num_tokens + pos]`: the row has been written.
+    covered: Vec<bool>,
+    /// Tokens covered per layer.
+    have: Vec<usize>,
+}
+
+/// The reservations of one engine.
+#[derive(Debug, Default)]
+pub(crate) struct Imports {
+    map: HashMap<u64, Import>,
+}
+
+impl Imports {
+    pub fn contains(&self, id: u64) -> bool {
+        self.map.contains_key(&id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Blocks held by reservations.
+    pub fn num_blocks(&self) -> usize {
+        self.map.values().map(|i| i.blocks.len()).sum()
+    }
+
+    pub fn reserve(
+        &mut self,
+        sched: &mut Scheduler,
+        id: RequestId,
+        num_tokens: usize,
+        num_layers: usize,
+    ) -> Result<Vec<u32>> {
+        if num_tokens == 0 {
+            return Err(EngineError::InvalidRequest(format!("KV import for {id} of 0 tokens")));
+        }
+        let max = sched.config().max_model_len;
+        if num_tokens >= max {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV import for {id} of {num_tokens} tokens leaves no room under max_model_len {max}"
+            )));
+        }
+        let kv = sched.kv();
+        let (need, available) = (kv.blocks_for(num_tokens), kv.num_available());
+        if need > available {
+            return Err(EngineError::ImportRefused { id, num_tokens, need, available });
+        }
+        let blocks = sched.reserve_blocks(num_tokens)?;
+        self.map.insert(
+            id.0,
+            Import {
+                blocks: blocks.clone(),
+                num_tokens,
+                covered: vec![false; num_layers * num_tokens],
+                have: vec![0; num_layers],
+            },
+        );
+        Ok(blocks)
+    }
+
+    /// Writes one chunk (see the module docs).
+    pub fn write<B: Backend>(
+        &mut self,
+        backend: &B,
+        kv: &mut KvStorage<B>,
+        id: RequestId,
+        layer: u32,
+        token_start: u32,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<()> {
+        let imp = self.map.get_mut(&id.0).ok_or(EngineError::UnknownImport { id })?;
+        let bad = |detail: String| EngineError::ImportChunk { id, layer, token_start, detail };
+        let (l, start) = (layer as usize, token_start as usize);
+        if l >= imp.have.len() {
+            return Err(bad(format!("the model has {} layers", imp.have.len())));
+        }
+        let row = kv.kv_width() * 4;
+        if k.len() != v.len() || k.is_empty() || k.len() % row != 0 {
+            return Err(bad(format!(
+                "k has {} bytes and v {}: need equal, non-zero multiples of {row} bytes (one token)",
+                k.len(),
+                v.len()
+            )));
+        }
+        let count = k.len() / row;
+        if start + count > imp.num_tokens {
+            return Err(bad(format!("{count} tokens run past the {} reserved", imp.num_tokens)));
+        }
+        kv.import_rows(backend, l, &imp.blocks, start, k, v).map_err(|e| bad(e.to_string()))?;
+        let covered = &mut imp.covered[l * imp.num_tokens + start..l * imp.num_tokens + start + count];
+        imp.have[l] += covered.iter().filter(|c| !**c).count();
+        covered.fill(true);
+        Ok(())
+    }
+
+    /// Gives a reservation's blocks back.
+    pub fn release(&mut self, sched: &mut Scheduler, id: RequestId) -> Result<()> {
+        let imp = self.map.remove(&id.0).ok_or(EngineError::UnknownImport { id })?;
+        sched.release_reserved(&imp.blocks)?;
+        Ok(())
+    }
+
+    pub fn release_all(&mut self, sched: &mut Scheduler) -> Result<()> {
+        let mut result = Ok(());
+        for (_, imp) in self.map.drain() {
+            if let Err(e) = sched.release_reserved(&imp.blocks) {
+                result = result.and(Err(e.into()));
+            }
+        }
+        result
+    }
+
+    /// Removes a complete reservation for a prompt of `prompt_len` tokens and returns its
+    /// blocks (now the caller's). An incomplete or mismatched one is released and reported.
+    pub fn take_complete(&mut self, sched: &mut Scheduler, id: RequestId, prompt_len: usize) -> Result<Vec<u32>> {
+        let imp = self.map.remove(&id.0).ok_or(EngineError::UnknownImport { id })?;
+        let err = if imp.num_tokens != prompt_len {
+            Some(EngineError::ImportMismatch { id, reserved: imp.num_tokens, prompt: prompt_len })
+        } else {
+            imp.have.iter().position(|&h| h < imp.num_tokens).map(|l| EngineError::ImportIncomplete {
+                id,
+                layer: l as u32,
+                have: imp.have[l],
+                need: imp.num_tokens,
+            })
+        };
+        match err {
+            None => Ok(imp.blocks),
+            Some(e) => {
+                sched.release_reserved(&imp.blocks)?;
+                Err(e)
+            }
+        }
+    }
+}
