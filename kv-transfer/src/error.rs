@@ -70,4 +70,20 @@ pub enum KvTransferError {
     SinkWrite { lease: cleave_protocol::LeaseId, reason: String },
     #[error("{what} is shut down")]
     Closed { what: &'static str },
+
+    // --- rdma transport (feature `rdma`; the variants exist in every build) ---
+    #[error("rdma: {call} failed: errno {errno} ({message})")]
+    RdmaVerbs { call: &'static str, errno: i32, message: String },
+    #[error("rdma: no device {wanted} (devices present: [{found}])")]
+    RdmaNoDevice { wanted: String, found: String },
+    #[error("rdma: bad pool layout: {reason}")]
+    RdmaLayout { reason: String },
+    #[error("rdma: bad write plan: {reason}")]
+    RdmaPlan { reason: String },
+    #[error("rdma: bad queue-pair metadata: {reason}")]
+    RdmaMetadata { reason: String },
+    #[error("rdma: work request {wr_id} of lease tag {tag} completed with {status} (vendor error {vendor_err:#x})")]
+    RdmaCompletion { wr_id: u64, tag: u16, status: String, vendor_err: u32 },
+    #[error("rdma: completion tracking: {reason}")]
+    RdmaTracker { reason: String },
 }

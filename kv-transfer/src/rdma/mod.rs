@@ -1,0 +1,39 @@
+//! RDMA transport (cargo feature `rdma`): the prefill node writes each layer of each prefill
+//! chunk straight into the decode node's leased KV blocks with one-sided RDMA WRITE (WITH
+//! IMMEDIATE) over a reliable-connected queue pair. The decode node's KV pool is one memory
+//! region, registered once.
+//!
+//! Build needs libibverbs and librdmacm headers (Debian: `libibverbs-dev librdmacm-dev`) and
+//! libclang (`libclang-dev`, for rdma-sys's bindgen). Running needs an RDMA device; everything
+//! except [`verbs`] is pure and tested without one.
+//!
+//! Flow of one handoff over RDMA:
+//! 1. Link setup, once per peer pair: each side creates a queue pair and sends its
+//!    [`QpMetadata`] over the QUIC control stream (the decode side with its [`RemoteRegion`]:
+//!    address, length, rkey and [`PoolLayout`] of the pool); both [`verbs::QueuePair::connect`].
+//! 2. Per lease: the decode side reserves blocks, assigns a 12-bit lease tag unused on this
+//!    queue pair, opens it in its [`RecvTracker`] and posts one receive per expected immediate;
+//!    the ticket (over QUIC) carries the tag and the block ids.
+//! 3. Per computed (layer, chunk): the prefill side builds the writes with [`plan_chunk`] (runs
+//!    of adjacent blocks merged, the last write carrying the [`Imm`]), claims wr_ids from its
+//!    [`SendTracker`] and posts them.
+//! 4. After the last chunk, the prefill side sends the chunk count over QUIC
+//!    ([`RecvTracker::set_chunks`]) and finishes the lease in its tracker. The receiver reports
+//!    Done when every (layer, chunk) immediate arrived; the sender when every write completed.
+//! 5. Faults: see [`completion`] for the lease state machine and who frees blocks when.
+//!
+//! Module dependencies: [`layout`], [`plan`], [`meta`] and [`completion`] depend on no verbs
+//! type; [`verbs`] is the only module with `unsafe`.
+
+pub mod completion;
+pub mod layout;
+pub mod meta;
+pub mod plan;
+pub mod verbs;
+
+pub use completion::{
+    FailReason, LeaseEvent, Outcome, RecvCompletion, RecvTracker, SendCompletion, SendTracker, WcStatus,
+};
+pub use layout::{Half, Imm, PoolLayout};
+pub use meta::{PathMtu, QpMetadata};
+pub use plan::{plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
