@@ -14,8 +14,8 @@ use clap::Parser;
 pub struct CoordinatorArgs {
     /// Model folder (Hugging Face layout: tokenizer.json, tokenizer_config.json, config.json,
     /// generation_config.json). The coordinator reads only the tokenizer and config-level facts.
-    #[arg(long, env = "CLEAVE_MODEL", default_value = "")]
-    pub model: PathBuf,
+    #[arg(long, env = "CLEAVE_MODEL")]
+    pub model: Option<PathBuf>,
 
     /// Address the HTTP API listens on.
     #[arg(long, env = "CLEAVE_LISTEN", default_value = "127.0.0.1:8000")]

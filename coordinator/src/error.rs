@@ -15,6 +15,9 @@ use serde::Serialize;
 /// request the router could not serve.
 #[derive(Debug, thiserror::Error)]
 pub enum CoordinatorError {
+    /// No model folder was given.
+    #[error("no model folder given (--model)")]
+    NoModel,
     /// config.json or generation_config.json is unreadable or not the JSON we expect.
     #[error("invalid model config {path}: {reason}")]
     ModelConfig { path: PathBuf, reason: String },
@@ -103,9 +106,12 @@ impl CoordinatorError {
             E::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             E::RouterGone | E::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             E::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            E::ModelConfig { .. } | E::Tokenizer(_) | E::Serve(_) | E::BackendFailed { .. } | E::BackendGone { .. } => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            E::NoModel
+            | E::ModelConfig { .. }
+            | E::Tokenizer(_)
+            | E::Serve(_)
+            | E::BackendFailed { .. }
+            | E::BackendGone { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 

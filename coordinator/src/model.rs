@@ -51,7 +51,7 @@ impl ModelInfo {
     /// Loads the tokenizer and facts of a Hugging Face model folder. `config.json` and
     /// `generation_config.json` are optional; a malformed one is an error naming the file.
     pub fn from_args(args: &CoordinatorArgs) -> Result<Self, CoordinatorError> {
-        let dir = &args.model;
+        let dir = args.model.as_deref().ok_or(CoordinatorError::NoModel)?;
         let tokenizer = Tokenizer::from_model_dir(dir)?;
         let config = read_facts(&dir.join("config.json"))?;
         let generation = read_facts(&dir.join("generation_config.json"))?;
