@@ -1,16 +1,24 @@
 //! Domain types shared by every crate of cleave: request ids, sampling parameters, token events,
 //! finish reasons and the KV layout description.
 //!
-//! Allowed dependencies: serde and thiserror only. This crate holds data, not behaviour: anything
-//! with a clock, a socket or a model belongs elsewhere.
+//! Allowed dependencies: serde, thiserror, flatbuffers (wire form of the control plane) and
+//! tokio's I/O traits (framing of that wire form). This crate holds data, not behaviour:
+//! anything with a clock, a socket or a model belongs elsewhere.
 
 use serde::{Deserialize, Serialize};
+
+// The generated flatbuffers code names `alloc::` paths; at the crate root this puts `alloc` in the
+// extern prelude for every module.
+extern crate alloc;
+
+pub mod control;
+mod generated;
 
 pub mod handoff;
 pub use handoff::{HandoffTicket, LeaseId, TransportKind, HANDOFF_VERSION};
 
 /// Identifies one request across every process of a cleave cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
 impl std::fmt::Display for RequestId {

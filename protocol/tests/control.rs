@@ -1,0 +1,229 @@
+//! Control-plane wire form: every message round-trips, bad frames give clear errors, and no input
+//! makes the decoder panic.
+
+use cleave_protocol::control::*;
+use cleave_protocol::handoff::*;
+use cleave_protocol::*;
+use proptest::prelude::*;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        model_fingerprint: 0xfeed,
+        dtype: KvDtype::F32,
+        num_layers: 2,
+        num_kv_heads: 3,
+        head_dim: 8,
+        block_size: 4,
+    }
+}
+
+fn work(id: u64, prompt: Vec<u32>, seed: Option<u64>, logprobs: Option<u32>) -> Work {
+    Work {
+        id: RequestId(id),
+        prompt,
+        params: SamplingParams { temperature: 0.7, top_k: 5, seed, logprobs, ..Default::default() },
+        stop: StopConditions { max_tokens: 9, stop_strings: vec![], stop_token_ids: vec![2, 7], ignore_eos: true },
+    }
+}
+
+fn ticket(num_tokens: u32) -> HandoffTicket {
+    HandoffTicket {
+        version: HANDOFF_VERSION,
+        request_id: RequestId(5),
+        lease_id: LeaseId(77),
+        receiver_addr: "127.0.0.1:4000".parse().unwrap(),
+        transport: TransportKind::Quic,
+        layout: layout(),
+        block_ids: (0..num_tokens.div_ceil(4)).map(|b| b * 3).collect(),
+        num_tokens,
+        lease_ttl: std::time::Duration::from_millis(5000),
+    }
+}
+
+fn samples() -> Vec<ControlMsg> {
+    vec![
+        ControlMsg::Register(Register {
+            role: NodeRole::Decode,
+            name: "decode-0".into(),
+            model_name: "tiny".into(),
+            layout: layout(),
+            kv_capacity_blocks: 100,
+            max_model_len: 2048,
+            rpc_addr: "127.0.0.1:1234".parse().unwrap(),
+            kv_addr: Some("[::1]:99".parse().unwrap()),
+        }),
+        ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: 3 }),
+        ControlMsg::RegisterReply(RegisterReply::Refused { reason: "model fingerprint differs".into() }),
+        ControlMsg::LoadReport(LoadReport {
+            queued_prefill_tokens: 10,
+            waiting_seqs: 1,
+            running_seqs: 2,
+            free_blocks: 3,
+            cached_blocks: 4,
+            total_blocks: 5,
+            prefix_hashes: vec![1, u64::MAX],
+        }),
+        ControlMsg::PrefillRequest(PrefillRequest {
+            work: work(1, vec![1, 2, 3], Some(9), Some(2)),
+            ticket: Some(ticket(9)),
+        }),
+        ControlMsg::PrefillRequest(PrefillRequest { work: work(1, vec![1], None, None), ticket: None }),
+        ControlMsg::DecodeRequest(DecodeRequest {
+            work: work(2, vec![4; 10], None, Some(0)),
+            local_prefill: true,
+            generated: vec![8, 9],
+        }),
+        ControlMsg::Ticket(ticket(16)),
+        ControlMsg::Cancel(RequestId(42)),
+        ControlMsg::Token(TokenEvent {
+            request_id: RequestId(1),
+            token_id: Some(17),
+            text: String::new(),
+            logprobs: Some(Logprobs {
+                chosen: TokenLogprob { token_id: 17, logprob: -0.5 },
+                top: vec![TokenLogprob { token_id: 17, logprob: -0.5 }, TokenLogprob { token_id: 3, logprob: -2.0 }],
+            }),
+            finish_reason: None,
+            prompt_tokens: 3,
+            cached_tokens: 1,
+            completion_tokens: 1,
+            error: None,
+        }),
+        ControlMsg::Token(TokenEvent {
+            request_id: RequestId(1),
+            token_id: None,
+            text: String::new(),
+            logprobs: None,
+            finish_reason: Some(FinishReason::Error),
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 4,
+            error: Some("decode node died".into()),
+        }),
+        ControlMsg::HandoffDone(HandoffDone {
+            request_id: RequestId(1),
+            error: None,
+            queue_us: 1,
+            prefill_us: 2,
+            ticket_wait_us: 3,
+            transfer_bytes: 4,
+            transfer_us: 5,
+        }),
+    ]
+}
+
+#[test]
+fn every_message_round_trips() {
+    for m in samples() {
+        assert_eq!(decode(&encode(&m)).unwrap(), m, "{}", m.name());
+    }
+}
+
+#[tokio::test]
+async fn frames_round_trip_over_a_stream_and_end_cleanly() {
+    let mut buf = Vec::new();
+    for m in samples() {
+        write_msg(&mut buf, &m).await.unwrap();
+    }
+    let mut r = &buf[..];
+    for m in samples() {
+        assert_eq!(read_msg(&mut r).await.unwrap().unwrap(), m);
+    }
+    assert!(read_msg(&mut r).await.unwrap().is_none(), "clean end of stream");
+}
+
+#[tokio::test]
+async fn truncated_and_oversized_frames_are_refused() {
+    let mut buf = Vec::new();
+    write_msg(&mut buf, &ControlMsg::Cancel(RequestId(1))).await.unwrap();
+    for cut in 1..buf.len() {
+        let mut r = &buf[..cut];
+        let err = read_msg(&mut r).await.unwrap_err();
+        assert!(matches!(err, WireError::Malformed(_)), "cut {cut}: {err}");
+    }
+    let big = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
+    let err = read_msg(&mut &big[..]).await.unwrap_err();
+    assert!(matches!(err, WireError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn other_versions_are_refused() {
+    // The version is the first field of the envelope; rebuild one with another version by
+    // patching the encoded value (found by encoding twice with a known marker is overkill:
+    // scan for the little-endian u16 1 in the envelope's inline data).
+    let bytes = encode(&ControlMsg::Cancel(RequestId(0x0102030405060708)));
+    let mut refused = false;
+    for i in 0..bytes.len() - 1 {
+        if bytes[i] == 1 && bytes[i + 1] == 0 {
+            let mut b = bytes.clone();
+            b[i] = 9;
+            if let Err(WireError::Version { got: 9, supported: 1 }) = decode(&b) {
+                refused = true;
+            }
+        }
+    }
+    assert!(refused, "no version-9 envelope was refused");
+}
+
+#[test]
+fn invalid_contents_are_refused_with_the_field_named() {
+    let mut w = work(1, vec![1], None, None);
+    w.params.top_p = 0.0;
+    let err =
+        decode(&encode(&ControlMsg::DecodeRequest(DecodeRequest { work: w, local_prefill: false, generated: vec![] })))
+            .unwrap_err();
+    assert!(err.to_string().contains("top_p"), "{err}");
+
+    let err = decode(&encode(&ControlMsg::PrefillRequest(PrefillRequest {
+        work: work(1, vec![], None, None),
+        ticket: None,
+    })))
+    .unwrap_err();
+    assert!(err.to_string().contains("empty prompt"), "{err}");
+
+    let mut t = ticket(9);
+    t.block_ids.pop();
+    let err = decode(&encode(&ControlMsg::Ticket(t))).unwrap_err();
+    assert!(err.to_string().contains("block_ids"), "{err}");
+
+    let mut w = work(1, vec![1], None, None);
+    w.stop.max_tokens = 0;
+    let err = decode(&encode(&ControlMsg::PrefillRequest(PrefillRequest { work: w, ticket: None }))).unwrap_err();
+    assert!(err.to_string().contains("max_tokens"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode(&bytes);
+    }
+
+    #[test]
+    fn mutated_messages_never_panic(which in 0usize..12, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+        let all = samples();
+        let mut b = encode(&all[which % all.len()]);
+        for (at, x) in flips {
+            let i = at % b.len();
+            b[i] ^= x;
+        }
+        let _ = decode(&b);
+    }
+
+    #[test]
+    fn token_events_round_trip(id in any::<u64>(), tok in proptest::option::of(any::<u32>()), n in any::<u32>(), lp in -100f32..0.0) {
+        let m = ControlMsg::Token(TokenEvent {
+            request_id: RequestId(id),
+            token_id: tok,
+            text: String::new(),
+            logprobs: tok.map(|t| Logprobs { chosen: TokenLogprob { token_id: t, logprob: lp }, top: vec![] }),
+            finish_reason: if tok.is_none() { Some(FinishReason::Cancelled) } else { None },
+            prompt_tokens: n,
+            cached_tokens: n / 2,
+            completion_tokens: n / 3,
+            error: None,
+        });
+        prop_assert_eq!(decode(&encode(&m)).unwrap(), m);
+    }
+}
