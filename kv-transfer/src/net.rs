@@ -3,14 +3,29 @@
 //!
 //! A [`DuplexStream`] is one reliable ordered stream in each direction. Over QUIC it is one
 //! bidirectional QUIC stream of a connection that is reused across requests (so opening a stream
-//! costs no round trip once connected); over TCP it is one TCP connection (TLS by default, plain
-//! only when the operator declares the network trusted), pooled for reuse.
+//! costs no round trip once connected, and many streams run in parallel on one connection); over
+//! TCP it is one TCP connection per stream (TLS by default, plain only when the operator declares
+//! the network trusted). TCP connections are not pooled: a byte stream has no end-of-message
+//! marker that would let a connection be handed back, and a loopback/LAN connect costs tens of
+//! microseconds (TLS 1.3 resumes sessions, so a reconnect skips the certificate exchange).
+//!
+//! Conventions for users of a stream:
+//! - the opener writes first: a QUIC peer learns of a stream only when its first bytes arrive;
+//! - shutting down `send` (`AsyncWriteExt::shutdown`) is the end-of-stream the peer reads as EOF;
+//! - dropping both halves closes the stream (QUIC: the connection stays for other streams).
 //!
 //! Invariants:
 //! - every stream is mutually authenticated with the cluster CA unless [`NetKind::TcpPlain`];
 //! - [`Connector::open`] never hangs: connecting is bounded by [`NetConfig::connect_timeout`];
-//! - a connection the peer closed or restarted is dropped from the cache and reopened on the
-//!   next `open`, so a peer restart on the same address never poisons later requests.
+//! - a connection the peer closed or reset is dropped from the cache and reopened on the next
+//!   `open`, so a peer restart on the same address never poisons later requests. A QUIC node
+//!   derives its stateless-reset key from its identity, so a node restarted with the same
+//!   identity resets its previous life's connections at their next packet (one round trip), and
+//!   the stream in flight on such a connection fails quickly instead of waiting for the idle
+//!   timeout.
+
+mod quic;
+mod tcp;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -19,7 +34,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::tls::NodeIdentity;
-use crate::Result;
+use crate::{KvTransferError, Result};
+
+pub use quic::QuicTuning;
 
 pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
 pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
@@ -28,6 +45,12 @@ pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
 pub struct DuplexStream {
     pub send: BoxWrite,
     pub recv: BoxRead,
+}
+
+impl std::fmt::Debug for DuplexStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DuplexStream").finish_non_exhaustive()
+    }
 }
 
 /// Which network carries the streams.
@@ -40,12 +63,50 @@ pub enum NetKind {
     TcpPlain,
 }
 
+impl NetKind {
+    pub const ALL: [NetKind; 3] = [NetKind::Quic, NetKind::TcpTls, NetKind::TcpPlain];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NetKind::Quic => "quic",
+            NetKind::TcpTls => "tcp-tls",
+            NetKind::TcpPlain => "tcp-plain",
+        }
+    }
+}
+
+impl std::str::FromStr for NetKind {
+    type Err = KvTransferError;
+    fn from_str(s: &str) -> Result<Self> {
+        NetKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| KvTransferError::Tls(format!("unknown transport `{s}` (quic, tcp-tls, tcp-plain)")))
+    }
+}
+
 /// Network settings of a node. `identity` is required for every kind but `TcpPlain`.
 #[derive(Clone)]
 pub struct NetConfig {
     pub kind: NetKind,
     pub identity: Option<NodeIdentity>,
     pub connect_timeout: Duration,
+}
+
+impl NetConfig {
+    /// Default connect timeout: long enough for a TLS handshake across a data centre, short
+    /// enough that a dead peer fails a request fast.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+    pub fn new(kind: NetKind, identity: Option<NodeIdentity>) -> Self {
+        Self { kind, identity, connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT }
+    }
+
+    fn identity(&self) -> Result<&NodeIdentity> {
+        self.identity
+            .as_ref()
+            .ok_or_else(|| KvTransferError::Tls(format!("transport {} needs a node identity", self.kind.name())))
+    }
 }
 
 /// Who is on the other end of an accepted stream.
@@ -56,38 +117,121 @@ pub struct PeerInfo {
     pub name: Option<String>,
 }
 
+enum ConnectorImpl {
+    Quic(quic::QuicConnector),
+    Tcp(tcp::TcpConnector),
+}
+
 /// Client side: opens streams to peers, reusing connections.
 pub struct Connector {
-    _cfg: NetConfig,
+    inner: ConnectorImpl,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector").finish_non_exhaustive()
+    }
 }
 
 impl Connector {
+    /// A connector with the default tuning. Must be called inside a tokio runtime for QUIC (the
+    /// endpoint's driver task is spawned here).
     pub fn new(cfg: &NetConfig) -> Result<Self> {
-        Ok(Self { _cfg: cfg.clone() })
+        Self::with_tuning(cfg, &QuicTuning::default())
+    }
+
+    /// A connector with explicit QUIC tuning (ignored by the TCP kinds).
+    pub fn with_tuning(cfg: &NetConfig, tuning: &QuicTuning) -> Result<Self> {
+        let inner = match cfg.kind {
+            NetKind::Quic => ConnectorImpl::Quic(quic::QuicConnector::new(cfg, tuning)?),
+            NetKind::TcpTls | NetKind::TcpPlain => ConnectorImpl::Tcp(tcp::TcpConnector::new(cfg)?),
+        };
+        Ok(Self { inner })
     }
 
     /// Opens a new stream to `addr`, reusing a live connection when there is one.
     pub async fn open(&self, addr: SocketAddr) -> Result<DuplexStream> {
-        Err(crate::KvTransferError::Connect { addr, reason: "net: not implemented yet".into() })
+        Ok(self.open_with_peer(addr).await?.0)
+    }
+
+    /// Like [`Connector::open`], also saying who answered (the name in the server's cert).
+    pub async fn open_with_peer(&self, addr: SocketAddr) -> Result<(DuplexStream, PeerInfo)> {
+        match &self.inner {
+            ConnectorImpl::Quic(c) => c.open(addr).await,
+            ConnectorImpl::Tcp(c) => c.open(addr).await,
+        }
+    }
+
+    /// Closes every cached connection (QUIC: CONNECTION_CLOSE to each peer). Streams already
+    /// open on them fail.
+    pub fn close(&self) {
+        if let ConnectorImpl::Quic(c) = &self.inner {
+            c.close();
+        }
     }
 }
 
+enum ListenerImpl {
+    Quic(quic::QuicListener),
+    Tcp(tcp::TcpListenerImpl),
+}
+
 /// Server side: accepts streams from authenticated peers.
+///
+/// Dropping it stops accepting and closes its connections (QUIC sends CONNECTION_CLOSE).
 pub struct Listener {
     local: SocketAddr,
+    inner: ListenerImpl,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener").field("local", &self.local).finish_non_exhaustive()
+    }
 }
 
 impl Listener {
-    pub async fn bind(_cfg: &NetConfig, addr: SocketAddr) -> Result<Self> {
-        Ok(Self { local: addr })
+    pub async fn bind(cfg: &NetConfig, addr: SocketAddr) -> Result<Self> {
+        Self::bind_with_tuning(cfg, addr, &QuicTuning::default()).await
+    }
+
+    pub async fn bind_with_tuning(cfg: &NetConfig, addr: SocketAddr, tuning: &QuicTuning) -> Result<Self> {
+        let inner = match cfg.kind {
+            NetKind::Quic => ListenerImpl::Quic(quic::QuicListener::bind(cfg, addr, tuning)?),
+            NetKind::TcpTls | NetKind::TcpPlain => ListenerImpl::Tcp(tcp::TcpListenerImpl::bind(cfg, addr).await?),
+        };
+        let local = match &inner {
+            ListenerImpl::Quic(l) => l.local_addr(),
+            ListenerImpl::Tcp(l) => l.local_addr(),
+        };
+        Ok(Self { local, inner })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
-    /// The next incoming stream; `None` once the listener is closed.
+    /// The next incoming stream; `None` once the listener is closed. A peer that fails the
+    /// handshake (no certificate, another CA) is logged and skipped, not returned.
     pub async fn accept(&mut self) -> Option<Result<(DuplexStream, PeerInfo)>> {
-        None
+        match &mut self.inner {
+            ListenerImpl::Quic(l) => l.accept().await,
+            ListenerImpl::Tcp(l) => l.accept().await,
+        }
     }
+
+    /// Stops accepting, closes every connection and waits (bounded) until the peers were told,
+    /// then releases the address so a new listener can bind it.
+    pub async fn shutdown(self) {
+        match self.inner {
+            ListenerImpl::Quic(l) => l.shutdown().await,
+            ListenerImpl::Tcp(l) => drop(l),
+        }
+    }
+}
+
+/// Maps an I/O error of `what` into this crate's error.
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KvTransferError {
+    let what = what.into();
+    move |source| KvTransferError::Io { what, source }
 }

@@ -1,8 +1,543 @@
 //! The cluster CA and node certificates. Every internal link (QUIC, TCP+TLS) is mutual TLS 1.3:
 //! a node presents a certificate signed by the cluster CA and accepts only peers that do.
+//!
+//! - [`ClusterCa`] generates the CA (ECDSA P-256) and issues node certificates with rcgen. A node
+//!   certificate names the node once, as a DNS subject alternative name, and is valid for both
+//!   server and client authentication, so one identity serves both ends of every link.
+//! - [`NodeIdentity`] is what a node loads at startup: its chain, its key and the CA it trusts.
+//!   It builds the rustls configs: the server *requires* a client certificate from the cluster
+//!   CA ([`WebPkiClientVerifier`]); the client verifies the server's chain against the cluster
+//!   CA.
+//! - On disk (see [`ClusterCa::write_dir`] and [`NodeIdentity::load`]): `ca.crt`, `ca.key`,
+//!   `<name>.crt` (node certificate then CA), `<name>.key` (PKCS#8), all PEM.
+//!
+//! Authorization is membership: any holder of a certificate from the cluster CA is a peer. A
+//! client dials by address, not by name, so it accepts any cluster member at that address and
+//! reports the member's name ([`PeerInfo::name`](crate::net::PeerInfo)) for the caller to check.
+//!
+//! Allowed dependencies: rustls (ring provider, chosen explicitly so that a second provider
+//! linked into the binary never makes config building ambiguous), rcgen, rustls-webpki.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose,
+};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+
+use crate::{KvTransferError, Result};
+
+/// ALPN protocol of every cleave link; a peer speaking anything else is refused in the handshake.
+pub const ALPN: &[u8] = b"cleave/1";
+
+/// Common name of every cluster CA this module generates. Re-deriving a signer from `ca.key`
+/// relies on it being constant (the issuer name of node certificates must match).
+const CA_COMMON_NAME: &str = "cleave cluster CA";
+
+fn tls_err(e: impl fmt::Display) -> KvTransferError {
+    KvTransferError::Tls(e.to_string())
+}
+
+fn cert_err(path: &Path, e: impl fmt::Display) -> KvTransferError {
+    KvTransferError::Cert { path: path.display().to_string(), reason: e.to_string() }
+}
+
+/// The crypto provider of every config here (ring).
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Checks that `name` can be a node name: a DNS name (letters, digits, `-`, `.`), which is what
+/// goes into the certificate's subject alternative name.
+pub fn validate_node_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+        && !name.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(KvTransferError::Tls(format!("node name `{name}` is not a DNS name (letters, digits, '-', '.')")))
+    }
+}
+
+/// The cluster certificate authority: signs node certificates.
+pub struct ClusterCa {
+    cert_der: CertificateDer<'static>,
+    cert_pem: String,
+    key: KeyPair,
+    /// A certificate with the CA's name and key, used only as the issuer when signing (rcgen
+    /// needs one); equal to the CA certificate in everything a verifier checks.
+    signer: rcgen::Certificate,
+}
+
+impl fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterCa").finish_non_exhaustive()
+    }
+}
+
+fn ca_params() -> Result<CertificateParams> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_err)?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, CA_COMMON_NAME);
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    Ok(params)
+}
+
+impl ClusterCa {
+    /// A fresh CA with a new P-256 key.
+    pub fn generate() -> Result<Self> {
+        let key = KeyPair::generate().map_err(tls_err)?;
+        let cert = ca_params()?.self_signed(&key).map_err(tls_err)?;
+        Ok(Self {
+            cert_der: cert.der().clone(),
+            cert_pem: cert.pem(),
+            signer: ca_params()?.self_signed(&key).map_err(tls_err)?,
+            key,
+        })
+    }
+
+    /// A CA from its PEM certificate and key (as written by [`ClusterCa::write_dir`]).
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self> {
+        let key = KeyPair::from_pem(key_pem).map_err(tls_err)?;
+        let cert_der = parse_certs(cert_pem.as_bytes(), Path::new("ca.crt"))?
+            .into_iter()
+            .next()
+            .ok_or_else(|| tls_err("CA PEM holds no certificate"))?;
+        Ok(Self {
+            cert_der,
+            cert_pem: cert_pem.to_string(),
+            signer: ca_params()?.self_signed(&key).map_err(tls_err)?,
+            key,
+        })
+    }
+
+    /// Reads `ca.crt` and `ca.key` from `dir`.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let cert_pem = read_string(&dir.join("ca.crt"))?;
+        let key_path = dir.join("ca.key");
+        let key_pem = read_string(&key_path)?;
+        Self::from_pem(&cert_pem, &key_pem).map_err(|e| cert_err(&key_path, e))
+    }
+
+    /// Writes `ca.crt` and `ca.key` into `dir` (created if missing).
+    pub fn write_dir(&self, dir: &Path) -> Result<()> {
+        create_dir(dir)?;
+        write_file(&dir.join("ca.crt"), self.cert_pem.as_bytes(), false)?;
+        write_file(&dir.join("ca.key"), self.key.serialize_pem().as_bytes(), true)
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// Issues a certificate for node `name` (new P-256 key), valid for server and client auth.
+    pub fn issue(&self, name: &str) -> Result<NodeIdentity> {
+        validate_node_name(name)?;
+        let mut params = CertificateParams::new(vec![name.to_string()]).map_err(tls_err)?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, name);
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::NoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.use_authority_key_identifier_extension = true;
+        let key = KeyPair::generate().map_err(tls_err)?;
+        let cert = params.signed_by(&key, &self.signer, &self.key).map_err(tls_err)?;
+        Ok(NodeIdentity {
+            name: name.to_string(),
+            chain: vec![cert.der().clone(), self.cert_der.clone()],
+            key: Arc::new(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            ca: self.cert_der.clone(),
+        })
+    }
+}
 
 /// A node's certificate chain and key, plus the cluster CA it trusts.
+///
+/// Invariant: `chain[0]` is the node's certificate, naming `name`, issued by `ca`.
 #[derive(Clone)]
 pub struct NodeIdentity {
-    _private: (),
+    name: String,
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<PrivatePkcs8KeyDer<'static>>,
+    ca: CertificateDer<'static>,
+}
+
+impl fmt::Debug for NodeIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NodeIdentity").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl NodeIdentity {
+    /// A fresh in-memory cluster (new CA) with one identity per name, in order. For tests and
+    /// benchmarks.
+    pub fn generate_test_cluster(names: &[&str]) -> Result<Vec<NodeIdentity>> {
+        let ca = ClusterCa::generate()?;
+        names.iter().map(|n| ca.issue(n)).collect()
+    }
+
+    /// The node name of this identity's certificate.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Reads `<name>.crt`, `<name>.key` and `ca.crt` from `dir`, checking that the certificate
+    /// names `name` and was issued by the CA there.
+    pub fn load(dir: &Path, name: &str) -> Result<Self> {
+        validate_node_name(name)?;
+        let crt_path = dir.join(format!("{name}.crt"));
+        let key_path = dir.join(format!("{name}.key"));
+        let ca_path = dir.join("ca.crt");
+        let chain = parse_certs(read_string(&crt_path)?.as_bytes(), &crt_path)?;
+        let ca = parse_certs(read_string(&ca_path)?.as_bytes(), &ca_path)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| cert_err(&ca_path, "no certificate in file"))?;
+        let key = match rustls_pemfile::private_key(&mut read_string(&key_path)?.as_bytes()) {
+            Ok(Some(PrivateKeyDer::Pkcs8(k))) => k.clone_key(),
+            Ok(Some(_)) => return Err(cert_err(&key_path, "key is not PKCS#8")),
+            Ok(None) => return Err(cert_err(&key_path, "no private key in file")),
+            Err(e) => return Err(cert_err(&key_path, e)),
+        };
+        let Some(leaf) = chain.first() else {
+            return Err(cert_err(&crt_path, "no certificate in file"));
+        };
+        if cert_name(leaf).as_deref() != Some(name) {
+            return Err(cert_err(&crt_path, format!("certificate does not name `{name}`")));
+        }
+        let id = Self { name: name.to_string(), chain, key: Arc::new(key), ca };
+        // Verify the chain against the CA now, so a wrong file fails at startup, not at the
+        // first handshake.
+        id.client_verifier_check().map_err(|e| cert_err(&crt_path, e))?;
+        Ok(id)
+    }
+
+    /// Writes `<name>.crt` (chain) and `<name>.key` into `dir`; `ca.crt` too if missing.
+    pub fn write_dir(&self, dir: &Path) -> Result<()> {
+        create_dir(dir)?;
+        let chain_pem: String = self.chain.iter().map(|c| pem_cert(c)).collect();
+        write_file(&dir.join(format!("{}.crt", self.name)), chain_pem.as_bytes(), false)?;
+        let key_pem = pem_block("PRIVATE KEY", self.key.secret_pkcs8_der());
+        write_file(&dir.join(format!("{}.key", self.name)), key_pem.as_bytes(), true)?;
+        let ca_path = dir.join("ca.crt");
+        if !ca_path.exists() {
+            write_file(&ca_path, pem_cert(&self.ca).as_bytes(), false)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes that are secret and stable for this identity (a digest of the private key): the
+    /// QUIC stateless-reset key is derived from them, so a node restarted with the same identity
+    /// can reset the connections of its previous life and peers notice at once.
+    pub(crate) fn secret_digest(&self) -> [u8; 32] {
+        let d = ring::digest::digest(&ring::digest::SHA256, self.key.secret_pkcs8_der());
+        let mut out = [0u8; 32];
+        out.copy_from_slice(d.as_ref());
+        out
+    }
+
+    fn roots(&self) -> Result<Arc<RootCertStore>> {
+        let mut roots = RootCertStore::empty();
+        roots.add(self.ca.clone()).map_err(tls_err)?;
+        Ok(Arc::new(roots))
+    }
+
+    fn client_verifier_check(&self) -> Result<()> {
+        let verifier = ClusterServerVerifier::new(self.roots()?)?;
+        verifier
+            .verify_server_cert(&self.chain[0], &self.chain[1..], &placeholder_name(), &[], now())
+            .map(|_| ())
+            .map_err(tls_err)
+    }
+
+    /// TLS 1.3 server config: presents this identity, requires a client certificate from the
+    /// cluster CA, offers ALPN [`ALPN`].
+    pub fn server_config(&self) -> Result<rustls::ServerConfig> {
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(self.roots()?, provider()).build().map_err(tls_err)?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(self.chain.clone(), PrivateKeyDer::Pkcs8(self.key.clone_key()))
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(cfg)
+    }
+
+    /// TLS 1.3 client config: presents this identity, accepts a server whose chain leads to the
+    /// cluster CA (any node name; see the module docs), offers ALPN [`ALPN`].
+    pub fn client_config(&self) -> Result<rustls::ClientConfig> {
+        let verifier = Arc::new(ClusterServerVerifier::new(self.roots()?)?);
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_client_auth_cert(self.chain.clone(), PrivateKeyDer::Pkcs8(self.key.clone_key()))
+            .map_err(tls_err)?;
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(cfg)
+    }
+}
+
+impl NodeIdentity {
+    /// A client config that trusts the cluster CA like [`NodeIdentity::client_config`] but
+    /// presents no certificate: only for tests that check servers refuse such a client.
+    #[doc(hidden)]
+    pub fn anonymous_client_config(&self) -> Result<rustls::ClientConfig> {
+        let verifier = Arc::new(ClusterServerVerifier::new(self.roots()?)?);
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(cfg)
+    }
+}
+
+/// The name a client passes to the handshake (SNI). Servers ignore it; the verifier checks the
+/// chain with the name the certificate itself carries.
+pub(crate) fn placeholder_name() -> ServerName<'static> {
+    ServerName::try_from("cleave-node").expect("static DNS name")
+}
+
+fn now() -> UnixTime {
+    UnixTime::now()
+}
+
+/// The node name (first DNS subject alternative name) of a DER certificate.
+pub fn cert_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let ee = webpki::EndEntityCert::try_from(cert).ok()?;
+    let name = ee.valid_dns_names().next().map(str::to_string);
+    name
+}
+
+/// Verifies a server's chain against the cluster CA with rustls' own WebPKI verifier, using as
+/// the expected name the one the certificate carries: chain, validity, key usage and signature
+/// checks are the standard ones; only "which member" is left to the caller.
+#[derive(Debug)]
+struct ClusterServerVerifier {
+    inner: Arc<WebPkiServerVerifier>,
+}
+
+impl ClusterServerVerifier {
+    fn new(roots: Arc<RootCertStore>) -> Result<Self> {
+        let inner = WebPkiServerVerifier::builder_with_provider(roots, provider()).build().map_err(tls_err)?;
+        Ok(Self { inner })
+    }
+}
+
+impl ServerCertVerifier for ClusterServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        let name =
+            cert_name(end_entity).ok_or(rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
+        let name = ServerName::try_from(name)
+            .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
+        self.inner.verify_server_cert(end_entity, intermediates, &name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+fn parse_certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>> {
+    let mut rd = pem;
+    rustls_pemfile::certs(&mut rd).collect::<std::result::Result<Vec<_>, _>>().map_err(|e| cert_err(path, e))
+}
+
+fn pem_block(label: &str, der: &[u8]) -> String {
+    pem_encode(label, der)
+}
+
+fn pem_cert(c: &CertificateDer<'_>) -> String {
+    pem_encode("CERTIFICATE", c.as_ref())
+}
+
+/// PEM armour (RFC 7468): base64 in lines of 64.
+fn pem_encode(label: &str, der: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut b64 = String::with_capacity(der.len() * 4 / 3 + 4);
+    for chunk in der.chunks(3) {
+        let n = chunk.len();
+        let v = (chunk[0] as u32) << 16
+            | (chunk.get(1).copied().unwrap_or(0) as u32) << 8
+            | chunk.get(2).copied().unwrap_or(0) as u32;
+        for i in 0..4 {
+            if i <= n {
+                b64.push(ALPHABET[(v >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                b64.push('=');
+            }
+        }
+    }
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(std::str::from_utf8(line).expect("base64 is ascii"));
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
+fn read_string(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| cert_err(path, e))
+}
+
+fn create_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| cert_err(dir, e))
+}
+
+/// Writes a file; a key file is created with mode 0600 on Unix.
+fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<()> {
+    use std::io::Write;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    #[cfg(not(unix))]
+    let _ = secret;
+    let mut f = opts.open(path).map_err(|e| cert_err(path, e))?;
+    f.write_all(bytes).map_err(|e| cert_err(path, e))
+}
+
+/// Where `cleave certs` writes: the files of a CA and its nodes in one directory.
+#[derive(Debug, Clone)]
+pub struct CertFiles {
+    pub dir: PathBuf,
+}
+
+impl CertFiles {
+    /// Creates the CA in `dir` if it has none (else reuses it), then issues a certificate for
+    /// each name, replacing an existing one. Returns the paths written.
+    pub fn generate(&self, names: &[String]) -> Result<Vec<PathBuf>> {
+        let mut written = Vec::new();
+        let ca = if self.dir.join("ca.key").exists() {
+            ClusterCa::load_dir(&self.dir)?
+        } else {
+            let ca = ClusterCa::generate()?;
+            ca.write_dir(&self.dir)?;
+            written.push(self.dir.join("ca.crt"));
+            written.push(self.dir.join("ca.key"));
+            ca
+        };
+        for name in names {
+            ca.issue(name)?.write_dir(&self.dir)?;
+            written.push(self.dir.join(format!("{name}.crt")));
+            written.push(self.dir.join(format!("{name}.key")));
+        }
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pem_round_trips_through_rustls_pemfile() {
+        for len in 0..10 {
+            let der: Vec<u8> = (0..len as u8).map(|b| b.wrapping_mul(37)).collect();
+            let pem = pem_encode("CERTIFICATE", &der);
+            let got = rustls_pemfile::certs(&mut pem.as_bytes()).next();
+            if len == 0 {
+                // An empty block parses as an empty certificate or nothing; either is fine.
+                continue;
+            }
+            assert_eq!(got.unwrap().unwrap().as_ref(), &der[..], "len {len}");
+        }
+    }
+
+    #[test]
+    fn node_names_are_dns_names() {
+        for ok in ["prefill-0", "decode.a", "n1"] {
+            validate_node_name(ok).unwrap();
+        }
+        for bad in ["", "-a", "a..b", "a b", "10.0.0.1", "é"] {
+            assert!(validate_node_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn issued_identity_names_itself_and_builds_configs() {
+        let ids = NodeIdentity::generate_test_cluster(&["a", "b"]).unwrap();
+        assert_eq!(ids[0].name(), "a");
+        assert_eq!(cert_name(&ids[1].chain[0]).as_deref(), Some("b"));
+        ids[0].server_config().unwrap();
+        ids[0].client_config().unwrap();
+        ids[0].client_verifier_check().unwrap();
+    }
+
+    #[test]
+    fn files_round_trip_and_ca_is_reused() {
+        let dir = std::env::temp_dir().join(format!("cleave-certs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let files = CertFiles { dir: dir.clone() };
+        files.generate(&["p0".into()]).unwrap();
+        let ca_before = std::fs::read(dir.join("ca.crt")).unwrap();
+        // A second run issues a new node with the existing CA.
+        files.generate(&["d0".into()]).unwrap();
+        assert_eq!(std::fs::read(dir.join("ca.crt")).unwrap(), ca_before);
+        let p0 = NodeIdentity::load(&dir, "p0").unwrap();
+        let d0 = NodeIdentity::load(&dir, "d0").unwrap();
+        assert_eq!(p0.ca, d0.ca);
+        assert!(NodeIdentity::load(&dir, "nobody").is_err());
+        // A certificate of another CA does not load against this directory's CA.
+        let other = NodeIdentity::generate_test_cluster(&["x"]).unwrap().remove(0);
+        let odir = dir.join("other");
+        other.write_dir(&odir).unwrap();
+        std::fs::copy(dir.join("ca.crt"), odir.join("ca.crt")).unwrap();
+        assert!(NodeIdentity::load(&odir, "x").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

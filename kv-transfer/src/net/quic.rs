@@ -1,0 +1,405 @@
+//! QUIC streams (quinn): one endpoint per [`Connector`](super::Connector) and per
+//! [`Listener`](super::Listener), one cached connection per peer address, one bidirectional
+//! stream per [`DuplexStream`].
+//!
+//! Invariants:
+//! - at most one connection attempt per peer address is in flight: concurrent `open`s to an
+//!   address wait on the slot's async lock for the one attempt (itself bounded by the connect
+//!   timeout) and then share its connection;
+//! - a cached connection with a close reason (closed, reset, timed out) is never handed out: the
+//!   next `open` replaces it;
+//! - every endpoint's stateless-reset key is derived from the node identity (see `net` docs).
+//!
+//! Throughput: a naive endpoint (1200-byte datagrams, 1.25 MB stream window) is CPU-bound at
+//! ~10% of raw loopback TCP: every datagram is one trip through quinn's state machine, one AEAD
+//! call and one syscall. [`QuicTuning::default`] raises the datagram size (MTU discovery up to
+//! 64 KiB, so a loopback or jumbo-frame path is used at its real MTU), the flow-control windows
+//! (so a 2048-token KV of 256 MiB never stalls on credit) and the socket buffers (so bursts are
+//! not dropped); see BENCHMARKS.md "KV transfer" for the measured effect of each.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Endpoint, EndpointConfig, TransportConfig, VarInt};
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+
+use super::{io_err, DuplexStream, NetConfig, PeerInfo};
+use crate::tls::{self, NodeIdentity};
+use crate::{KvTransferError, Result};
+
+/// Congestion controller of a QUIC connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Congestion {
+    Cubic,
+    NewReno,
+    Bbr,
+}
+
+/// QUIC transport parameters. The defaults are the ones measured best on loopback; every field
+/// is a knob `cleave bench transfer` varies.
+#[derive(Debug, Clone)]
+pub struct QuicTuning {
+    /// Per-stream receive window (bytes the peer may send ahead on one stream).
+    pub stream_receive_window: u32,
+    /// Per-connection receive window.
+    pub receive_window: u32,
+    /// Per-connection send buffer.
+    pub send_window: u64,
+    /// Datagram size before MTU discovery (at least 1200).
+    pub initial_mtu: u16,
+    /// Upper bound of MTU discovery and the largest datagram accepted (at most 65527); None
+    /// turns MTU discovery off.
+    pub mtu_discovery_upper_bound: Option<u16>,
+    /// UDP generic segmentation offload (several datagrams per syscall).
+    pub gso: bool,
+    /// SO_SNDBUF and SO_RCVBUF of the UDP socket (the kernel caps them at `net.core.*mem_max`).
+    pub socket_buffer: usize,
+    pub congestion: Congestion,
+    /// Initial congestion window in bytes (None: the controller's default, 10 datagrams).
+    pub initial_window: Option<u64>,
+    /// A connection with no packet for this long is closed.
+    pub idle_timeout: Duration,
+    /// Ping interval that keeps a cached connection open while idle.
+    pub keep_alive: Option<Duration>,
+    /// Most bidirectional streams a peer may have open on one connection.
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for QuicTuning {
+    fn default() -> Self {
+        Self {
+            stream_receive_window: 16 << 20,
+            receive_window: 64 << 20,
+            send_window: 64 << 20,
+            initial_mtu: 1200,
+            mtu_discovery_upper_bound: Some(65_527),
+            gso: true,
+            socket_buffer: 8 << 20,
+            congestion: Congestion::Cubic,
+            initial_window: None,
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Some(Duration::from_secs(10)),
+            max_concurrent_streams: 1024,
+        }
+    }
+}
+
+impl QuicTuning {
+    /// quinn's own defaults: the "naive" baseline of the benchmark.
+    pub fn naive() -> Self {
+        Self {
+            stream_receive_window: 1_250_000,
+            receive_window: u32::MAX,
+            send_window: 10_000_000,
+            initial_mtu: 1200,
+            mtu_discovery_upper_bound: Some(1452),
+            gso: true,
+            socket_buffer: 0,
+            congestion: Congestion::Cubic,
+            initial_window: None,
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: None,
+            max_concurrent_streams: 100,
+        }
+    }
+
+    fn transport(&self) -> Result<Arc<TransportConfig>> {
+        let mut t = TransportConfig::default();
+        t.stream_receive_window(VarInt::from_u32(self.stream_receive_window))
+            .receive_window(VarInt::from_u32(self.receive_window))
+            .send_window(self.send_window)
+            .initial_mtu(self.initial_mtu)
+            .enable_segmentation_offload(self.gso)
+            .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            .keep_alive_interval(self.keep_alive);
+        let idle = quinn::IdleTimeout::try_from(self.idle_timeout)
+            .map_err(|e| KvTransferError::Tls(format!("quic idle timeout: {e}")))?;
+        t.max_idle_timeout(Some(idle));
+        match self.mtu_discovery_upper_bound {
+            Some(ub) => {
+                let mut m = quinn::MtuDiscoveryConfig::default();
+                m.upper_bound(ub.max(self.initial_mtu));
+                t.mtu_discovery_config(Some(m));
+            }
+            None => {
+                t.mtu_discovery_config(None);
+            }
+        }
+        match self.congestion {
+            Congestion::Cubic => {
+                let mut c = quinn::congestion::CubicConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                t.congestion_controller_factory(Arc::new(c));
+            }
+            Congestion::NewReno => {
+                let mut c = quinn::congestion::NewRenoConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                t.congestion_controller_factory(Arc::new(c));
+            }
+            Congestion::Bbr => {
+                let mut c = quinn::congestion::BbrConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                t.congestion_controller_factory(Arc::new(c));
+            }
+        }
+        Ok(Arc::new(t))
+    }
+
+    fn endpoint_config(&self, identity: &NodeIdentity) -> Result<EndpointConfig> {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &identity.secret_digest());
+        let mut cfg = EndpointConfig::new(Arc::new(key));
+        let max = self.mtu_discovery_upper_bound.unwrap_or(self.initial_mtu).max(self.initial_mtu);
+        cfg.max_udp_payload_size(max.clamp(1200, 65_527))
+            .map_err(|e| KvTransferError::Tls(format!("quic max udp payload: {e}")))?;
+        Ok(cfg)
+    }
+
+    fn socket(&self, addr: SocketAddr) -> Result<std::net::UdpSocket> {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let what = || format!("udp socket {addr}");
+        let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(io_err(what()))?;
+        if self.socket_buffer > 0 {
+            // Best effort: the kernel caps the size; a refusal only costs throughput.
+            let _ = sock.set_send_buffer_size(self.socket_buffer);
+            let _ = sock.set_recv_buffer_size(self.socket_buffer);
+        }
+        sock.bind(&addr.into()).map_err(io_err(what()))?;
+        Ok(sock.into())
+    }
+
+    fn endpoint(
+        &self,
+        identity: &NodeIdentity,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+    ) -> Result<Endpoint> {
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| KvTransferError::Tls("quic endpoint needs a tokio runtime".into()))?;
+        Endpoint::new(self.endpoint_config(identity)?, server, self.socket(addr)?, runtime)
+            .map_err(io_err(format!("quic endpoint {addr}")))
+    }
+}
+
+fn peer_name(conn: &quinn::Connection) -> Option<String> {
+    let any = conn.peer_identity()?;
+    let certs = any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok()?;
+    certs.first().and_then(tls::cert_name)
+}
+
+fn duplex(send: quinn::SendStream, recv: quinn::RecvStream) -> DuplexStream {
+    DuplexStream { send: Box::pin(send), recv: Box::pin(recv) }
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<quinn::Connection>>>;
+
+pub(super) struct QuicConnector {
+    /// One client endpoint per address family, created on first use.
+    endpoints: Mutex<[Option<Endpoint>; 2]>,
+    /// Connection cache. The std mutex guards only the map (never held across an await); each
+    /// slot's async mutex serializes connecting to that address.
+    conns: Mutex<HashMap<SocketAddr, Slot>>,
+    client: quinn::ClientConfig,
+    identity: NodeIdentity,
+    tuning: QuicTuning,
+    connect_timeout: Duration,
+}
+
+impl QuicConnector {
+    pub(super) fn new(cfg: &NetConfig, tuning: &QuicTuning) -> Result<Self> {
+        let identity = cfg.identity()?.clone();
+        let crypto = QuicClientConfig::try_from(identity.client_config()?)
+            .map_err(|e| KvTransferError::Tls(format!("quic client config: {e}")))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(tuning.transport()?);
+        Ok(Self {
+            endpoints: Mutex::new([None, None]),
+            conns: Mutex::new(HashMap::new()),
+            client,
+            identity,
+            tuning: tuning.clone(),
+            connect_timeout: cfg.connect_timeout,
+        })
+    }
+
+    fn endpoint_for(&self, addr: SocketAddr) -> Result<Endpoint> {
+        let (i, any): (usize, SocketAddr) = if addr.is_ipv4() {
+            (0, (std::net::Ipv4Addr::UNSPECIFIED, 0).into())
+        } else {
+            (1, (std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+        };
+        let mut eps = self.endpoints.lock().expect("endpoint lock poisoned");
+        if let Some(ep) = &eps[i] {
+            return Ok(ep.clone());
+        }
+        let ep = self.tuning.endpoint(&self.identity, any, None)?;
+        eps[i] = Some(ep.clone());
+        Ok(ep)
+    }
+
+    async fn connect(&self, addr: SocketAddr) -> Result<quinn::Connection> {
+        let ep = self.endpoint_for(addr)?;
+        let connecting = ep
+            .connect_with(self.client.clone(), addr, "cleave-node")
+            .map_err(|e| KvTransferError::Connect { addr, reason: e.to_string() })?;
+        let ms = self.connect_timeout.as_millis() as u64;
+        match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(KvTransferError::Connect { addr, reason: e.to_string() }),
+            Err(_) => Err(KvTransferError::Timeout { what: format!("quic connect to {addr}"), ms }),
+        }
+    }
+
+    /// The cached live connection to `addr`, or a new one.
+    async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection> {
+        let slot = {
+            let mut map = self.conns.lock().expect("connection cache lock poisoned");
+            map.entry(addr).or_default().clone()
+        };
+        let mut guard = slot.lock().await;
+        if let Some(c) = guard.as_ref() {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+            tracing::debug!(%addr, reason = ?c.close_reason(), "evicting closed quic connection");
+            *guard = None;
+        }
+        let conn = self.connect(addr).await?;
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    pub(super) async fn open(&self, addr: SocketAddr) -> Result<(DuplexStream, PeerInfo)> {
+        // Two tries: a connection that closes between the check and `open_bi` (peer restart
+        // noticed just now) is replaced once; a second failure is the peer's real state.
+        let mut last = None;
+        for _ in 0..2 {
+            let conn = self.connection(addr).await?;
+            let ms = self.connect_timeout.as_millis() as u64;
+            match tokio::time::timeout(self.connect_timeout, conn.open_bi()).await {
+                Ok(Ok((send, recv))) => {
+                    let peer = PeerInfo { addr, name: peer_name(&conn) };
+                    return Ok((duplex(send, recv), peer));
+                }
+                Ok(Err(e)) => last = Some(KvTransferError::ConnectionLost { addr, reason: e.to_string() }),
+                Err(_) => return Err(KvTransferError::Timeout { what: format!("quic stream credit from {addr}"), ms }),
+            }
+        }
+        Err(last.expect("loop ran"))
+    }
+
+    pub(super) fn close(&self) {
+        let map = std::mem::take(&mut *self.conns.lock().expect("connection cache lock poisoned"));
+        drop(map);
+        for ep in self.endpoints.lock().expect("endpoint lock poisoned").iter().flatten() {
+            ep.close(VarInt::from_u32(0), b"connector closed");
+        }
+    }
+}
+
+impl Drop for QuicConnector {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+type Accepted = Result<(DuplexStream, PeerInfo)>;
+
+pub(super) struct QuicListener {
+    endpoint: Endpoint,
+    local: SocketAddr,
+    rx: mpsc::Receiver<Accepted>,
+    task: JoinHandle<()>,
+}
+
+impl QuicListener {
+    pub(super) fn bind(cfg: &NetConfig, addr: SocketAddr, tuning: &QuicTuning) -> Result<Self> {
+        let identity = cfg.identity()?;
+        let crypto = QuicServerConfig::try_from(identity.server_config()?)
+            .map_err(|e| KvTransferError::Tls(format!("quic server config: {e}")))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server.transport_config(tuning.transport()?);
+        let endpoint = tuning.endpoint(identity, addr, Some(server))?;
+        let local = endpoint.local_addr().map_err(io_err("quic local address"))?;
+        let (tx, rx) = mpsc::channel(64);
+        let task = tokio::spawn(accept_loop(endpoint.clone(), tx, cfg.connect_timeout));
+        Ok(Self { endpoint, local, rx, task })
+    }
+
+    pub(super) fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    pub(super) async fn accept(&mut self) -> Option<Accepted> {
+        self.rx.recv().await
+    }
+
+    pub(super) async fn shutdown(self) {
+        self.endpoint.close(VarInt::from_u32(0), b"listener shut down");
+        self.task.abort();
+        // Bounded: peers that never acknowledge the close are given up on after 1 s.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.endpoint.wait_idle()).await;
+    }
+}
+
+impl Drop for QuicListener {
+    fn drop(&mut self) {
+        self.endpoint.close(VarInt::from_u32(0), b"listener dropped");
+        self.task.abort();
+    }
+}
+
+/// Accepts connections (each handshake bounded by `handshake_timeout`) and forwards every
+/// stream of every connection to `tx`. Aborting this task aborts the per-connection tasks.
+async fn accept_loop(endpoint: Endpoint, tx: mpsc::Sender<Accepted>, handshake_timeout: Duration) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            incoming = endpoint.accept() => {
+                let Some(incoming) = incoming else { break };
+                conns.spawn(serve_connection(incoming, tx.clone(), handshake_timeout));
+            }
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+async fn serve_connection(incoming: quinn::Incoming, tx: mpsc::Sender<Accepted>, handshake_timeout: Duration) {
+    let addr = incoming.remote_address();
+    let conn = match tokio::time::timeout(handshake_timeout, incoming).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            tracing::warn!(%addr, error = %e, "quic handshake refused");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%addr, "quic handshake timed out");
+            return;
+        }
+    };
+    let name = peer_name(&conn);
+    loop {
+        match conn.accept_bi().await {
+            Ok((send, recv)) => {
+                let peer = PeerInfo { addr, name: name.clone() };
+                if tx.send(Ok((duplex(send, recv), peer))).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(%addr, error = %e, "quic connection ended");
+                return;
+            }
+        }
+    }
+}
