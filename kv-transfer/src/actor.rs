@@ -229,7 +229,18 @@ impl<T> Drop for AbortOnDrop<T> {
 pub struct ReceiverService {
     handle: ReceiverHandle,
     _actor: AbortOnDrop<()>,
-    _accept: Option<AbortOnDrop<()>>,
+    _accept: Option<AcceptLoop>,
+}
+
+struct AcceptLoop {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for AcceptLoop {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl ReceiverService {
@@ -251,24 +262,42 @@ impl ReceiverService {
         let actor = AbortOnDrop(tokio::spawn(actor.run(rx)));
         let accept = listener.map(|mut l| {
             let h = handle.clone();
-            AbortOnDrop(tokio::spawn(async move {
-                while let Some(r) = l.accept().await {
-                    match r {
-                        Ok((s, peer)) => {
-                            if h.attach(s, Some(peer)).await.is_err() {
-                                break;
+            let (stop, mut stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = &mut stopped => break,
+                        r = l.accept() => match r {
+                            None => return,
+                            Some(Ok((s, peer))) => {
+                                if h.attach(s, Some(peer)).await.is_err() {
+                                    break;
+                                }
                             }
-                        }
-                        Err(e) => tracing::warn!(error = %e, "kv receiver: accept failed"),
+                            Some(Err(e)) => tracing::warn!(error = %e, "kv receiver: accept failed"),
+                        },
                     }
                 }
-            }))
+                l.shutdown().await;
+            });
+            AcceptLoop { stop, task }
         });
         Self { handle, _actor: actor, _accept: accept }
     }
 
     pub fn handle(&self) -> &ReceiverHandle {
         &self.handle
+    }
+
+    /// Stops like a restart: stops accepting, closes the listener so its address can be bound
+    /// again (waits at most `limit` for that), then stops the actor and every stream.
+    pub async fn shutdown(mut self, limit: Duration) {
+        if let Some(mut a) = self._accept.take() {
+            let (stop, _) = oneshot::channel();
+            let stop = std::mem::replace(&mut a.stop, stop);
+            let _ = stop.send(());
+            let _ = timeout(limit, &mut a.task).await;
+        }
     }
 }
 

@@ -72,3 +72,124 @@ pub fn prefill_chunks(layout: &KvLayout, num_tokens: u32, step: u32) -> Vec<Laye
     }
     out
 }
+
+// ---------------------------------------------------------------------------------------------
+// A receiver and a sender-side transport over a real (or in-process) transport.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
+use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_kv_transfer::{MemoryPool, NetTransport, ReceiverConfig, ReceiverService, Transport};
+use cleave_protocol::TransportKind;
+
+/// Upper bound of any single wait in these tests; far above what each step needs.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, f).await.unwrap_or_else(|_| panic!("{what} did not finish within {WAIT:?}"))
+}
+
+/// The transports every end-to-end and fault test runs over.
+pub const KINDS: [TransportKind; 4] =
+    [TransportKind::InProcess, TransportKind::TcpPlain, TransportKind::TcpTls, TransportKind::Quic];
+
+fn net_kind(kind: TransportKind) -> NetKind {
+    match kind {
+        TransportKind::Quic => NetKind::Quic,
+        TransportKind::TcpTls => NetKind::TcpTls,
+        TransportKind::TcpPlain => NetKind::TcpPlain,
+        other => panic!("{other:?} is not a network transport"),
+    }
+}
+
+/// One decode-side receiver (with its pool) and one prefill-side transport to it.
+pub struct Pair {
+    pub kind: TransportKind,
+    pub receiver: ReceiverService,
+    pub pool: MemoryPool,
+    pub transport: Arc<dyn Transport>,
+    pub addr: SocketAddr,
+    /// The receiver's identity and config, to restart it on the same address.
+    receiver_net: Option<NetConfig>,
+}
+
+pub struct PairOptions {
+    pub blocks: usize,
+    pub lease_ttl: Duration,
+}
+
+impl Default for PairOptions {
+    fn default() -> Self {
+        Self { blocks: 64, lease_ttl: Duration::from_secs(60) }
+    }
+}
+
+fn receiver_cfg(kind: TransportKind, addr: SocketAddr, opts: &PairOptions) -> ReceiverConfig {
+    let mut cfg = ReceiverConfig::new(layout(), addr, kind);
+    cfg.lease_ttl = opts.lease_ttl;
+    cfg.stream_idle_timeout = WAIT;
+    cfg.command_timeout = WAIT;
+    cfg
+}
+
+impl Pair {
+    pub async fn new(kind: TransportKind, opts: PairOptions) -> Pair {
+        let pool = MemoryPool::new(layout(), opts.blocks);
+        if kind == TransportKind::InProcess {
+            let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+            let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), pool.clone(), None);
+            let transport = Arc::new(receiver.handle().in_process());
+            return Pair { kind, receiver, pool, transport, addr, receiver_net: None };
+        }
+        let ids = NodeIdentity::generate_test_cluster(&["decode-0", "prefill-0"]).unwrap();
+        let nk = net_kind(kind);
+        let (rid, sid) =
+            if nk == NetKind::TcpPlain { (None, None) } else { (Some(ids[0].clone()), Some(ids[1].clone())) };
+        let mut rnet = NetConfig::new(nk, rid);
+        rnet.connect_timeout = Duration::from_secs(5);
+        let listener = Listener::bind(&rnet, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr();
+        let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), pool.clone(), Some(listener));
+        let mut snet = NetConfig::new(nk, sid);
+        snet.connect_timeout = Duration::from_secs(5);
+        let transport = Arc::new(NetTransport::new(&snet).unwrap());
+        Pair { kind, receiver, pool, transport, addr, receiver_net: Some(rnet) }
+    }
+
+    /// Stops the receiver and starts a fresh one (new pool, new lease ids) on the same address;
+    /// the sender keeps its transport (and whatever stale connection it cached).
+    pub async fn restart_receiver(&mut self, opts: PairOptions) {
+        let old = std::mem::replace(
+            &mut self.receiver,
+            ReceiverService::spawn(receiver_cfg(self.kind, self.addr, &opts), MemoryPool::new(layout(), 1), None),
+        );
+        old.shutdown(WAIT).await;
+        self.pool = MemoryPool::new(layout(), opts.blocks);
+        match &self.receiver_net {
+            None => {
+                self.receiver =
+                    ReceiverService::spawn(receiver_cfg(self.kind, self.addr, &opts), self.pool.clone(), None);
+                self.transport = Arc::new(self.receiver.handle().in_process());
+            }
+            Some(rnet) => {
+                let listener = bounded("rebind", Listener::bind(rnet, self.addr)).await.unwrap();
+                self.receiver = ReceiverService::spawn(
+                    receiver_cfg(self.kind, self.addr, &opts),
+                    self.pool.clone(),
+                    Some(listener),
+                );
+            }
+        }
+    }
+
+    /// Both sides hold nothing: no live lease, every block back in the pool.
+    pub async fn assert_nothing_leased(&self) {
+        let st = bounded("stats", self.receiver.handle().stats()).await.unwrap();
+        assert_eq!(st.reserved_blocks, 0, "{:?}: receiver still holds blocks: {st:?}", self.kind);
+        assert_eq!(st.live_leases, 0, "{:?}: {st:?}", self.kind);
+        assert_eq!(self.pool.free_blocks(), self.pool.total_blocks(), "{:?}: pool lost blocks", self.kind);
+    }
+}

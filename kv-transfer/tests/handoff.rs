@@ -1,0 +1,111 @@
+//! End-to-end handoffs over every transport: reserve, push layer chunks as a prefill would,
+//! finish, and check every byte landed in the leased blocks and nothing stays leased.
+
+mod common;
+
+use std::time::Duration;
+
+use cleave_kv_transfer::{KvSender, SendConfig};
+use cleave_protocol::{RequestId, TransportKind};
+use common::{bounded, kv_bytes, layout, prefill_chunks, Pair, PairOptions, KINDS};
+
+/// Pushes a whole request and checks the received blocks against the reference bytes.
+async fn transfer(pair: &Pair, request: u64, num_tokens: u32, step: u32, streams: usize) {
+    let l = layout();
+    let res = bounded("reserve", pair.receiver.handle().reserve(RequestId(request), num_tokens, None)).await.unwrap();
+    let ticket = res.ticket.clone();
+    assert_eq!(ticket.transport, pair.kind);
+    let cfg = SendConfig { streams, ..SendConfig::default() };
+    let sender = bounded("start", KvSender::start(pair.transport.as_ref(), &ticket, &l, &cfg)).await.unwrap();
+    for c in prefill_chunks(&l, num_tokens, step) {
+        bounded("send", sender.send(c)).await.unwrap();
+    }
+    let report = bounded("finish", sender.finish(1234)).await.unwrap();
+    let done = res.done.wait(common::WAIT).await.unwrap();
+    assert_eq!(done.first_token, 1234);
+    assert_eq!(done.blocks, ticket.block_ids);
+    assert_eq!(report.bytes, (num_tokens as usize * l.bytes_per_token()) as u64);
+    assert!(report.throughput_bytes_per_sec() > 0.0);
+    for layer in 0..l.num_layers {
+        let (k, v) = pair.pool.gather(&done.blocks, layer, 0, num_tokens);
+        assert_eq!(k, kv_bytes(&l, 0, layer, 0, num_tokens), "{:?} layer {layer} K", pair.kind);
+        assert_eq!(v, kv_bytes(&l, 1, layer, 0, num_tokens), "{:?} layer {layer} V", pair.kind);
+    }
+    // The decode request ends: its blocks go back.
+    pair.pool.free_request(&done.blocks);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_over_every_transport() {
+    for kind in KINDS {
+        let pair = Pair::new(kind, PairOptions::default()).await;
+        // One stream, several streams, a prompt that is not a multiple of the block size.
+        transfer(&pair, 1, 16, 4, 1).await;
+        transfer(&pair, 2, 37, 5, 3).await;
+        transfer(&pair, 3, 1, 1, 8).await;
+        pair.assert_nothing_leased().await;
+        let st = pair.receiver.handle().stats().await.unwrap();
+        assert_eq!(st.completed, 3, "{kind:?}");
+        assert_eq!(st.released, 0, "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_handoffs_share_connections() {
+    for kind in [TransportKind::Quic, TransportKind::TcpPlain] {
+        let pair = Pair::new(kind, PairOptions::default()).await;
+        let mut joins = Vec::new();
+        let pair = std::sync::Arc::new(pair);
+        for r in 0..4u64 {
+            let p = pair.clone();
+            joins.push(tokio::spawn(async move { transfer(&p, 10 + r, 12, 4, 2).await }));
+        }
+        for j in joins {
+            bounded("transfer", j).await.unwrap();
+        }
+        pair.assert_nothing_leased().await;
+    }
+}
+
+/// The compute thread enqueues with `blocking_send` (outside the runtime) while the transfer
+/// runs: transfer overlaps prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compute_thread_enqueues_with_blocking_send() {
+    let pair = Pair::new(TransportKind::TcpPlain, PairOptions::default()).await;
+    let l = layout();
+    let res = pair.receiver.handle().reserve(RequestId(5), 40, None).await.unwrap();
+    let cfg = SendConfig { streams: 2, queue_depth: 1, ..SendConfig::default() };
+    let sender = bounded("start", KvSender::start(pair.transport.as_ref(), &res.ticket, &l, &cfg)).await.unwrap();
+    let chunks = sender.chunks();
+    let lc = l.clone();
+    let compute = std::thread::spawn(move || {
+        for c in prefill_chunks(&lc, 40, 3) {
+            chunks.blocking_send(c).unwrap();
+        }
+    });
+    bounded("compute thread", tokio::task::spawn_blocking(move || compute.join().unwrap())).await.unwrap();
+    let report = bounded("finish", sender.finish(7)).await.unwrap();
+    assert_eq!(report.chunks, 14 * 3);
+    let done = res.done.wait(Duration::from_secs(20)).await.unwrap();
+    pair.pool.free_request(&done.blocks);
+    pair.assert_nothing_leased().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_that_do_not_fit_the_ticket_fail_at_the_caller() {
+    let pair = Pair::new(TransportKind::InProcess, PairOptions::default()).await;
+    let l = layout();
+    let res = pair.receiver.handle().reserve(RequestId(5), 8, None).await.unwrap();
+    let sender = KvSender::start(pair.transport.as_ref(), &res.ticket, &l, &SendConfig::default()).await.unwrap();
+    let mut bad = common::chunk(&l, 0, 6, 3);
+    assert!(sender.send(bad.clone()).await.is_err(), "past the token count");
+    bad = common::chunk(&l, 3, 0, 1);
+    assert!(sender.send(bad).await.is_err(), "past the layer count");
+    let mut short = common::chunk(&l, 0, 0, 2);
+    short.k = short.k.slice(..8);
+    assert!(sender.send(short).await.is_err(), "wrong byte length");
+    drop(sender);
+    let err = res.done.wait(common::WAIT).await.unwrap_err();
+    assert!(matches!(err, cleave_kv_transfer::KvTransferError::SenderGone { .. }), "{err}");
+    pair.assert_nothing_leased().await;
+}
