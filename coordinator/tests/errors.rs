@@ -1,0 +1,168 @@
+//! Every error status and its OpenAI shape; API key; x-request-id; 429 and 503; timeouts.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+async fn expect_error(resp: reqwest::Response, status: u16) -> Value {
+    assert_eq!(resp.status(), status);
+    let v: Value = resp.json().await.unwrap();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    e.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_400_in_openai_shape() {
+    let h = start(args(), Mode::Script(vec![22557])).await;
+    let raw =
+        h.client.post(h.url("/v1/completions")).header("content-type", "application/json").body("{not json").send();
+    let e = expect_error(raw.await.unwrap(), 400).await;
+    assert_eq!(e["type"], "invalid_request_error");
+
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x", "temperature": "hot"})).await, 400).await;
+    assert!(
+        e["message"].as_str().unwrap().contains("temperature") || e["message"].as_str().unwrap().contains("malformed")
+    );
+    let e = expect_error(h.post("/v1/completions", json!({"model": "gpt-4", "prompt": "x"})).await, 400).await;
+    assert_eq!((e["param"].as_str(), e["code"].as_str()), (Some("model"), Some("model_not_found")));
+    for (field, value) in [
+        ("temperature", json!(-1.0)),
+        ("top_p", json!(0.0)),
+        ("top_k", json!(-5)),
+        ("min_p", json!(1.5)),
+        ("presence_penalty", json!(3.0)),
+        ("frequency_penalty", json!(-3.0)),
+        ("repetition_penalty", json!(0.0)),
+        ("n", json!(0)),
+        ("n", json!(1000)),
+        ("max_tokens", json!(0)),
+        ("echo", json!(true)),
+    ] {
+        let mut body = json!({"prompt": "x"});
+        body[field] = value.clone();
+        let e = expect_error(h.post("/v1/completions", body).await, 400).await;
+        assert_eq!(e["param"], field, "{field}={value}: {e}");
+    }
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x", "logprobs": 21})).await, 400).await;
+    assert_eq!(e["param"], "top_logprobs");
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": [1, 99999]})).await, 400).await;
+    assert_eq!(e["param"], "prompt");
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": []})).await, 400).await;
+    assert_eq!(e["param"], "prompt");
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x", "max_tokens": 5000})).await, 400).await;
+    assert_eq!(e["code"], "context_length_exceeded");
+    let long: Vec<u32> = vec![22557; 2048];
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": long})).await, 400).await;
+    assert_eq!(e["code"], "context_length_exceeded", "a prompt that fills the context leaves no room");
+    let e = expect_error(h.post("/v1/chat/completions", json!({"messages": []})).await, 400).await;
+    assert_eq!(e["param"], "messages");
+    let e = expect_error(
+        h.post("/v1/chat/completions", json!({"messages": [{"role": "system", "content": "x"}]})).await,
+        400,
+    )
+    .await;
+    assert_eq!(e["param"], "messages", "the template's raise_exception is a 400");
+    let image = json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]});
+    expect_error(h.post("/v1/chat/completions", image).await, 400).await;
+    let e = expect_error(
+        h.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}))
+            .await,
+        400,
+    )
+    .await;
+    assert_eq!(e["param"], "top_logprobs");
+    expect_error(h.post("/v1/completions", json!({"max_tokens": 3})).await, 400).await;
+    let e = expect_error(h.client.get(h.url("/v1/nothing")).send().await.unwrap(), 404).await;
+    assert_eq!(e["type"], "invalid_request_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_on_api_routes_only() {
+    let args = cleave_coordinator::CoordinatorArgs { api_key: Some("sekrit".into()), ..args() };
+    let h = start(args, Mode::Script(vec![22557])).await;
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x"})).await, 401).await;
+    assert_eq!(e["type"], "authentication_error");
+    let wrong = h.client.post(h.url("/v1/completions")).bearer_auth("nope").json(&json!({"prompt": "x"})).send();
+    expect_error(wrong.await.unwrap(), 401).await;
+    let models = h.client.get(h.url("/v1/models")).send().await.unwrap();
+    expect_error(models, 401).await;
+    let right = h
+        .client
+        .post(h.url("/v1/completions"))
+        .bearer_auth("sekrit")
+        .json(&json!({"prompt": "x", "max_tokens": 1}))
+        .send();
+    assert_eq!(right.await.unwrap().status(), 200);
+    assert_eq!(h.client.get(h.url("/health")).send().await.unwrap().status(), 200);
+    assert_eq!(h.client.get(h.url("/metrics")).send().await.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x_request_id_is_echoed_on_success_and_error() {
+    let h = start(args(), Mode::Script(vec![22557])).await;
+    for body in [json!({"prompt": "x", "max_tokens": 1}), json!({"prompt": "x", "top_p": 7})] {
+        let resp =
+            h.client.post(h.url("/v1/completions")).header("x-request-id", "abc-123").json(&body).send().await.unwrap();
+        assert_eq!(resp.headers()["x-request-id"], "abc-123");
+    }
+    let resp = h.client.get(h.url("/health")).send().await.unwrap();
+    assert!(resp.headers().get("x-request-id").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_is_429_with_retry_after() {
+    let args = cleave_coordinator::CoordinatorArgs { max_queued_requests: 1, retry_after_secs: 3, ..args() };
+    let h = start_parked(args).await;
+    // The first request fills the queue (nobody drains it) and waits for its first token;
+    // the second finds it full.
+    let client = h.client.clone();
+    let url = h.url("/v1/completions");
+    let first =
+        tokio::spawn(async move { client.post(url).json(&json!({"prompt": "x", "max_tokens": 1})).send().await });
+    let parked = h.parked.as_ref().unwrap();
+    tokio::time::timeout(WAIT, async {
+        while parked.is_empty() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the first request is queued");
+    let resp = h.post("/v1/completions", json!({"prompt": "y", "max_tokens": 1})).await;
+    assert_eq!(resp.headers()["retry-after"], "3");
+    let e = expect_error(resp, 429).await;
+    assert_eq!(e["type"], "rate_limit_error");
+    first.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_node_is_503_and_a_failed_node_is_500() {
+    let h = start(args(), Mode::Refuse).await;
+    for stream in [false, true] {
+        let e = expect_error(h.post("/v1/completions", json!({"prompt": "x", "stream": stream})).await, 503).await;
+        assert!(e["message"].as_str().unwrap().contains("no decode node"), "{e}");
+    }
+    let h = start(args(), Mode::FailAfterOne(22557)).await;
+    expect_error(h.post("/v1/completions", json!({"prompt": "x"})).await, 500).await;
+    // Streaming: the first token was sent, so the failure is an SSE error event then [DONE].
+    let resp = h.post("/v1/completions", json!({"prompt": "x", "stream": true})).await;
+    assert_eq!(resp.status(), 200);
+    let data = sse_data(&resp.text().await.unwrap());
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("scripted failure"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_backend_times_out_and_is_cancelled() {
+    let args = cleave_coordinator::CoordinatorArgs { first_token_timeout_secs: 0.2, ..args() };
+    let mut h = start(args, Mode::Hang).await;
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x"})).await, 504).await;
+    assert_eq!(e["code"], "timeout");
+    let seen = h.next_seen().await;
+    let cancelled = tokio::time::timeout(WAIT, h.cancelled.recv()).await.unwrap().unwrap();
+    assert_eq!(cancelled, seen.id);
+}
