@@ -86,4 +86,7 @@ pub enum KvTransferError {
     RdmaCompletion { wr_id: u64, tag: u16, status: String, vendor_err: u32 },
     #[error("rdma: completion tracking: {reason}")]
     RdmaTracker { reason: String },
+    // --- net and bench ---
+    #[error("benchmark: {0}")]
+    Bench(String),
 }

@@ -72,6 +72,7 @@
 //! minus adopted blocks).
 
 pub mod actor;
+pub mod bench;
 pub mod error;
 pub mod frame;
 #[allow(clippy::all)]
