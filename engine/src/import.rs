@@ -47,6 +47,15 @@ pub struct ImportStart {
     pub cached_tokens: u32,
 }
 
+/// One chunk's rows as [`crate::EngineCore::import_kv`] takes them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvRows<'a> {
+    pub layer: u32,
+    pub token_start: u32,
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+}
+
 /// One reservation.
 #[derive(Debug)]
 struct Import {
@@ -118,11 +127,9 @@ impl Imports {
         backend: &B,
         kv: &mut KvStorage<B>,
         id: RequestId,
-        layer: u32,
-        token_start: u32,
-        k: &[u8],
-        v: &[u8],
+        rows: KvRows<'_>,
     ) -> Result<()> {
+        let KvRows { layer, token_start, k, v } = rows;
         let imp = self.map.get_mut(&id.0).ok_or(EngineError::UnknownImport { id })?;
         let bad = |detail: String| EngineError::ImportChunk { id, layer, token_start, detail };
         let (l, start) = (layer as usize, token_start as usize);
@@ -130,7 +137,7 @@ impl Imports {
             return Err(bad(format!("the model has {} layers", imp.have.len())));
         }
         let row = kv.kv_width() * 4;
-        if k.len() != v.len() || k.is_empty() || k.len() % row != 0 {
+        if k.len() != v.len() || k.is_empty() || !k.len().is_multiple_of(row) {
             return Err(bad(format!(
                 "k has {} bytes and v {}: need equal, non-zero multiples of {row} bytes (one token)",
                 k.len(),

@@ -437,7 +437,8 @@ fn bad_imports_are_errors_that_keep_the_reservation() {
     assert_eq!(blocks.len(), 3);
     let one = chunk_bytes(&b, 1);
     let two = chunk_bytes(&b, 2);
-    let cases: Vec<(RequestId, u32, u32, Vec<u8>, Vec<u8>, &str)> = vec![
+    type Case = (RequestId, u32, u32, Vec<u8>, Vec<u8>, &'static str);
+    let cases: Vec<Case> = vec![
         (RequestId(8), 0, 0, one.clone(), one.clone(), "no KV import"),
         (id, 2, 0, one.clone(), one.clone(), "2 layers"),
         (id, 0, 0, one.clone(), two.clone(), "equal"),

@@ -187,7 +187,7 @@ impl<B: Backend> KvStorage<B> {
     ) -> Result<()> {
         self.check_layer(layer)?;
         let row_bytes = self.kv_width * 4;
-        if k.len() != v.len() || k.len() % row_bytes != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(row_bytes) {
             return Err(KernelError::Shape {
                 op: "import_rows",
                 detail: format!(

@@ -11,7 +11,7 @@ use cleave_protocol::{FinishReason, KvDtype, KvLayout, RequestId, TokenEvent};
 
 use super::{EngineCore, EngineRequest, Parked};
 use crate::export::{ExportItem, ExportState, KvChunk, KvExport, KvExportEvent};
-use crate::import::ImportStart;
+use crate::import::{ImportStart, KvRows};
 use crate::sched::{Batch, SchedError};
 use crate::{EngineError, Result};
 
@@ -91,7 +91,7 @@ impl<B: Backend> EngineCore<B> {
     /// nothing and keeping the reservation, on an unknown id, a layer out of range, unequal or
     /// partial-token lengths, or positions past the reservation.
     pub fn import_kv(&mut self, id: RequestId, layer: u32, token_start: u32, k: &[u8], v: &[u8]) -> Result<()> {
-        self.imports.write(&self.backend, &mut self.kv, id, layer, token_start, k, v)
+        self.imports.write(&self.backend, &mut self.kv, id, KvRows { layer, token_start, k, v })
     }
 
     /// Gives `id`'s reserved blocks back (lease expired, transfer failed).
