@@ -36,7 +36,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use crate::tls::NodeIdentity;
 use crate::{KvTransferError, Result};
 
-pub use quic::QuicTuning;
+pub use quic::{Congestion, QuicTuning};
 
 pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
 pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;

@@ -2,6 +2,8 @@
 //! dispatch to each subcommand's module.
 
 mod bench_engine;
+mod bench_transfer;
+mod certs;
 mod generate;
 mod make_model;
 
@@ -27,12 +29,16 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Generate a cluster CA and node certificates (mutual TLS between nodes) into a directory.
+    Certs(certs::CertsArgs),
 }
 
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
     /// Prefill and decode throughput of the engine, printed beside this machine's limits.
     Engine(bench_engine::BenchEngineArgs),
+    /// KV-cache transfer throughput over QUIC, TCP+TLS and plain TCP, beside raw TCP and memcpy.
+    Transfer(bench_transfer::BenchTransferArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -40,6 +46,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::MakeModel(args) => make_model::run(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
+        Command::Certs(args) => certs::run(args),
     }
 }
 

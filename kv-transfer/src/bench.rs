@@ -1,0 +1,323 @@
+//! `cleave bench transfer`: moves the KV cache of real model shapes over every transport on
+//! loopback and prints the throughput beside the limits measured in the same run (STYLE 12):
+//! - **memcpy**: one thread copying the request's bytes between two warm buffers;
+//! - **raw TCP**: one plain tokio `TcpStream`, set up once, the whole request in one
+//!   `write_all`, read into a warm buffer, a 1-byte ack back (the ceiling of any TCP transport).
+//!
+//! Stream rows go through [`Connector`]/[`Listener`] exactly as a handoff does: per request, open
+//! `streams` streams, spread the layers over them (layer `l` on stream `l % streams`), write each
+//! layer as one `write_all`, shut down; the receiver reads each stream into a warm buffer to EOF
+//! and answers a 1-byte ack. Time runs from the first `open` to the last ack, so connection
+//! reuse (QUIC) and per-request connects (TCP) are both inside the number.
+//!
+//! A row's time is the median of `repeats` requests after one warm-up request. Throughput is
+//! payload bytes over that time.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use crate::net::{Connector, Listener, NetConfig, NetKind, QuicTuning};
+use crate::tls::NodeIdentity;
+use crate::{KvTransferError, Result};
+
+/// Model shape and what to measure.
+#[derive(Debug, Clone)]
+pub struct TransferBenchConfig {
+    /// Prompt lengths in tokens.
+    pub prompts: Vec<usize>,
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Bytes per element (bf16: 2).
+    pub dtype_bytes: usize,
+    /// Timed requests per row (after one warm-up).
+    pub repeats: usize,
+    /// Stream counts to run each transport with (one row each).
+    pub streams: Vec<usize>,
+    pub kinds: Vec<NetKind>,
+    /// QUIC tunings to run, each with a label (one row per tuning and stream count).
+    pub quic_tunings: Vec<(String, QuicTuning)>,
+    /// Runtime worker threads (default: available cores).
+    pub threads: Option<usize>,
+}
+
+impl Default for TransferBenchConfig {
+    /// Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16 (128 KiB of K+V per token).
+    fn default() -> Self {
+        Self {
+            prompts: vec![512, 2048, 8192],
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype_bytes: 2,
+            repeats: 5,
+            streams: vec![1, 4],
+            kinds: NetKind::ALL.to_vec(),
+            quic_tunings: vec![("tuned".into(), QuicTuning::default())],
+            threads: None,
+        }
+    }
+}
+
+impl TransferBenchConfig {
+    /// Bytes of K and V for one token across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+    }
+}
+
+/// One measured row.
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    pub label: String,
+    pub tokens: usize,
+    pub bytes: u64,
+    /// Median seconds per request.
+    pub median_s: f64,
+    /// Fastest request.
+    pub best_s: f64,
+}
+
+impl Measurement {
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.median_s / 1e9
+    }
+
+    fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
+        times.sort_by(f64::total_cmp);
+        let median_s = times[times.len() / 2];
+        Self { label, tokens, bytes, median_s, best_s: times[0] }
+    }
+}
+
+/// Runs every row, calling `progress` as each finishes. Builds its own tokio runtime.
+pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) -> Result<Vec<Measurement>> {
+    if cfg.repeats == 0 || cfg.prompts.is_empty() || cfg.layers == 0 || cfg.streams.contains(&0) {
+        return Err(KvTransferError::Bench("repeats, prompts, layers and stream counts must be > 0".into()));
+    }
+    let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .map_err(crate::net::io_err("tokio runtime"))?;
+    rt.block_on(async {
+        let ids = NodeIdentity::generate_test_cluster(&["bench-receiver", "bench-sender"])?;
+        let mut rows = Vec::new();
+        for &tokens in &cfg.prompts {
+            let bytes = tokens * cfg.bytes_per_token();
+            let payload = payload(bytes);
+            let mut push = |m: Measurement| {
+                progress(&m);
+                rows.push(m);
+            };
+            push(memcpy(tokens, &payload, cfg.repeats));
+            push(raw_tcp(tokens, &payload, cfg.repeats).await?);
+            for &kind in &cfg.kinds {
+                let tunings: Vec<(String, QuicTuning)> = match kind {
+                    NetKind::Quic => cfg.quic_tunings.clone(),
+                    _ => vec![(String::new(), QuicTuning::default())],
+                };
+                for (tname, tuning) in &tunings {
+                    for &streams in &cfg.streams {
+                        let mut label = format!("{} x{streams}", kind.name());
+                        if !tname.is_empty() {
+                            label.push_str(&format!(" ({tname})"));
+                        }
+                        let run = StreamRun { kind, tuning, streams, layers: cfg.layers, repeats: cfg.repeats };
+                        push(run.measure(label, tokens, &payload, &ids).await?);
+                    }
+                }
+            }
+        }
+        Ok(rows)
+    })
+}
+
+/// Deterministic, non-zero payload (so no page is shared or compressible by accident).
+fn payload(len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    for chunk in v.chunks_mut(8) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let b = s.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+    Bytes::from(v)
+}
+
+fn memcpy(tokens: usize, src: &[u8], repeats: usize) -> Measurement {
+    let mut dst = vec![1u8; src.len()];
+    let mut times = Vec::new();
+    for i in 0..=repeats {
+        let t = Instant::now();
+        dst.copy_from_slice(src);
+        std::hint::black_box(&mut dst);
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Measurement::from_times("memcpy (limit)".into(), tokens, src.len() as u64, times)
+}
+
+async fn raw_tcp(tokens: usize, payload: &Bytes, repeats: usize) -> Result<Measurement> {
+    let io = |what: &'static str| crate::net::io_err(format!("raw tcp {what}"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(io("bind"))?;
+    let addr = listener.local_addr().map_err(io("addr"))?;
+    let len = payload.len();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![1u8; len];
+        for _ in 0..=repeats {
+            s.read_exact(&mut buf).await?;
+            s.write_all(&[1]).await?;
+        }
+        std::io::Result::Ok(())
+    });
+    let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io("connect"))?;
+    s.set_nodelay(true).map_err(io("nodelay"))?;
+    let mut times = Vec::new();
+    let mut ack = [0u8; 1];
+    for i in 0..=repeats {
+        let t = Instant::now();
+        s.write_all(payload).await.map_err(io("write"))?;
+        s.read_exact(&mut ack).await.map_err(io("ack"))?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    server.await.map_err(|e| KvTransferError::Bench(e.to_string()))?.map_err(io("server"))?;
+    Ok(Measurement::from_times("raw tcp (limit)".into(), tokens, len as u64, times))
+}
+
+struct StreamRun<'a> {
+    kind: NetKind,
+    tuning: &'a QuicTuning,
+    streams: usize,
+    layers: usize,
+    repeats: usize,
+}
+
+impl StreamRun<'_> {
+    async fn measure(
+        &self,
+        label: String,
+        tokens: usize,
+        payload: &Bytes,
+        ids: &[NodeIdentity],
+    ) -> Result<Measurement> {
+        let net = |id: &NodeIdentity| {
+            let identity = (self.kind != NetKind::TcpPlain).then(|| id.clone());
+            NetConfig { kind: self.kind, identity, connect_timeout: Duration::from_secs(10) }
+        };
+        let local: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
+        let listener = Listener::bind_with_tuning(&net(&ids[0]), local, self.tuning).await?;
+        let addr = listener.local_addr();
+        // One warm receive buffer per stream, handed out and back through a channel.
+        let per_stream = payload.len().div_ceil(self.streams) + payload.len() / self.layers;
+        let (buf_tx, buf_rx) = mpsc::channel(self.streams);
+        for _ in 0..self.streams {
+            buf_tx.send(vec![1u8; per_stream]).await.expect("capacity = streams");
+        }
+        let server = tokio::spawn(serve(listener, buf_tx, buf_rx));
+        let connector = Arc::new(Connector::with_tuning(&net(&ids[1]), self.tuning)?);
+        let layer_len = payload.len() / self.layers;
+        let mut times = Vec::new();
+        for i in 0..=self.repeats {
+            let t = Instant::now();
+            let mut tasks = Vec::with_capacity(self.streams);
+            for s in 0..self.streams {
+                let layers: Vec<Bytes> = (s..self.layers)
+                    .step_by(self.streams)
+                    .map(|l| payload.slice(l * layer_len..(l + 1) * layer_len))
+                    .collect();
+                let connector = connector.clone();
+                tasks.push(tokio::spawn(async move { send_layers(&connector, addr, layers).await }));
+            }
+            for task in tasks {
+                task.await.map_err(|e| KvTransferError::Bench(e.to_string()))??;
+            }
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        server.abort();
+        connector.close();
+        Ok(Measurement::from_times(label, tokens, (layer_len * self.layers) as u64, times))
+    }
+}
+
+async fn send_layers(connector: &Connector, addr: SocketAddr, layers: Vec<Bytes>) -> Result<()> {
+    let mut s = connector.open(addr).await?;
+    let io = |what: &'static str| crate::net::io_err(format!("bench stream {what} to {addr}"));
+    for layer in &layers {
+        s.send.write_all(layer).await.map_err(io("write"))?;
+    }
+    s.send.shutdown().await.map_err(io("shutdown"))?;
+    let mut ack = [0u8; 1];
+    s.recv.read_exact(&mut ack).await.map_err(io("ack"))?;
+    Ok(())
+}
+
+/// Accepts streams; each reads to EOF into a pooled buffer and acks with one byte.
+async fn serve(mut listener: Listener, buf_tx: mpsc::Sender<Vec<u8>>, mut buf_rx: mpsc::Receiver<Vec<u8>>) {
+    while let Some(Ok((mut s, _))) = listener.accept().await {
+        let Some(mut buf) = buf_rx.recv().await else { return };
+        let buf_tx = buf_tx.clone();
+        tokio::spawn(async move {
+            let mut pos = 0;
+            loop {
+                if pos == buf.len() {
+                    break; // more than expected: stop reading, the sender sees no ack
+                }
+                match s.recv.read(&mut buf[pos..]).await {
+                    Ok(0) => break,
+                    Ok(n) => pos += n,
+                    Err(_) => break,
+                }
+            }
+            let _ = s.send.write_all(&[1]).await;
+            let _ = s.send.shutdown().await;
+            let _ = buf_tx.send(buf).await;
+        });
+    }
+}
+
+/// The result table: one block per prompt length, each row with GB/s and % of raw TCP.
+pub fn render(rows: &[Measurement]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:>7} {:>9}  {:<26} {:>9} {:>9} {:>8} {:>8}",
+        "tokens", "MiB", "path", "median ms", "best ms", "GB/s", "% raw"
+    );
+    let mut prompts: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
+    prompts.dedup();
+    for tokens in prompts {
+        let raw = rows.iter().find(|r| r.tokens == tokens && r.label.starts_with("raw tcp")).map(Measurement::gb_per_s);
+        for r in rows.iter().filter(|r| r.tokens == tokens) {
+            let pct = raw.map_or(String::from("-"), |raw| format!("{:.0}%", 100.0 * r.gb_per_s() / raw));
+            let _ = writeln!(
+                out,
+                "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>8.2} {:>8}",
+                r.tokens,
+                r.bytes as f64 / (1 << 20) as f64,
+                r.label,
+                r.median_s * 1e3,
+                r.best_s * 1e3,
+                r.gb_per_s(),
+                pct
+            );
+        }
+    }
+    out
+}

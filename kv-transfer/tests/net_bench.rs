@@ -1,0 +1,47 @@
+//! Tuning sweep of the QUIC transport (ignored by default; a measurement, not a check):
+//! `cargo test --release -p cleave-kv-transfer --test net_bench -- --ignored --nocapture`
+//! Prompt length from `CLEAVE_BENCH_TOKENS` (default 2048).
+
+use cleave_kv_transfer::bench::{self, TransferBenchConfig};
+use cleave_kv_transfer::net::{NetKind, QuicTuning};
+
+#[test]
+#[ignore]
+fn quic_tuning_sweep() {
+    let tokens = std::env::var("CLEAVE_BENCH_TOKENS").ok().and_then(|s| s.parse().ok()).unwrap_or(2048);
+    let base = QuicTuning::default();
+    let mut tunings = vec![("quinn defaults".to_string(), QuicTuning::naive()), ("tuned".to_string(), base.clone())];
+    let variants: Vec<(&str, QuicTuning)> = vec![
+        ("no gso", QuicTuning { gso: false, ..base.clone() }),
+        ("mtu 1452", QuicTuning { mtu_discovery_upper_bound: Some(1452), ..base.clone() }),
+        ("mtu 9000", QuicTuning { mtu_discovery_upper_bound: Some(9000), ..base.clone() }),
+        ("initial mtu 65000", QuicTuning { initial_mtu: 65000, mtu_discovery_upper_bound: None, ..base.clone() }),
+        ("bbr", QuicTuning { congestion: cleave_kv_transfer::net::Congestion::Bbr, ..base.clone() }),
+        ("init window 16M", QuicTuning { initial_window: Some(16 << 20), ..base.clone() }),
+        (
+            "default windows",
+            QuicTuning {
+                stream_receive_window: 1_250_000,
+                receive_window: u32::MAX,
+                send_window: 10_000_000,
+                ..base.clone()
+            },
+        ),
+    ];
+    let only = std::env::var("CLEAVE_BENCH_VARIANTS").ok();
+    for (name, t) in variants {
+        if only.as_deref().is_none_or(|o| o.split(',').any(|v| v == name)) {
+            tunings.push((name.to_string(), t));
+        }
+    }
+    let cfg = TransferBenchConfig {
+        prompts: vec![tokens],
+        repeats: 3,
+        streams: vec![1, 4],
+        kinds: vec![NetKind::Quic, NetKind::TcpPlain, NetKind::TcpTls],
+        quic_tunings: tunings,
+        ..Default::default()
+    };
+    let rows = bench::run(&cfg, |m| eprintln!("{}: {:.2} GB/s", m.label, m.gb_per_s())).unwrap();
+    println!("{}", bench::render(&rows));
+}
