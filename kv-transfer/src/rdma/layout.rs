@@ -110,7 +110,7 @@ impl PoolLayout {
                     "stride {stride} < {below} bytes below it: block halves overlap in {self:?}"
                 )));
             }
-            below = stride * (count - 1) + below;
+            below += stride * (count - 1);
         }
         Ok(())
     }

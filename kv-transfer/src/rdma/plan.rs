@@ -159,7 +159,7 @@ pub fn plan_chunk(
     }
     let count = writes.len();
     for (i, w) in writes.iter_mut().enumerate() {
-        w.signaled = (i as u64 + 1) % policy.every as u64 == 0 || i + 1 == count;
+        w.signaled = (i as u64 + 1).is_multiple_of(policy.every as u64) || i + 1 == count;
     }
     if let Some(last) = writes.last_mut() {
         last.imm = Some(imm);
