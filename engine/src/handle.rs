@@ -28,13 +28,24 @@ use crate::import::ImportStart;
 use crate::runner::{EngineCore, EngineRequest, EngineSnapshot};
 use crate::{EngineError, Result};
 
+/// A new request, of each kind the engine takes.
+enum Submission {
+    Plain(EngineRequest),
+    PrefillOnly(EngineRequest, KvExport),
+    Imported(EngineRequest, ImportStart),
+    Resumed(EngineRequest, Vec<u32>, Option<u64>),
+}
+
 enum Command {
-    Submit(EngineRequest, UnboundedSender<TokenEvent>),
-    SubmitPrefillOnly(EngineRequest, KvExport, UnboundedSender<TokenEvent>),
+    Submit(Submission, UnboundedSender<TokenEvent>),
+    Control(Control),
+}
+
+/// Commands that are not submissions.
+enum Control {
     ReserveImport { id: RequestId, num_tokens: usize, reply: oneshot::Sender<Result<Vec<u32>>> },
     ImportKv { id: RequestId, layer: u32, token_start: u32, k: Bytes, v: Bytes, reply: oneshot::Sender<Result<()>> },
     ReleaseImport { id: RequestId, reply: oneshot::Sender<Result<()>> },
-    SubmitImported(EngineRequest, ImportStart, UnboundedSender<TokenEvent>),
     Cancel(RequestId),
     Snapshot(oneshot::Sender<EngineSnapshot>),
     PrefixHashes(oneshot::Sender<Vec<u64>>),
@@ -108,7 +119,7 @@ impl Drop for TokenStream {
         if !self.finished {
             // Best effort: if the queue is full or the engine is gone, the loop notices the closed
             // event channel when it next sends to it and aborts the request then.
-            let _ = self.tx.try_send(Command::Cancel(self.id));
+            let _ = self.tx.try_send(Command::Control(Control::Cancel(self.id)));
         }
     }
 }
@@ -118,7 +129,7 @@ impl EngineHandle {
     pub fn submit(&self, req: EngineRequest) -> Result<TokenStream> {
         let (etx, erx) = unbounded_channel();
         let id = req.id;
-        self.send(Command::Submit(req, etx))?;
+        self.send(Command::Submit(Submission::Plain(req), etx))?;
         Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: false })
     }
 
@@ -133,7 +144,7 @@ impl EngineHandle {
     pub fn submit_prefill_only(&self, req: EngineRequest, export: KvExport) -> Result<TokenStream> {
         let (etx, erx) = unbounded_channel();
         let id = req.id;
-        self.send(Command::SubmitPrefillOnly(req, export, etx))?;
+        self.send(Command::Submit(Submission::PrefillOnly(req, export), etx))?;
         Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: true })
     }
 
@@ -141,7 +152,7 @@ impl EngineHandle {
     /// ([`EngineCore::reserve_import`]); the reply carries the block ids or why not.
     pub fn reserve_import(&self, id: RequestId, num_tokens: usize) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::ReserveImport { id, num_tokens, reply })?;
+        self.send(Command::Control(Control::ReserveImport { id, num_tokens, reply }))?;
         Ok(rx)
     }
 
@@ -156,14 +167,14 @@ impl EngineHandle {
         v: Bytes,
     ) -> Result<oneshot::Receiver<Result<()>>> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::ImportKv { id, layer, token_start, k, v, reply })?;
+        self.send(Command::Control(Control::ImportKv { id, layer, token_start, k, v, reply }))?;
         Ok(rx)
     }
 
     /// Gives `id`'s reserved blocks back ([`EngineCore::release_import`]).
     pub fn release_import(&self, id: RequestId) -> Result<oneshot::Receiver<Result<()>>> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::ReleaseImport { id, reply })?;
+        self.send(Command::Control(Control::ReleaseImport { id, reply }))?;
         Ok(rx)
     }
 
@@ -172,14 +183,28 @@ impl EngineHandle {
     pub fn submit_imported(&self, req: EngineRequest, start: ImportStart) -> Result<TokenStream> {
         let (etx, erx) = unbounded_channel();
         let id = req.id;
-        self.send(Command::SubmitImported(req, start, etx))?;
+        self.send(Command::Submit(Submission::Imported(req, start), etx))?;
+        Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: false })
+    }
+
+    /// Submits a request that already generated `generated` elsewhere (a migrated stream,
+    /// [`EngineCore::add_resumed`]); its stream starts with the token after them.
+    pub fn submit_resumed(
+        &self,
+        req: EngineRequest,
+        generated: Vec<u32>,
+        sampler_seed: Option<u64>,
+    ) -> Result<TokenStream> {
+        let (etx, erx) = unbounded_channel();
+        let id = req.id;
+        self.send(Command::Submit(Submission::Resumed(req, generated, sampler_seed), etx))?;
         Ok(TokenStream { id, rx: erx, tx: self.tx.clone(), finished: false, handoff: false })
     }
 
     /// Keys of the blocks in the prefix cache ([`EngineCore::cached_prefix_hashes`]).
     pub fn prefix_hashes(&self) -> Result<oneshot::Receiver<Vec<u64>>> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::PrefixHashes(reply))?;
+        self.send(Command::Control(Control::PrefixHashes(reply)))?;
         Ok(rx)
     }
 
@@ -193,13 +218,13 @@ impl EngineHandle {
 
     /// Cancels a request; its blocks are freed at the next step.
     pub fn cancel(&self, id: RequestId) {
-        let _ = self.tx.try_send(Command::Cancel(id));
+        let _ = self.tx.try_send(Command::Control(Control::Cancel(id)));
     }
 
     /// Asks the loop for a snapshot of its load; answered between steps.
     pub fn snapshot(&self) -> Result<oneshot::Receiver<EngineSnapshot>> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Snapshot(tx))?;
+        self.send(Command::Control(Control::Snapshot(tx)))?;
         Ok(rx)
     }
 }
@@ -256,7 +281,7 @@ impl EngineThread {
     }
 
     fn stop(&mut self) -> Result<()> {
-        let _ = self.handle.tx.send(Command::Shutdown);
+        let _ = self.handle.tx.send(Command::Control(Control::Shutdown));
         match self.join.take() {
             Some(j) => j.join().map_err(|_| EngineError::Rejected("engine thread panicked".into()))?,
             None => Ok(()),
@@ -294,61 +319,37 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, rx: Receiver<Command>) -> Result<
             }
         };
         for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
-            match cmd {
-                Command::Submit(req, etx) => {
-                    let id = req.id;
-                    match core.add_request(req, Instant::now()) {
-                        Ok(()) => {
-                            senders.insert(id, etx);
-                        }
-                        Err(e) => {
-                            tracing::debug!(request_id = %id, error = %e, "request rejected");
-                            let _ = etx.send(core.error_event(id, &e));
-                        }
+            let now = Instant::now();
+            let (sub, etx) = match cmd {
+                Command::Submit(sub, etx) => (sub, etx),
+                Command::Control(c) => {
+                    if control(core, c) {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            // Every kind of submission: on success the stream is registered, else it gets the
+            // error as its one event.
+            let (id, added, is_handoff) = match sub {
+                Submission::Plain(req) => (req.id, core.add_request(req, now), false),
+                Submission::PrefillOnly(req, export) => (req.id, core.add_prefill_only(req, export, now), true),
+                Submission::Imported(req, start) => (req.id, core.add_imported(req, start, now), false),
+                Submission::Resumed(req, generated, seed) => {
+                    (req.id, core.add_resumed(req, generated, seed, now), false)
+                }
+            };
+            match added {
+                Ok(()) => {
+                    senders.insert(id, etx);
+                    if is_handoff {
+                        handoff.insert(id);
                     }
                 }
-                Command::SubmitPrefillOnly(req, export, etx) => {
-                    let id = req.id;
-                    match core.add_prefill_only(req, export, Instant::now()) {
-                        Ok(()) => {
-                            senders.insert(id, etx);
-                            handoff.insert(id);
-                        }
-                        Err(e) => {
-                            tracing::debug!(request_id = %id, error = %e, "prefill-only request rejected");
-                            let _ = etx.send(core.error_event(id, &e));
-                        }
-                    }
+                Err(e) => {
+                    tracing::debug!(request_id = %id, error = %e, "request rejected");
+                    let _ = etx.send(core.error_event(id, &e));
                 }
-                Command::ReserveImport { id, num_tokens, reply } => {
-                    let _ = reply.send(core.reserve_import(id, num_tokens));
-                }
-                Command::ImportKv { id, layer, token_start, k, v, reply } => {
-                    let _ = reply.send(core.import_kv(id, layer, token_start, &k, &v));
-                }
-                Command::ReleaseImport { id, reply } => {
-                    let _ = reply.send(core.release_import(id));
-                }
-                Command::SubmitImported(req, start, etx) => {
-                    let id = req.id;
-                    match core.add_imported(req, start, Instant::now()) {
-                        Ok(()) => {
-                            senders.insert(id, etx);
-                        }
-                        Err(e) => {
-                            tracing::debug!(request_id = %id, error = %e, "imported request rejected");
-                            let _ = etx.send(core.error_event(id, &e));
-                        }
-                    }
-                }
-                Command::Cancel(id) => core.abort(id),
-                Command::Snapshot(reply) => {
-                    let _ = reply.send(core.snapshot());
-                }
-                Command::PrefixHashes(reply) => {
-                    let _ = reply.send(core.cached_prefix_hashes());
-                }
-                Command::Shutdown => return Ok(()),
             }
         }
         if !core.has_work() {
@@ -379,4 +380,28 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, rx: Receiver<Command>) -> Result<
             }
         }
     }
+}
+
+/// Applies a command that is not a submission; true for `Shutdown`.
+fn control<B: Backend>(core: &mut EngineCore<B>, cmd: Control) -> bool {
+    match cmd {
+        Control::ReserveImport { id, num_tokens, reply } => {
+            let _ = reply.send(core.reserve_import(id, num_tokens));
+        }
+        Control::ImportKv { id, layer, token_start, k, v, reply } => {
+            let _ = reply.send(core.import_kv(id, layer, token_start, &k, &v));
+        }
+        Control::ReleaseImport { id, reply } => {
+            let _ = reply.send(core.release_import(id));
+        }
+        Control::Cancel(id) => core.abort(id),
+        Control::Snapshot(reply) => {
+            let _ = reply.send(core.snapshot());
+        }
+        Control::PrefixHashes(reply) => {
+            let _ = reply.send(core.cached_prefix_hashes());
+        }
+        Control::Shutdown => return true,
+    }
+    false
 }

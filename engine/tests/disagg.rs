@@ -630,3 +630,31 @@ async fn handoff_between_two_engine_threads_matches_golden() {
     ta.shutdown().unwrap();
     tb.shutdown().unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Migration: resuming a stream on another engine
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_resumed_request_continues_the_same_tokens() {
+    let dir = tiny_llama_dir();
+    let cfg = config(4, 16);
+    let sampled = SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(77), ..Default::default() };
+    for (id, params) in [(1u64, SamplingParams::default()), (2, sampled)] {
+        let mut req = greedy_request(id, tokens(80 + id, 19, 32000), 14);
+        req.params = params;
+        let want = single_engine(&dir, &cfg, std::slice::from_ref(&req))[&id].clone();
+        for k in [1usize, 5, 13] {
+            let mut b = engine(&dir, cfg.clone());
+            b.add_resumed(req.clone(), want[..k].to_vec(), None, Instant::now()).unwrap();
+            let evs = &run_to_end(&mut b)[&id];
+            assert_eq!(token_ids(evs), want[k..], "resumed after {k}");
+            assert_eq!(evs[0].completion_tokens as usize, k + 1);
+            assert_eq!(evs.last().unwrap().completion_tokens, 14);
+            assert_no_blocks_in_use(&b);
+        }
+        let mut b = engine(&dir, cfg.clone());
+        let e = b.add_resumed(req.clone(), want.clone(), None, Instant::now()).unwrap_err();
+        assert!(e.to_string().contains("max_tokens"), "{e}");
+    }
+}

@@ -24,6 +24,14 @@ pub(super) fn handoff_finish(sched: Option<FinishReason>, max_tokens: u32, conte
     }
 }
 
+/// `params` with `seed` in place of its own, when given.
+fn seeded(params: cleave_protocol::SamplingParams, seed: Option<u64>) -> cleave_protocol::SamplingParams {
+    match seed {
+        Some(s) => cleave_protocol::SamplingParams { seed: Some(s), ..params },
+        None => params,
+    }
+}
+
 impl<B: Backend> EngineCore<B> {
     /// The layout of this engine's KV blocks, with the model's fingerprint: what a handoff
     /// ticket carries so that both sides can check they agree before any byte moves.
@@ -65,6 +73,43 @@ impl<B: Backend> EngineCore<B> {
         let id = req.id.0;
         let mut state = self.seq_state(req, None);
         state.export = Some(ExportState::new(export, max_tokens));
+        self.seqs.insert(id, state);
+        Ok(())
+    }
+
+    /// Queues a request that already generated `generated` on another engine (a migrated
+    /// stream): this engine prefills `prompt ++ generated` and continues, its events starting
+    /// with the token after `generated`. `generated` counts toward `max_tokens` and in
+    /// `completion_tokens`; the text state replays it (its text is not sent again) and the
+    /// sampler continues the same random stream when `sampler_seed` is the original one
+    /// (`None`: derived as for a plain request).
+    pub fn add_resumed(
+        &mut self,
+        req: EngineRequest,
+        generated: Vec<u32>,
+        sampler_seed: Option<u64>,
+        now: Instant,
+    ) -> Result<()> {
+        if generated.is_empty() {
+            return self.add_request(EngineRequest { params: seeded(req.params.clone(), sampler_seed), ..req }, now);
+        }
+        self.check_request(&req)?;
+        self.check_new_id(req.id)?;
+        let vocab = self.model.config.vocab_size;
+        if let Some(&bad) = generated.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "generated token id {bad} is outside the vocabulary of {vocab} tokens"
+            )));
+        }
+        let id = req.id.0;
+        let seq = self.seq_request(&req, now);
+        let mut state = self.seq_state(req, sampler_seed);
+        for &t in &generated {
+            let text = state.detok.push(t)?;
+            state.stop.push(&text);
+        }
+        self.sched.add_resumed(seq, &generated)?;
+        state.output = generated;
         self.seqs.insert(id, state);
         Ok(())
     }

@@ -242,6 +242,28 @@ impl Scheduler {
         Ok(None)
     }
 
+    /// Queues a sequence that already generated `generated` elsewhere (a migrated stream): it
+    /// prefills `prompt ++ generated` and samples the token after them; `generated` counts
+    /// toward `max_tokens` and `SeqUpdate::num_generated`. Rejected like [`Scheduler::add`],
+    /// and with `TooLong` when `generated` already reaches `max_tokens`.
+    pub fn add_resumed(&mut self, req: SeqRequest, generated: &[u32]) -> Result<(), SchedError> {
+        self.validate(&req)?;
+        if generated.len() >= req.max_tokens as usize {
+            return Err(SchedError::TooLong {
+                id: req.id,
+                prompt_len: req.prompt.len() + generated.len(),
+                max_tokens: req.max_tokens,
+                max_model_len: self.cfg.max_model_len,
+            });
+        }
+        let id = req.id;
+        let mut seq = self.new_seq(req);
+        seq.tokens.extend_from_slice(generated);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
     fn validate(&self, req: &SeqRequest) -> Result<(), SchedError> {
         let id = req.id;
         if self.seqs.contains_key(&id) {
