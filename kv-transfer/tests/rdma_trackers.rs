@@ -112,9 +112,14 @@ fn retry_exceeded_fails_its_lease_and_breaks_the_others_then_flushes_drain() {
     assert_eq!(s.open_leases(), 1, "lease 2 still has a write in flight");
     assert!(s.post(2, &[w(true)]).is_err());
     assert!(s.open(4, dl).is_err(), "a broken queue pair takes no new lease");
-    let flushed = SendCompletion { wr_id: b[1], status: WcStatus::Flushed, vendor_err: 0 };
-    assert_eq!(s.on_completion(flushed).unwrap(), vec![], "already reported");
+    // In the error state every outstanding request completes as flushed, signaled or not.
+    let flush = |wr_id| SendCompletion { wr_id, status: WcStatus::Flushed, vendor_err: 0 };
+    assert_eq!(s.on_completion(flush(b[0])).unwrap(), vec![]);
+    assert_eq!(s.open_leases(), 1, "lease 2's signaled write is still due");
+    assert_eq!(s.on_completion(flush(b[1])).unwrap(), vec![], "already reported");
     assert_eq!((s.open_leases(), s.slots_used()), (0, 0));
+    assert_eq!(s.on_completion(flush(b[1])).unwrap(), vec![], "stray flushes on a broken queue pair are absorbed");
+    assert!(s.on_completion(ok(12345)).is_err());
     assert!(s.on_timeout(dl + Duration::from_secs(9)).is_empty());
 }
 
@@ -125,6 +130,26 @@ fn first_error_being_a_flush_reports_a_broken_queue_pair() {
     let a = s.post(1, &[w(true)]).unwrap();
     let ev = s.on_completion(SendCompletion { wr_id: a[0], status: WcStatus::Flushed, vendor_err: 0 }).unwrap();
     assert_eq!(ev, vec![failed(1, FailReason::QueuePairBroken { status: WcStatus::Flushed }, false)]);
+}
+
+#[test]
+fn error_on_an_unsignaled_write_fails_its_lease_and_the_run_drains_by_flushes() {
+    let mut s = SendTracker::new(8);
+    s.open(1, Instant::now()).unwrap();
+    let a = s.post(1, &[w(false), w(false), w(true)]).unwrap();
+    s.finish(1).unwrap();
+    // a[0] succeeded silently; a[1] failed; a[2] is flushed.
+    let ev = s.on_completion(SendCompletion { wr_id: a[1], status: WcStatus::RetryExceeded, vendor_err: 0 }).unwrap();
+    assert_eq!(
+        ev,
+        vec![failed(1, FailReason::Completion { wr_id: a[1], status: WcStatus::RetryExceeded, vendor_err: 0 }, false)]
+    );
+    assert_eq!(s.open_leases(), 1);
+    assert_eq!(
+        s.on_completion(SendCompletion { wr_id: a[2], status: WcStatus::Flushed, vendor_err: 0 }).unwrap(),
+        vec![]
+    );
+    assert_eq!(s.open_leases(), 0);
 }
 
 #[test]

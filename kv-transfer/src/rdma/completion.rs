@@ -26,9 +26,12 @@
 //!
 //! The sender's send-queue accounting: a signaled work request's completion frees its slot and
 //! the slots of the unsignaled requests posted before it since the previous signaled one (the
-//! verbs rule), so `post` requires each batch to end with a signaled request.
+//! verbs rule), so `post` requires each batch to end with a signaled request. Once the queue
+//! pair has failed, every outstanding request completes (flushed), signaled or not; requests
+//! that succeeded silently just before the failure never report, so `slots_used` may stay above
+//! zero on a broken queue pair, which takes no more posts anyway.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::Instant;
 
@@ -147,6 +150,14 @@ fn tracker_err(reason: String) -> KvTransferError {
     KvTransferError::RdmaTracker { reason }
 }
 
+#[derive(Debug, Clone, Copy)]
+struct PostedWr {
+    tag: u16,
+    signaled: bool,
+    /// First wr_id of the run this request belongs to (runs end with a signaled request).
+    run_start: u64,
+}
+
 #[derive(Debug)]
 struct SendLease {
     deadline: Instant,
@@ -163,20 +174,31 @@ pub struct SendTracker {
     sq_depth: u32,
     used: u32,
     next_wr_id: u64,
-    /// Signaled wr_id -> (lease tag, send-queue slots its completion frees).
-    inflight: HashMap<u64, (u16, u32)>,
+    /// Every posted wr_id whose completion (or a covering one) has not been seen.
+    inflight: BTreeMap<u64, PostedWr>,
     leases: HashMap<u16, SendLease>,
     broken: Option<WcStatus>,
 }
 
 impl SendTracker {
     pub fn new(sq_depth: u32) -> Self {
-        Self { sq_depth, used: 0, next_wr_id: 1, inflight: HashMap::new(), leases: HashMap::new(), broken: None }
+        Self { sq_depth, used: 0, next_wr_id: 1, inflight: BTreeMap::new(), leases: HashMap::new(), broken: None }
     }
 
     /// Send-queue slots in use (posted, completion not yet seen).
     pub fn slots_used(&self) -> u32 {
         self.used
+    }
+
+    /// Send-queue slots free for the next `post`.
+    pub fn room(&self) -> u32 {
+        self.sq_depth - self.used
+    }
+
+    /// True when the lease has no entry: never opened, or ended with nothing in flight (the
+    /// moment a sender may tell the receiver that no write of this lease can still land).
+    pub fn is_drained(&self, tag: u16) -> bool {
+        !self.leases.contains_key(&tag)
     }
 
     /// The first error status seen; every post after it is refused.
@@ -225,15 +247,14 @@ impl SendTracker {
             )));
         }
         let mut ids = Vec::with_capacity(writes.len());
-        let mut run = 0u32;
+        let mut run_start = self.next_wr_id;
         let mut signaled = 0;
         for w in writes {
             let id = self.next_wr_id;
             self.next_wr_id += 1;
-            run += 1;
+            self.inflight.insert(id, PostedWr { tag, signaled: w.signaled, run_start });
             if w.signaled {
-                self.inflight.insert(id, (tag, run));
-                run = 0;
+                run_start = id + 1;
                 signaled += 1;
             }
             ids.push(id);
@@ -260,15 +281,35 @@ impl SendTracker {
         self.fail(tag, FailReason::Cancelled)
     }
 
-    /// Applies one completion. An unknown or repeated wr_id is an error and changes nothing.
+    /// Applies one completion. An unknown or repeated wr_id is an error and changes nothing,
+    /// except a flush on a broken queue pair (verbs flushes every outstanding request, signaled
+    /// or not, and some of those were already accounted for by a covering completion).
+    ///
+    /// A successful signaled completion retires its whole run (the unsignaled requests posted
+    /// before it since the previous signaled one); an error or flush completion retires only
+    /// its own request, since each outstanding request gets one once the queue pair failed.
     pub fn on_completion(&mut self, c: SendCompletion) -> Result<Vec<LeaseEvent>> {
-        let (tag, slots) = self
-            .inflight
-            .remove(&c.wr_id)
-            .ok_or_else(|| tracker_err(format!("completion for unknown or already completed wr_id {}", c.wr_id)))?;
-        self.used -= slots;
-        if let Some(l) = self.leases.get_mut(&tag) {
-            l.outstanding -= 1;
+        let Some(wr) = self.inflight.get(&c.wr_id).copied() else {
+            if self.broken.is_some() && c.status == WcStatus::Flushed {
+                return Ok(Vec::new());
+            }
+            return Err(tracker_err(format!("completion for unknown or already completed wr_id {}", c.wr_id)));
+        };
+        let tag = wr.tag;
+        if c.status == WcStatus::Success {
+            let run: Vec<u64> = self.inflight.range(wr.run_start..=c.wr_id).map(|(id, _)| *id).collect();
+            for id in &run {
+                self.inflight.remove(id);
+            }
+            self.used -= run.len() as u32;
+        } else {
+            self.inflight.remove(&c.wr_id);
+            self.used -= 1;
+        }
+        if wr.signaled {
+            if let Some(l) = self.leases.get_mut(&tag) {
+                l.outstanding -= 1;
+            }
         }
         let mut events = Vec::new();
         if c.status != WcStatus::Success {
