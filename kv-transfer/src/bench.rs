@@ -10,6 +10,8 @@
 //! and answers a 1-byte ack. Time runs from the first `open` to the last ack, so connection
 //! reuse (QUIC) and per-request connects (TCP) are both inside the number.
 //!
+//! Handoff rows ([`crate::bench_handoff`]) run the real protocol into a block pool.
+//!
 //! A row's time is the median of `repeats` requests after one warm-up request. Throughput is
 //! payload bytes over that time.
 
@@ -19,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use cleave_protocol::TransportKind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -45,6 +48,9 @@ pub struct TransferBenchConfig {
     pub quic_tunings: Vec<(String, QuicTuning)>,
     /// Runtime worker threads (default: available cores).
     pub threads: Option<usize>,
+    /// Also run real handoffs (sender -> receiver into a block pool) over each transport and
+    /// in-process ([`crate::bench_handoff`]).
+    pub handoffs: bool,
 }
 
 impl Default for TransferBenchConfig {
@@ -61,6 +67,7 @@ impl Default for TransferBenchConfig {
             kinds: NetKind::ALL.to_vec(),
             quic_tunings: vec![("tuned".into(), QuicTuning::default())],
             threads: None,
+            handoffs: true,
         }
     }
 }
@@ -89,7 +96,7 @@ impl Measurement {
         self.bytes as f64 / self.median_s / 1e9
     }
 
-    fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
+    pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
         times.sort_by(f64::total_cmp);
         let median_s = times[times.len() / 2];
         Self { label, tokens, bytes, median_s, best_s: times[0] }
@@ -135,13 +142,27 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
                     }
                 }
             }
+            if cfg.handoffs {
+                drop(payload);
+                let mut kinds = vec![TransportKind::InProcess];
+                kinds.extend(cfg.kinds.iter().map(|k| match k {
+                    NetKind::Quic => TransportKind::Quic,
+                    NetKind::TcpTls => TransportKind::TcpTls,
+                    NetKind::TcpPlain => TransportKind::TcpPlain,
+                }));
+                for kind in kinds {
+                    for &streams in &cfg.streams {
+                        push(crate::bench_handoff::measure(cfg, kind, streams, tokens, &ids).await?);
+                    }
+                }
+            }
         }
         Ok(rows)
     })
 }
 
 /// Deterministic, non-zero payload (so no page is shared or compressible by accident).
-fn payload(len: usize) -> Bytes {
+pub(crate) fn payload(len: usize) -> Bytes {
     let mut v = vec![0u8; len];
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     for chunk in v.chunks_mut(8) {

@@ -73,6 +73,7 @@
 
 pub mod actor;
 pub mod bench;
+pub mod bench_handoff;
 pub mod error;
 pub mod frame;
 #[allow(clippy::all)]

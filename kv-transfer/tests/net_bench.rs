@@ -11,22 +11,26 @@ fn quic_tuning_sweep() {
     let tokens = std::env::var("CLEAVE_BENCH_TOKENS").ok().and_then(|s| s.parse().ok()).unwrap_or(2048);
     let base = QuicTuning::default();
     let mut tunings = vec![("quinn defaults".to_string(), QuicTuning::naive()), ("tuned".to_string(), base.clone())];
+    let nogso = QuicTuning { gso: false, ..base.clone() };
     let variants: Vec<(&str, QuicTuning)> = vec![
-        ("no gso", QuicTuning { gso: false, ..base.clone() }),
-        ("mtu 1452", QuicTuning { mtu_discovery_upper_bound: Some(1452), ..base.clone() }),
-        ("mtu 9000", QuicTuning { mtu_discovery_upper_bound: Some(9000), ..base.clone() }),
-        ("initial mtu 65000", QuicTuning { initial_mtu: 65000, mtu_discovery_upper_bound: None, ..base.clone() }),
-        ("bbr", QuicTuning { congestion: cleave_kv_transfer::net::Congestion::Bbr, ..base.clone() }),
-        ("init window 16M", QuicTuning { initial_window: Some(16 << 20), ..base.clone() }),
+        ("no gso", nogso.clone()),
+        ("gso mtu 1452", QuicTuning { gso: true, mtu_discovery_upper_bound: Some(1452), ..base.clone() }),
+        ("no gso mtu 1452", QuicTuning { mtu_discovery_upper_bound: Some(1452), ..nogso.clone() }),
+        ("no gso mtu 9000", QuicTuning { mtu_discovery_upper_bound: Some(9000), ..nogso.clone() }),
+        ("no gso mtu 16k", QuicTuning { mtu_discovery_upper_bound: Some(16384), ..nogso.clone() }),
+        ("no gso mtu 32k", QuicTuning { mtu_discovery_upper_bound: Some(32768), ..nogso.clone() }),
+        ("no gso bbr", QuicTuning { congestion: cleave_kv_transfer::net::Congestion::Bbr, ..nogso.clone() }),
+        ("no gso init window 16M", QuicTuning { initial_window: Some(16 << 20), ..nogso.clone() }),
         (
-            "default windows",
+            "no gso quinn windows",
             QuicTuning {
                 stream_receive_window: 1_250_000,
                 receive_window: u32::MAX,
                 send_window: 10_000_000,
-                ..base.clone()
+                ..nogso.clone()
             },
         ),
+        ("no gso no sockbuf", QuicTuning { socket_buffer: 0, ..nogso.clone() }),
     ];
     let only = std::env::var("CLEAVE_BENCH_VARIANTS").ok();
     for (name, t) in variants {
@@ -37,9 +41,14 @@ fn quic_tuning_sweep() {
     let cfg = TransferBenchConfig {
         prompts: vec![tokens],
         repeats: 3,
-        streams: vec![1, 4],
-        kinds: vec![NetKind::Quic, NetKind::TcpPlain, NetKind::TcpTls],
+        streams: std::env::var("CLEAVE_BENCH_STREAMS")
+            .map_or(vec![1, 4], |k| k.split(',').map(|s| s.parse().unwrap()).collect()),
+        kinds: std::env::var("CLEAVE_BENCH_KINDS")
+            .map_or(vec![NetKind::Quic, NetKind::TcpPlain, NetKind::TcpTls], |k| {
+                k.split(',').map(|s| s.parse().unwrap()).collect()
+            }),
         quic_tunings: tunings,
+        handoffs: std::env::var("CLEAVE_BENCH_HANDOFFS").is_ok(),
         ..Default::default()
     };
     let rows = bench::run(&cfg, |m| eprintln!("{}: {:.2} GB/s", m.label, m.gb_per_s())).unwrap();

@@ -37,6 +37,9 @@ pub struct BenchTransferArgs {
     /// Runtime worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Skip the rows that run real handoffs (sender -> receiver into a block pool).
+    #[arg(long)]
+    no_handoffs: bool,
 }
 
 pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
@@ -56,6 +59,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         kinds,
         quic_tunings,
         threads: args.threads,
+        handoffs: !args.no_handoffs,
     };
     eprintln!(
         "KV of {} layers x {} KV heads x head dim {} x {} B = {} KiB per token",
