@@ -10,6 +10,7 @@
 //! kernels), axum/tokio, metrics.
 
 pub mod api;
+pub mod cluster;
 pub mod config;
 pub mod dispatch;
 pub mod error;

@@ -86,6 +86,10 @@ pub enum KvTransferError {
     RdmaCompletion { wr_id: u64, tag: u16, status: String, vendor_err: u32 },
     #[error("rdma: completion tracking: {reason}")]
     RdmaTracker { reason: String },
+    #[error("refused by the coordinator: {reason}")]
+    Refused { reason: String },
+    #[error("control message: {0}")]
+    Control(#[from] cleave_protocol::control::WireError),
     // --- net and bench ---
     #[error("benchmark: {0}")]
     Bench(String),

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 extern crate alloc;
 
 pub mod control;
+pub mod prefix;
 mod generated;
 
 pub mod handoff;

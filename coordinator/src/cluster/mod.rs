@@ -1,0 +1,306 @@
+//! The cluster behind the edge: the node registry, the control plane nodes register on, and
+//! the request router that takes [`Dispatch`]es from the edge and drives each request through
+//! prefill, handoff and decode on the nodes.
+//!
+//! Tasks (actors, no shared locks):
+//! - the registry actor owns [`registry::Registry`]; everything else asks it through a
+//!   [`ClusterHandle`] (bounded channel, `oneshot` replies); a timer expires silent nodes;
+//! - the control listener accepts node streams: `Register` → reply → `LoadReport`s until the
+//!   stream ends (the node is then removed at once, without waiting for `dead_after`);
+//! - the router takes dispatches off the edge's channel and spawns one task per request
+//!   ([`request`]).
+//!
+//! Allowed dependencies: protocol (messages) and kv-transfer's `net` (authenticated streams);
+//! never the engine.
+
+pub mod registry;
+mod request;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
+use cleave_protocol::KvLayout;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::dispatch::Dispatch;
+use registry::{Assignment, NoRoute, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery, RoutingConfig};
+
+/// Metric names of the cluster (the edge's are in [`crate::metrics`]).
+pub mod metric {
+    /// Routing decisions, labelled `path` (`remote`/`local`) and `reason`.
+    pub const ROUTE_DECISIONS_TOTAL: &str = "cleave_route_decisions_total";
+    /// Retries after a prefill node failed before the first token, labelled `node`.
+    pub const PREFILL_RETRIES_TOTAL: &str = "cleave_prefill_retries_total";
+    /// Streams moved to another decode node, labelled `node` (the one that failed).
+    pub const MIGRATIONS_TOTAL: &str = "cleave_migrations_total";
+    /// Nodes alive, labelled `pool`.
+    pub const POOL_NODES: &str = "cleave_pool_nodes";
+    /// Prompt tokens queued for prefill, labelled `pool`.
+    pub const POOL_QUEUED_PREFILL_TOKENS: &str = "cleave_pool_queued_prefill_tokens";
+    /// Running sequences, labelled `pool`.
+    pub const POOL_RUNNING_SEQS: &str = "cleave_pool_running_seqs";
+    /// Share of KV blocks in use (0..1), labelled `pool`.
+    pub const POOL_KV_USAGE_RATIO: &str = "cleave_pool_kv_usage_ratio";
+    /// Handoff telemetry, labelled `pool` and `node`.
+    pub const HANDOFF_QUEUE_SECONDS: &str = "cleave_handoff_queue_seconds";
+    pub const HANDOFF_PREFILL_SECONDS: &str = "cleave_handoff_prefill_seconds";
+    pub const HANDOFF_RESERVATION_SECONDS: &str = "cleave_handoff_reservation_seconds";
+    pub const HANDOFF_TICKET_WAIT_SECONDS: &str = "cleave_handoff_ticket_wait_seconds";
+    pub const HANDOFF_TRANSFER_SECONDS: &str = "cleave_handoff_transfer_seconds";
+    pub const HANDOFF_TRANSFER_BYTES: &str = "cleave_handoff_transfer_bytes";
+    pub const HANDOFF_DECODE_FIRST_STEP_SECONDS: &str = "cleave_handoff_decode_first_step_seconds";
+    /// Handoffs that failed, labelled `node`.
+    pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_handoff_failures_total";
+}
+
+/// Settings of the cluster side of the coordinator.
+#[derive(Clone)]
+pub struct ClusterConfig {
+    pub routing: RoutingConfig,
+    /// How nodes are reached (the same cluster CA as their control links).
+    pub net: NetConfig,
+    /// Times a stream may move to another decode node after its node failed.
+    pub max_migrations: u32,
+    /// Prefill attempts on other nodes after a prefill node failed before the first token.
+    pub max_prefill_retries: u32,
+    /// A node that sends nothing on a request's stream for this long has failed it.
+    pub node_silence_timeout: Duration,
+    /// Bound on a node's answer to `Register`, and on a control stream's first message.
+    pub register_timeout: Duration,
+}
+
+impl ClusterConfig {
+    pub fn new(net: NetConfig) -> Self {
+        Self {
+            routing: RoutingConfig::default(),
+            net,
+            max_migrations: 2,
+            max_prefill_retries: 2,
+            node_silence_timeout: Duration::from_secs(120),
+            register_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+enum Cmd {
+    Register(Box<Register>, oneshot::Sender<Result<u64, Refusal>>),
+    Report(u64, LoadReport),
+    Gone(u64),
+    Plan(Box<RouteQuery>, oneshot::Sender<Result<(Plan, Assignment), NoRoute>>),
+    Release(Assignment),
+    Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
+}
+
+/// Cheap, cloneable access to the registry actor.
+#[derive(Clone)]
+pub struct ClusterHandle {
+    tx: mpsc::Sender<Cmd>,
+}
+
+impl ClusterHandle {
+    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(make(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    pub async fn register(&self, reg: Register) -> Result<u64, Refusal> {
+        self.call(|tx| Cmd::Register(Box::new(reg), tx))
+            .await
+            .unwrap_or_else(|| Err(Refusal("coordinator shutting down".into())))
+    }
+
+    pub async fn report(&self, id: u64, load: LoadReport) {
+        let _ = self.tx.send(Cmd::Report(id, load)).await;
+    }
+
+    pub async fn gone(&self, id: u64) {
+        let _ = self.tx.send(Cmd::Gone(id)).await;
+    }
+
+    pub async fn plan(&self, q: RouteQuery) -> Result<(Plan, Assignment), NoRoute> {
+        self.call(|tx| Cmd::Plan(Box::new(q), tx))
+            .await
+            .unwrap_or_else(|| Err(NoRoute("coordinator shutting down".into())))
+    }
+
+    /// Returns an attempt's booking (see [`Registry::release`]); never waits.
+    pub fn release(&self, a: Assignment) {
+        let _ = self.tx.try_send(Cmd::Release(a));
+    }
+
+    /// Pool totals and the live nodes.
+    pub async fn pools(&self) -> Option<(PoolSummary, Vec<NodeRef>)> {
+        self.call(Cmd::Pools).await
+    }
+}
+
+/// The running cluster side; dropping it stops its tasks.
+pub struct Cluster {
+    handle: ClusterHandle,
+    control_addr: std::net::SocketAddr,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts the registry, the control listener and the router. `layout`: the model's KV
+    /// layout with its fingerprint when the coordinator knows it (nodes must match it).
+    pub fn start(
+        cfg: ClusterConfig,
+        layout: Option<KvLayout>,
+        control: Listener,
+        dispatches: mpsc::Receiver<Dispatch>,
+    ) -> Result<Self, cleave_kv_transfer::KvTransferError> {
+        let control_addr = control.local_addr();
+        let (tx, rx) = mpsc::channel(1024);
+        let handle = ClusterHandle { tx };
+        let registry = Registry::new(cfg.routing.clone(), layout);
+        let connector = Arc::new(Connector::new(&cfg.net)?);
+        let cfg = Arc::new(cfg);
+        let tasks = vec![
+            tokio::spawn(registry_actor(registry, rx)),
+            tokio::spawn(control_loop(control, handle.clone(), cfg.clone())),
+            tokio::spawn(router(dispatches, handle.clone(), connector, cfg)),
+        ];
+        Ok(Self { handle, control_addr, tasks })
+    }
+
+    pub fn handle(&self) -> &ClusterHandle {
+        &self.handle
+    }
+
+    /// Where nodes register.
+    pub fn control_addr(&self) -> std::net::SocketAddr {
+        self.control_addr
+    }
+}
+
+async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            cmd = rx.recv() => {
+                let Some(cmd) = cmd else { return };
+                let now = Instant::now();
+                match cmd {
+                    Cmd::Register(r, reply) => {
+                        let (name, role) = (r.name.clone(), r.role);
+                        let res = reg.register(*r, now);
+                        match &res {
+                            Ok(id) => tracing::info!(node_id = id, %name, role = role.as_str(), "node registered"),
+                            Err(e) => tracing::error!(%name, reason = %e, "node refused"),
+                        }
+                        let _ = reply.send(res);
+                    }
+                    Cmd::Report(id, load) => {
+                        reg.report(id, load, now);
+                    }
+                    Cmd::Gone(id) => {
+                        if let Some(n) = reg.remove(id) {
+                            tracing::warn!(node_id = id, name = %n.name, "node left (control stream ended); removed from routing");
+                        }
+                    }
+                    Cmd::Plan(q, reply) => {
+                        let _ = reply.send(reg.plan(&q));
+                    }
+                    Cmd::Release(a) => reg.release(&a),
+                    Cmd::Pools(reply) => {
+                        let _ = reply.send((reg.pools(), reg.nodes()));
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                for n in reg.expire(Instant::now()) {
+                    tracing::warn!(node_id = n.id, name = %n.name, "node stopped reporting; marked dead");
+                }
+                record_pools(&reg.pools());
+            }
+        }
+    }
+}
+
+fn record_pools(s: &PoolSummary) {
+    for (pool, p) in [("prefill", &s.prefill), ("decode", &s.decode), ("colocated", &s.colocated)] {
+        metrics::gauge!(metric::POOL_NODES, "pool" => pool).set(p.nodes as f64);
+        metrics::gauge!(metric::POOL_QUEUED_PREFILL_TOKENS, "pool" => pool).set(p.queued_prefill_tokens as f64);
+        metrics::gauge!(metric::POOL_RUNNING_SEQS, "pool" => pool).set(p.running_seqs as f64);
+        let used = p.total_blocks.saturating_sub(p.free_blocks + p.cached_blocks);
+        let ratio = if p.total_blocks == 0 { 0.0 } else { used as f64 / p.total_blocks as f64 };
+        metrics::gauge!(metric::POOL_KV_USAGE_RATIO, "pool" => pool).set(ratio);
+    }
+}
+
+async fn control_loop(mut l: Listener, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
+    while let Some(r) = l.accept().await {
+        match r {
+            Ok((s, peer)) => {
+                let (cluster, cfg) = (cluster.clone(), cfg.clone());
+                tokio::spawn(async move {
+                    tracing::debug!(peer = %peer.addr, name = ?peer.name, "control stream");
+                    control_stream(s, cluster, cfg).await
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "control accept failed"),
+        }
+    }
+}
+
+/// One node's control stream: register, then reports until it ends.
+async fn control_stream(mut s: DuplexStream, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
+    let reg = match tokio::time::timeout(cfg.register_timeout, read_msg(&mut s.recv)).await {
+        Ok(Ok(Some(ControlMsg::Register(r)))) => r,
+        Ok(Ok(Some(other))) => {
+            tracing::warn!(message = other.name(), "control stream must start with Register");
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "bad control stream");
+            return;
+        }
+        Ok(Ok(None)) | Err(_) => return,
+    };
+    let id = match cluster.register(reg).await {
+        Ok(id) => id,
+        Err(Refusal(reason)) => {
+            let _ = write_msg(&mut s.send, &ControlMsg::RegisterReply(RegisterReply::Refused { reason })).await;
+            return;
+        }
+    };
+    if write_msg(&mut s.send, &ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: id })).await.is_err() {
+        cluster.gone(id).await;
+        return;
+    }
+    // A live node reports every interval; twice dead_after of silence ends the stream (the
+    // registry has expired it by then anyway).
+    let limit = cfg.routing.dead_after * 2;
+    loop {
+        match tokio::time::timeout(limit, read_msg(&mut s.recv)).await {
+            Ok(Ok(Some(ControlMsg::LoadReport(l)))) => cluster.report(id, l).await,
+            Ok(Ok(Some(other))) => tracing::debug!(message = other.name(), node_id = id, "ignored on control stream"),
+            Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+        }
+    }
+    cluster.gone(id).await;
+}
+
+async fn router(
+    mut dispatches: mpsc::Receiver<Dispatch>,
+    cluster: ClusterHandle,
+    connector: Arc<Connector>,
+    cfg: Arc<ClusterConfig>,
+) {
+    while let Some(d) = dispatches.recv().await {
+        tokio::spawn(request::run(d, cluster.clone(), connector.clone(), cfg.clone()));
+    }
+}

@@ -1,0 +1,519 @@
+//! The node table and the routing policy: sans-IO (time passed in), owned by one actor task
+//! ([`super::ClusterHandle`]) and tested deterministically.
+//!
+//! Invariants:
+//! - every live node's layout (model fingerprint included) equals the cluster's, which is the
+//!   coordinator's own when it knows it, else the first registered node's; a node with another
+//!   is refused at registration;
+//! - a node that has not reported for `dead_after` is removed by [`Registry::expire`], as is a
+//!   node whose control stream ended; routing never picks a removed node;
+//! - `inflight_*` counts work assigned since the node's last report that the report cannot
+//!   know about yet, so that a burst of requests between two reports spreads over the pool
+//!   instead of piling onto the node that looked emptiest.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use cleave_protocol::control::{LoadReport, NodeRole, Register};
+use cleave_protocol::KvLayout;
+
+/// Routing thresholds (conditional disaggregation).
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    /// Prefill locally on the decode node when at most this many prompt tokens are not
+    /// already in its prefix cache (a remote prefill's handoff would cost more than it saves).
+    pub local_prefill_max_tokens: usize,
+    /// The prefill pool counts as saturated when every prefill node has more than this many
+    /// prompt tokens queued; requests then prefill locally on decode nodes.
+    pub prefill_saturation_tokens: u64,
+    /// A node missing reports for this long is dead.
+    pub dead_after: Duration,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self { local_prefill_max_tokens: 32, prefill_saturation_tokens: 65_536, dead_after: Duration::from_secs(3) }
+    }
+}
+
+/// What the request path needs to reach a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRef {
+    pub id: u64,
+    pub name: String,
+    pub role: NodeRole,
+    pub rpc_addr: SocketAddr,
+}
+
+/// Why a request prefills on its decode node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalReason {
+    /// The node prefills and decodes everything (`--role both`).
+    Colocated,
+    /// The uncached part of the prompt is short.
+    ShortPrompt,
+    /// No prefill node is alive (or every one was excluded after failing this request).
+    NoPrefillNode,
+    /// Every prefill node is saturated.
+    PrefillSaturated,
+    /// The request resumes after a decode node died (prompt plus tokens already sent).
+    Migration,
+}
+
+impl LocalReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            LocalReason::Colocated => "colocated",
+            LocalReason::ShortPrompt => "short_prompt",
+            LocalReason::NoPrefillNode => "no_prefill_node",
+            LocalReason::PrefillSaturated => "prefill_saturated",
+            LocalReason::Migration => "migration",
+        }
+    }
+}
+
+/// Where one attempt of a request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    Remote { prefill: NodeRef, decode: NodeRef },
+    Local { decode: NodeRef, reason: LocalReason },
+}
+
+/// A request's routing facts.
+#[derive(Debug, Clone, Default)]
+pub struct RouteQuery {
+    /// The tokens to prefill (the prompt, plus tokens already sent after a migration).
+    pub tokens: Vec<u32>,
+    /// Tokens the request will generate at most (KV it will need on the decode node).
+    pub max_tokens: usize,
+    /// Nodes that already failed this request.
+    pub exclude: Vec<u64>,
+    /// Resume on a decode node with local prefill (migration).
+    pub force_local: bool,
+}
+
+struct Node {
+    reg: Register,
+    last_report: Instant,
+    load: LoadReport,
+    prefix: HashSet<u64>,
+    inflight_prefill_tokens: u64,
+    inflight_seqs: u32,
+    inflight_blocks: u64,
+}
+
+impl Node {
+    fn node_ref(&self, id: u64) -> NodeRef {
+        NodeRef { id, name: self.reg.name.clone(), role: self.reg.role, rpc_addr: self.reg.rpc_addr }
+    }
+
+    /// Leading prompt blocks this node holds in its prefix cache.
+    fn overlap(&self, hashes: &[u64]) -> usize {
+        hashes.iter().take_while(|h| self.prefix.contains(h)).count()
+    }
+
+    fn decodes(&self) -> bool {
+        matches!(self.reg.role, NodeRole::Decode | NodeRole::Both)
+    }
+
+    fn queued_prefill(&self) -> u64 {
+        self.load.queued_prefill_tokens + self.inflight_prefill_tokens
+    }
+}
+
+/// A registration refused, with the reason told to the node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+/// No node can serve a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no node can serve this request: {0}")]
+pub struct NoRoute(pub String);
+
+/// Assignment bookkeeping a request hands back when an attempt ends (see [`Registry::release`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assignment {
+    pub prefill: Option<(u64, u64)>,
+    pub decode: Option<(u64, u64)>,
+    /// KV blocks booked on the decode node.
+    pub blocks: u64,
+}
+
+pub struct Registry {
+    cfg: RoutingConfig,
+    layout: Option<KvLayout>,
+    nodes: BTreeMap<u64, Node>,
+    next_id: u64,
+}
+
+impl Registry {
+    /// `layout`: the coordinator's own model layout when known (else the first node's wins).
+    pub fn new(cfg: RoutingConfig, layout: Option<KvLayout>) -> Self {
+        Self { cfg, layout, nodes: BTreeMap::new(), next_id: 1 }
+    }
+
+    pub fn config(&self) -> &RoutingConfig {
+        &self.cfg
+    }
+
+    pub fn layout(&self) -> Option<&KvLayout> {
+        self.layout.as_ref()
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Admits a node, or says loudly why not.
+    pub fn register(&mut self, reg: Register, now: Instant) -> Result<u64, Refusal> {
+        if let Some(l) = &self.layout {
+            if l.model_fingerprint != reg.layout.model_fingerprint {
+                return Err(Refusal(format!(
+                    "model fingerprint {:016x} of node `{}` (model `{}`) differs from the cluster's {:016x}: \
+                     every node must serve the coordinator's model",
+                    reg.layout.model_fingerprint, reg.name, reg.model_name, l.model_fingerprint
+                )));
+            }
+            if *l != reg.layout {
+                return Err(Refusal(format!(
+                    "kv layout of node `{}` ({:?}) differs from the cluster's ({l:?})",
+                    reg.name, reg.layout
+                )));
+            }
+        } else {
+            self.layout = Some(reg.layout.clone());
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let load = LoadReport {
+            free_blocks: reg.kv_capacity_blocks,
+            total_blocks: reg.kv_capacity_blocks,
+            ..LoadReport::default()
+        };
+        self.nodes.insert(
+            id,
+            Node {
+                reg,
+                last_report: now,
+                load,
+                prefix: HashSet::new(),
+                inflight_prefill_tokens: 0,
+                inflight_seqs: 0,
+                inflight_blocks: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    /// A fresh report replaces the node's load; in-flight estimates reset (the report now
+    /// includes that work).
+    pub fn report(&mut self, id: u64, load: LoadReport, now: Instant) -> bool {
+        let Some(n) = self.nodes.get_mut(&id) else { return false };
+        n.prefix = load.prefix_hashes.iter().copied().collect();
+        n.load = load;
+        n.last_report = now;
+        n.inflight_prefill_tokens = 0;
+        n.inflight_seqs = 0;
+        n.inflight_blocks = 0;
+        true
+    }
+
+    pub fn remove(&mut self, id: u64) -> Option<NodeRef> {
+        self.nodes.remove(&id).map(|n| n.node_ref(id))
+    }
+
+    /// Removes nodes silent for `dead_after`; returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<NodeRef> {
+        let dead: Vec<u64> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| now.saturating_duration_since(n.last_report) > self.cfg.dead_after)
+            .map(|(&id, _)| id)
+            .collect();
+        dead.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// Chooses where a request goes, and books its expected load on the chosen nodes.
+    pub fn plan(&mut self, q: &RouteQuery) -> Result<(Plan, Assignment), NoRoute> {
+        let block = self.layout.as_ref().map_or(16, |l| l.block_size.max(1) as usize);
+        let prompt_len = q.tokens.len();
+        let hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q.tokens, block).collect();
+        let need_blocks = (prompt_len + q.max_tokens).div_ceil(block) as u64;
+        let excluded = |id: &u64| q.exclude.contains(id);
+
+        // Decode side: most free KV after its in-flight work, fewest running sequences, then
+        // prefix overlap (saved prefill), then the lowest id (deterministic).
+        let decode = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| n.decodes() && !excluded(id))
+            .filter(|(_, n)| n.reg.max_model_len as usize >= prompt_len + q.max_tokens)
+            .max_by_key(|(id, n)| {
+                let free = u64::from(n.load.free_blocks + n.load.cached_blocks).saturating_sub(n.inflight_blocks);
+                let fits = free >= need_blocks;
+                let overlap = n.overlap(&hashes) as u64;
+                let busy = u64::from(n.load.running_seqs + n.load.waiting_seqs + n.inflight_seqs);
+                // Score: fitting first, then free blocks net of load and the overlap's worth.
+                let score = free as i64 + (overlap * 4) as i64 - (busy * need_blocks.max(1)) as i64;
+                (fits, score, std::cmp::Reverse(**id))
+            })
+            .map(|(&id, _)| id);
+        let Some(decode_id) = decode else {
+            return Err(NoRoute(if self.nodes.is_empty() {
+                "no node is registered".into()
+            } else {
+                "no live decode node can hold this request".into()
+            }));
+        };
+        let d = &self.nodes[&decode_id];
+        let uncached_local = prompt_len.saturating_sub(d.overlap(&hashes) * block);
+
+        let local = if q.force_local {
+            Some(LocalReason::Migration)
+        } else if d.reg.role == NodeRole::Both {
+            Some(LocalReason::Colocated)
+        } else if uncached_local <= self.cfg.local_prefill_max_tokens {
+            Some(LocalReason::ShortPrompt)
+        } else {
+            None
+        };
+        let prefill = if local.is_some() {
+            None
+        } else {
+            // Prefill side: least queued prefill work net of what its cache already holds.
+            self.nodes
+                .iter()
+                .filter(|(id, n)| n.reg.role == NodeRole::Prefill && !excluded(id))
+                .min_by_key(|(id, n)| {
+                    let cached = (n.overlap(&hashes) * block) as u64;
+                    let work = n.queued_prefill() + (prompt_len as u64).saturating_sub(cached);
+                    (work, **id)
+                })
+                .map(|(&id, n)| (id, n.queued_prefill()))
+        };
+        let (plan, assignment) = match (local, prefill) {
+            (Some(reason), _) => (
+                Plan::Local { decode: d.node_ref(decode_id), reason },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+            ),
+            (None, None) => (
+                Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::NoPrefillNode },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+            ),
+            (None, Some((_, queued))) if queued > self.cfg.prefill_saturation_tokens => (
+                Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::PrefillSaturated },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+            ),
+            (None, Some((pid, _))) => {
+                let p = &self.nodes[&pid];
+                let work = (prompt_len - p.overlap(&hashes) * block).max(1) as u64;
+                (
+                    Plan::Remote { prefill: p.node_ref(pid), decode: d.node_ref(decode_id) },
+                    Assignment { prefill: Some((pid, work)), decode: Some((decode_id, 0)), blocks: need_blocks },
+                )
+            }
+        };
+        if let Some((pid, work)) = assignment.prefill {
+            if let Some(p) = self.nodes.get_mut(&pid) {
+                p.inflight_prefill_tokens += work;
+            }
+        }
+        if let Some((did, work)) = assignment.decode {
+            if let Some(n) = self.nodes.get_mut(&did) {
+                n.inflight_seqs += 1;
+                n.inflight_blocks += need_blocks;
+                n.inflight_prefill_tokens += work;
+            }
+        }
+        Ok((plan, assignment))
+    }
+
+    /// The attempt that booked `a` ended before a report could account for it.
+    pub fn release(&mut self, a: &Assignment) {
+        let need_blocks = a.blocks;
+        if let Some((pid, work)) = a.prefill {
+            if let Some(p) = self.nodes.get_mut(&pid) {
+                p.inflight_prefill_tokens = p.inflight_prefill_tokens.saturating_sub(work);
+            }
+        }
+        if let Some((did, work)) = a.decode {
+            if let Some(n) = self.nodes.get_mut(&did) {
+                n.inflight_seqs = n.inflight_seqs.saturating_sub(1);
+                n.inflight_blocks = n.inflight_blocks.saturating_sub(need_blocks);
+                n.inflight_prefill_tokens = n.inflight_prefill_tokens.saturating_sub(work);
+            }
+        }
+    }
+
+    /// Per-pool totals for metrics and `/health`.
+    pub fn pools(&self) -> PoolSummary {
+        let mut s = PoolSummary::default();
+        for n in self.nodes.values() {
+            let p = match n.reg.role {
+                NodeRole::Prefill => &mut s.prefill,
+                NodeRole::Decode => &mut s.decode,
+                NodeRole::Both => &mut s.colocated,
+            };
+            p.nodes += 1;
+            p.queued_prefill_tokens += n.load.queued_prefill_tokens;
+            p.running_seqs += u64::from(n.load.running_seqs);
+            p.waiting_seqs += u64::from(n.load.waiting_seqs);
+            p.free_blocks += u64::from(n.load.free_blocks);
+            p.cached_blocks += u64::from(n.load.cached_blocks);
+            p.total_blocks += u64::from(n.load.total_blocks);
+        }
+        s
+    }
+
+    /// Names, roles and addresses of the live nodes.
+    pub fn nodes(&self) -> Vec<NodeRef> {
+        self.nodes.iter().map(|(&id, n)| n.node_ref(id)).collect()
+    }
+}
+
+/// Load of one pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolLoad {
+    pub nodes: u64,
+    pub queued_prefill_tokens: u64,
+    pub running_seqs: u64,
+    pub waiting_seqs: u64,
+    pub free_blocks: u64,
+    pub cached_blocks: u64,
+    pub total_blocks: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolSummary {
+    pub prefill: PoolLoad,
+    pub decode: PoolLoad,
+    pub colocated: PoolLoad,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cleave_protocol::KvDtype;
+
+    fn layout(fp: u64) -> KvLayout {
+        KvLayout {
+            model_fingerprint: fp,
+            dtype: KvDtype::F32,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+        }
+    }
+
+    fn reg(name: &str, role: NodeRole, fp: u64, port: u16) -> Register {
+        Register {
+            role,
+            name: name.into(),
+            model_name: "m".into(),
+            layout: layout(fp),
+            kv_capacity_blocks: 100,
+            max_model_len: 1024,
+            rpc_addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            kv_addr: None,
+        }
+    }
+
+    fn q(len: usize) -> RouteQuery {
+        RouteQuery { tokens: vec![7; len], max_tokens: 8, ..Default::default() }
+    }
+
+    #[test]
+    fn refuses_another_model_loudly() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), Some(layout(1)));
+        let err = r.register(reg("p", NodeRole::Prefill, 2, 1), t).unwrap_err();
+        assert!(err.0.contains("fingerprint"), "{err}");
+        assert!(r.is_empty());
+        // Without a coordinator layout the first node pins it.
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        r.register(reg("a", NodeRole::Decode, 5, 1), t).unwrap();
+        assert!(r.register(reg("b", NodeRole::Decode, 6, 2), t).is_err());
+    }
+
+    #[test]
+    fn long_prompts_go_remote_short_ones_local() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        let (plan, _) = r.plan(&q(200)).unwrap();
+        assert!(
+            matches!(plan, Plan::Remote { ref prefill, ref decode } if prefill.id == p && decode.id == d),
+            "{plan:?}"
+        );
+        let (plan, _) = r.plan(&q(10)).unwrap();
+        assert!(matches!(plan, Plan::Local { reason: LocalReason::ShortPrompt, .. }), "{plan:?}");
+    }
+
+    #[test]
+    fn colocated_nodes_prefill_locally_and_dead_nodes_are_not_routed() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let a = r.register(reg("a", NodeRole::Both, 1, 1), t).unwrap();
+        let (plan, _) = r.plan(&q(200)).unwrap();
+        assert_eq!(plan, Plan::Local { decode: r.nodes()[0].clone(), reason: LocalReason::Colocated });
+        let later = t + Duration::from_secs(4);
+        let dead = r.expire(later);
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].id, a);
+        assert!(r.plan(&q(200)).is_err());
+    }
+
+    #[test]
+    fn no_prefill_node_and_saturation_fall_back_to_local() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        let (plan, _) = r.plan(&q(200)).unwrap();
+        assert!(matches!(plan, Plan::Local { reason: LocalReason::NoPrefillNode, .. }));
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        r.report(p, LoadReport { queued_prefill_tokens: 1 << 20, ..Default::default() }, t);
+        let (plan, _) = r.plan(&q(200)).unwrap();
+        assert!(matches!(plan, Plan::Local { reason: LocalReason::PrefillSaturated, .. }), "{plan:?}");
+        // Excluding the failed prefill node also falls back.
+        let mut qq = q(200);
+        qq.exclude = vec![p];
+        let (plan, _) = r.plan(&qq).unwrap();
+        assert!(matches!(plan, Plan::Local { reason: LocalReason::NoPrefillNode, .. }));
+    }
+
+    #[test]
+    fn bursts_spread_over_the_pool_and_prefix_overlap_attracts() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p1 = r.register(reg("p1", NodeRole::Prefill, 1, 1), t).unwrap();
+        let p2 = r.register(reg("p2", NodeRole::Prefill, 1, 2), t).unwrap();
+        let d1 = r.register(reg("d1", NodeRole::Decode, 1, 3), t).unwrap();
+        let d2 = r.register(reg("d2", NodeRole::Decode, 1, 4), t).unwrap();
+        let mut seen_p = HashSet::new();
+        let mut seen_d = HashSet::new();
+        for _ in 0..4 {
+            let (plan, _) = r.plan(&q(200)).unwrap();
+            let Plan::Remote { prefill, decode } = plan else { panic!("{plan:?}") };
+            seen_p.insert(prefill.id);
+            seen_d.insert(decode.id);
+        }
+        assert_eq!(seen_p, HashSet::from([p1, p2]));
+        assert_eq!(seen_d, HashSet::from([d1, d2]));
+        // After fresh (equal) reports, the prefill node holding the prompt's prefix wins.
+        let hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q(200).tokens, 4).collect();
+        r.report(p1, LoadReport { queued_prefill_tokens: 50, ..Default::default() }, t);
+        r.report(p2, LoadReport { queued_prefill_tokens: 50, prefix_hashes: hashes, ..Default::default() }, t);
+        let (plan, a) = r.plan(&q(200)).unwrap();
+        let Plan::Remote { prefill, .. } = plan else { panic!() };
+        assert_eq!(prefill.id, p2);
+        r.release(&a);
+    }
+}

@@ -1,0 +1,394 @@
+//! One request's journey through the cluster: plan, prefill, handoff, decode, and what happens
+//! when a node fails along the way.
+//!
+//! Attempts: each attempt asks the registry for a [`Plan`] and books load on the chosen nodes
+//! (returned when the attempt ends). Outcomes:
+//! - the stream finished (or the client went away): done;
+//! - the prefill node failed before the first token: exclude it and try again — another prefill
+//!   node, or a local prefill on a decode node — invisibly to the client, at most
+//!   `max_prefill_retries` times;
+//! - the decode node failed (its stream broke, went silent, or ended with an error, including a
+//!   failed handoff after the first token was sent): migrate — another decode node prefills the
+//!   prompt plus every token already sent and continues the same stream, at most
+//!   `max_migrations` times; after that the stream ends with an error event.
+//!
+//! The decode request and the prefill request go out together; the decode node's ticket is
+//! forwarded to the prefill node when it arrives, so the lease costs no serial round trip
+//! before the prefill starts. Dropping a node stream (any early return here) makes the node
+//! cancel the request and free its KV (see the node crates).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cleave_kv_transfer::net::{Connector, DuplexStream};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, HandoffDone, PrefillRequest, Work};
+use cleave_protocol::{FinishReason, TokenEvent};
+use tracing::Instrument;
+
+use super::registry::{NodeRef, Plan, RouteQuery};
+use super::{metric, ClusterConfig, ClusterHandle};
+use crate::dispatch::{Dispatch, DispatchEvent};
+
+/// How an attempt ended.
+enum Outcome {
+    /// Final event delivered, or the client is gone.
+    Finished,
+    /// The prefill node failed before the first token.
+    PrefillFailed { node: NodeRef, error: String },
+    /// The decode node failed; tokens sent so far stay sent.
+    DecodeFailed { node: NodeRef, error: String },
+}
+
+/// What the client has received so far.
+struct Progress {
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    generated: Vec<u32>,
+    first_token_at: Option<Instant>,
+}
+
+pub(super) async fn run(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, cfg: Arc<ClusterConfig>) {
+    let span = tracing::info_span!("request", request_id = %d.id);
+    drive(d, cluster, connector, cfg).instrument(span).await
+}
+
+async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, cfg: Arc<ClusterConfig>) {
+    let mut p = Progress {
+        prompt_tokens: d.prompt.len() as u32,
+        cached_tokens: 0,
+        generated: Vec::new(),
+        first_token_at: None,
+    };
+    let mut exclude = Vec::new();
+    let (mut prefill_retries, mut migrations) = (0u32, 0u32);
+    let mut last_error = String::new();
+    loop {
+        if d.cancel.is_cancelled() {
+            return;
+        }
+        if p.generated.len() >= d.stop.max_tokens as usize {
+            // Every token was sent but the node died before saying so: end it here.
+            let ev = TokenEvent {
+                request_id: d.id,
+                token_id: None,
+                text: String::new(),
+                logprobs: None,
+                finish_reason: Some(FinishReason::Length),
+                prompt_tokens: p.prompt_tokens,
+                cached_tokens: p.cached_tokens,
+                completion_tokens: p.generated.len() as u32,
+                error: None,
+            };
+            let _ = d.events.send(DispatchEvent::Token(ev)).await;
+            return;
+        }
+        let q = RouteQuery {
+            tokens: [&d.prompt[..], &p.generated[..]].concat(),
+            max_tokens: d.stop.max_tokens as usize - p.generated.len(),
+            exclude: exclude.clone(),
+            force_local: !p.generated.is_empty(),
+        };
+        let (plan, booking) = match cluster.plan(q).await {
+            Ok(x) => x,
+            Err(e) => {
+                if p.generated.is_empty() && last_error.is_empty() {
+                    let _ = d.events.send(DispatchEvent::Refused { reason: e.to_string() }).await;
+                } else {
+                    let why = if last_error.is_empty() { e.to_string() } else { format!("{last_error}; then {e}") };
+                    finish_with_error(&d, &p, why).await;
+                }
+                return;
+            }
+        };
+        let outcome = match plan {
+            Plan::Remote { prefill, decode } => {
+                metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "remote", "reason" => "long_prompt")
+                    .increment(1);
+                tracing::debug!(prefill = %prefill.name, decode = %decode.name, "remote prefill");
+                remote(&d, &mut p, &connector, &cfg, prefill, decode).await
+            }
+            Plan::Local { decode, reason } => {
+                metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "local", "reason" => reason.as_str())
+                    .increment(1);
+                tracing::debug!(decode = %decode.name, reason = reason.as_str(), "local prefill");
+                local(&d, &mut p, &connector, &cfg, decode).await
+            }
+        };
+        cluster.release(booking);
+        match outcome {
+            Outcome::Finished => return,
+            Outcome::PrefillFailed { node, error } => {
+                tracing::warn!(node = %node.name, %error, "prefill failed before the first token; retrying");
+                metrics::counter!(metric::PREFILL_RETRIES_TOTAL, "node" => node.name.clone()).increment(1);
+                last_error = format!("prefill node {}: {error}", node.name);
+                exclude.push(node.id);
+                prefill_retries += 1;
+                if prefill_retries > cfg.max_prefill_retries {
+                    finish_with_error(
+                        &d,
+                        &p,
+                        format!("gave up after {prefill_retries} prefill attempts: {last_error}"),
+                    )
+                    .await;
+                    return;
+                }
+            }
+            Outcome::DecodeFailed { node, error } => {
+                last_error = format!("decode node {}: {error}", node.name);
+                exclude.push(node.id);
+                if p.generated.is_empty() {
+                    // Nothing was sent yet: a plain retry elsewhere, like a failed prefill.
+                    prefill_retries += 1;
+                    if prefill_retries > cfg.max_prefill_retries {
+                        finish_with_error(&d, &p, format!("gave up after {prefill_retries} attempts: {last_error}"))
+                            .await;
+                        return;
+                    }
+                    tracing::warn!(node = %node.name, %error, "decode node failed before the first token; retrying");
+                    continue;
+                }
+                migrations += 1;
+                metrics::counter!(metric::MIGRATIONS_TOTAL, "node" => node.name.clone()).increment(1);
+                if migrations > cfg.max_migrations {
+                    finish_with_error(&d, &p, format!("gave up after {} migrations: {last_error}", migrations - 1))
+                        .await;
+                    return;
+                }
+                tracing::warn!(node = %node.name, %error, sent = p.generated.len(), "decode node failed; migrating the stream");
+            }
+        }
+    }
+}
+
+fn work(d: &Dispatch) -> Work {
+    Work { id: d.id, prompt: d.prompt.clone(), params: d.params.clone(), stop: d.stop.clone() }
+}
+
+async fn open(connector: &Connector, node: &NodeRef, msg: &ControlMsg) -> Result<DuplexStream, String> {
+    let mut s = connector.open(node.rpc_addr).await.map_err(|e| e.to_string())?;
+    write_msg(&mut s.send, msg).await.map_err(|e| e.to_string())?;
+    Ok(s)
+}
+
+async fn finish_with_error(d: &Dispatch, p: &Progress, error: String) {
+    tracing::warn!(%error, "request failed");
+    let ev = TokenEvent {
+        request_id: d.id,
+        token_id: None,
+        text: String::new(),
+        logprobs: None,
+        finish_reason: Some(FinishReason::Error),
+        prompt_tokens: p.prompt_tokens,
+        cached_tokens: p.cached_tokens,
+        completion_tokens: p.generated.len() as u32,
+        error: Some(error),
+    };
+    let _ = d.events.send(DispatchEvent::Token(ev)).await;
+}
+
+/// Delivers one node event to the client with the request-level counts. Returns false when the
+/// client is gone.
+async fn emit(d: &Dispatch, p: &mut Progress, mut ev: TokenEvent) -> bool {
+    if let Some(t) = ev.token_id {
+        p.generated.push(t);
+        if p.first_token_at.is_none() {
+            p.first_token_at = Some(Instant::now());
+            p.cached_tokens = ev.cached_tokens;
+        }
+    }
+    ev.request_id = d.id;
+    ev.prompt_tokens = p.prompt_tokens;
+    ev.cached_tokens = p.cached_tokens;
+    ev.completion_tokens = p.generated.len() as u32;
+    d.events.send(DispatchEvent::Token(ev)).await.is_ok()
+}
+
+enum Read {
+    Msg(ControlMsg),
+    /// The stream ended, broke, or went silent.
+    Lost(String),
+}
+
+async fn next(s: &mut DuplexStream, silence: Duration) -> Read {
+    match tokio::time::timeout(silence, read_msg(&mut s.recv)).await {
+        Ok(Ok(Some(m))) => Read::Msg(m),
+        Ok(Ok(None)) => Read::Lost("the node closed the stream".into()),
+        Ok(Err(e)) => Read::Lost(e.to_string()),
+        Err(_) => Read::Lost(format!("the node sent nothing for {} s", silence.as_secs())),
+    }
+}
+
+/// A node's final event that is an error means the node failed the request.
+fn node_error(ev: &TokenEvent) -> Option<String> {
+    (ev.finish_reason == Some(FinishReason::Error)).then(|| ev.error.clone().unwrap_or_else(|| "node error".into()))
+}
+
+async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &ClusterConfig, node: NodeRef) -> Outcome {
+    let msg =
+        ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: true, generated: p.generated.clone() });
+    let mut s = match open(connector, &node, &msg).await {
+        Ok(s) => s,
+        Err(error) => return Outcome::DecodeFailed { node, error },
+    };
+    loop {
+        tokio::select! {
+            () = d.cancel.cancelled() => {
+                let _ = write_msg(&mut s.send, &ControlMsg::Cancel(d.id)).await;
+                return Outcome::Finished;
+            }
+            r = next(&mut s, cfg.node_silence_timeout) => match r {
+                Read::Msg(ControlMsg::Token(ev)) => {
+                    if let Some(error) = node_error(&ev) {
+                        return Outcome::DecodeFailed { node, error };
+                    }
+                    let last = ev.finish_reason.is_some();
+                    if !emit(d, p, ev).await || last {
+                        return Outcome::Finished;
+                    }
+                }
+                Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from decode node"),
+                Read::Lost(error) => return Outcome::DecodeFailed { node, error },
+            },
+        }
+    }
+}
+
+async fn remote(
+    d: &Dispatch,
+    p: &mut Progress,
+    connector: &Connector,
+    cfg: &ClusterConfig,
+    pnode: NodeRef,
+    dnode: NodeRef,
+) -> Outcome {
+    let t0 = Instant::now();
+    let dmsg = ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: false, generated: Vec::new() });
+    let pmsg = ControlMsg::PrefillRequest(PrefillRequest { work: work(d), ticket: None });
+    let (ds, ps) = tokio::join!(open(connector, &dnode, &dmsg), open(connector, &pnode, &pmsg));
+    let mut ds = match ds {
+        Ok(s) => s,
+        Err(error) => return Outcome::DecodeFailed { node: dnode, error },
+    };
+    let mut ps = match ps {
+        Ok(s) => s,
+        Err(error) => return Outcome::PrefillFailed { node: pnode, error },
+    };
+    let dispatched = t0.elapsed();
+    let mut prefill_open = true;
+    let mut first_at: Option<Instant> = None;
+    // Decode events that overtook the prefill node's first token (separate streams).
+    let mut early: Vec<TokenEvent> = Vec::new();
+    let mut decode_first_step_recorded = false;
+    let labels = |n: &NodeRef| [("pool", "prefill".to_string()), ("node", n.name.clone())];
+    loop {
+        tokio::select! {
+            () = d.cancel.cancelled() => {
+                let _ = write_msg(&mut ds.send, &ControlMsg::Cancel(d.id)).await;
+                if prefill_open {
+                    let _ = write_msg(&mut ps.send, &ControlMsg::Cancel(d.id)).await;
+                }
+                return Outcome::Finished;
+            }
+            r = next(&mut ds, cfg.node_silence_timeout) => match r {
+                Read::Msg(ControlMsg::Ticket(t)) => {
+                    metrics::histogram!(metric::HANDOFF_RESERVATION_SECONDS, "pool" => "decode", "node" => dnode.name.clone())
+                        .record(t0.elapsed().as_secs_f64());
+                    if prefill_open && write_msg(&mut ps.send, &ControlMsg::Ticket(t)).await.is_err() && first_at.is_none() {
+                        return Outcome::PrefillFailed { node: pnode, error: "stream lost while sending the ticket".into() };
+                    }
+                }
+                Read::Msg(ControlMsg::Token(ev)) => {
+                    if let Some(error) = node_error(&ev) {
+                        // Before the first token (e.g. no blocks) the request is retried
+                        // elsewhere; after it, the stream migrates.
+                        return Outcome::DecodeFailed { node: dnode, error };
+                    }
+                    if first_at.is_none() {
+                        early.push(ev);
+                        continue;
+                    }
+                    if !decode_first_step_recorded {
+                        decode_first_step_recorded = true;
+                        if let Some(f) = first_at {
+                            metrics::histogram!(metric::HANDOFF_DECODE_FIRST_STEP_SECONDS, "pool" => "decode", "node" => dnode.name.clone())
+                                .record(f.elapsed().as_secs_f64());
+                        }
+                    }
+                    let last = ev.finish_reason.is_some();
+                    if !emit(d, p, ev).await || last {
+                        return Outcome::Finished;
+                    }
+                }
+                Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from decode node"),
+                Read::Lost(error) => return Outcome::DecodeFailed { node: dnode, error },
+            },
+            r = next(&mut ps, cfg.node_silence_timeout), if prefill_open => match r {
+                Read::Msg(ControlMsg::Token(ev)) => {
+                    if let Some(error) = node_error(&ev) {
+                        if first_at.is_none() {
+                            return Outcome::PrefillFailed { node: pnode, error };
+                        }
+                        prefill_open = false;
+                        continue;
+                    }
+                    if first_at.is_some() {
+                        tracing::debug!("second token event from the prefill node ignored");
+                        continue;
+                    }
+                    first_at = Some(Instant::now());
+                    let last = ev.finish_reason.is_some();
+                    if !emit(d, p, ev).await {
+                        return Outcome::Finished;
+                    }
+                    if last {
+                        // The first token ended the request: the decode side's lease is
+                        // cancelled when its stream drops.
+                        let _ = write_msg(&mut ds.send, &ControlMsg::Cancel(d.id)).await;
+                        return Outcome::Finished;
+                    }
+                    for ev in std::mem::take(&mut early) {
+                        let last = ev.finish_reason.is_some();
+                        if !emit(d, p, ev).await || last {
+                            return Outcome::Finished;
+                        }
+                    }
+                }
+                Read::Msg(ControlMsg::HandoffDone(h)) => {
+                    record_handoff(&h, &pnode, dispatched, labels(&pnode));
+                    prefill_open = false;
+                }
+                Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from prefill node"),
+                Read::Lost(error) => {
+                    prefill_open = false;
+                    if first_at.is_none() {
+                        return Outcome::PrefillFailed { node: pnode, error };
+                    }
+                    // After the first token: the decode node learns of a broken handoff from
+                    // its lease and fails the request, which migrates it.
+                    tracing::debug!(%error, "prefill stream ended after the first token");
+                }
+            },
+        }
+    }
+}
+
+fn record_handoff(h: &HandoffDone, node: &NodeRef, dispatched: Duration, labels: [(&'static str, String); 2]) {
+    if let Some(e) = &h.error {
+        tracing::warn!(node = %node.name, error = %e, "handoff failed");
+        metrics::counter!(metric::HANDOFF_FAILURES_TOTAL, "node" => node.name.clone()).increment(1);
+        return;
+    }
+    let s = |us: u64| us as f64 / 1e6;
+    metrics::histogram!(metric::HANDOFF_QUEUE_SECONDS, &labels).record(dispatched.as_secs_f64() + s(h.queue_us));
+    metrics::histogram!(metric::HANDOFF_PREFILL_SECONDS, &labels).record(s(h.prefill_us));
+    metrics::histogram!(metric::HANDOFF_TICKET_WAIT_SECONDS, &labels).record(s(h.ticket_wait_us));
+    metrics::histogram!(metric::HANDOFF_TRANSFER_SECONDS, &labels).record(s(h.transfer_us));
+    metrics::histogram!(metric::HANDOFF_TRANSFER_BYTES, &labels).record(h.transfer_bytes as f64);
+    tracing::debug!(
+        prefill_us = h.prefill_us,
+        ticket_wait_us = h.ticket_wait_us,
+        transfer_us = h.transfer_us,
+        bytes = h.transfer_bytes,
+        "handoff done"
+    );
+}
