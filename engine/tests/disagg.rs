@@ -345,9 +345,17 @@ fn layer_chunks_leave_before_later_layers_compute() {
 fn exported_bytes_are_the_cache_rows() {
     // What B holds after the import equals what A computed: re-export from B's blocks by
     // prefilling the same prompt on B with a prefix-cache hit on the imported blocks.
+    // 17 tokens: the 16 of the full blocks come from the cache. 16 tokens: the whole prompt is
+    // cached, so the last block is copied (copy-on-write) and its last token recomputed.
+    for len in [17, 16] {
+        exported_bytes_match(len);
+    }
+}
+
+fn exported_bytes_match(len: usize) {
     let dir = tiny_llama_dir();
     let (mut a, mut b) = (engine(&dir, config(4, 64)), engine(&dir, config(4, 64)));
-    let prompt = tokens(31, 17, 32000);
+    let prompt = tokens(31, len, 32000);
     let req = greedy_request(1, prompt.clone(), 2);
     let (_, done) = run_disagg(&mut a, &mut b, std::slice::from_ref(&req), &[], &[]);
     assert_eq!(done[&1].cached_tokens, 0);
@@ -373,7 +381,60 @@ fn exported_bytes_are_the_cache_rows() {
     // Both now serve the 16 full-block tokens from their caches (B's from imported blocks).
     let from_a = export(&mut a, 2);
     let from_b = export(&mut b, 2);
+    assert_eq!(from_a.len(), 2);
+    assert!(from_a.values().all(|(k, v)| k.len() == len * 32 * 4 && v.len() == k.len()));
     assert_eq!(from_a, from_b);
+}
+
+#[test]
+fn a_preempted_prefill_only_request_exports_each_token_once() {
+    // 10 blocks of 4 tokens: a decoding request (older) grows until the prefill-only one,
+    // mid-prefill, is preempted; it recomputes later and must not resend what it sent.
+    let dir = tiny_llama_dir();
+    let per_block = 2 * 2 * 4 * 32 * 4;
+    let tight = EngineConfig { kv_cache_memory: 10 * per_block, ..config(4, 8) };
+    let (mut a, mut b) = (engine(&dir, tight), engine(&dir, config(4, 16)));
+    let older = greedy_request(1, tokens(91, 8, 32000), 24);
+    let handoff = greedy_request(2, tokens(92, 30, 32000), 6);
+    let (got, _) = run_disagg(&mut a, &mut b, std::slice::from_ref(&handoff), &[older.clone()], &[]);
+    assert!(a.snapshot().preemptions >= 1, "the scenario must preempt: {:?}", a.snapshot());
+    assert_eq!(got, single_engine(&dir, &config(4, 16), &[older, handoff]));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 12,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0xd15a_6601),
+        failure_persistence: None,
+        max_shrink_iters: 32,
+        ..Default::default()
+    })]
+
+    /// Random block sizes, chunk budgets, prompt lengths and shared prefixes (prefix-cache hits
+    /// on A, including whole-prompt hits) keep the handoff equal to a single engine.
+    #[test]
+    fn handoff_equals_single_engine_for_random_shapes(
+        block_size in proptest::sample::select(vec![1usize, 2, 4, 8, 16]),
+        budget in 8usize..40,
+        lens in proptest::collection::vec(1usize..48, 1..4),
+        shared in 0usize..24,
+        seed in 0u64..1000,
+    ) {
+        let dir = tiny_llama_dir();
+        let cfg = config(block_size, budget);
+        let prefix = tokens(seed, shared, 32000);
+        let reqs: Vec<EngineRequest> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| greedy_request(i as u64, [prefix.clone(), tokens(seed + 1 + i as u64, n, 32000)].concat(), 4))
+            .collect();
+        let (mut a, mut b) = (engine(&dir, cfg.clone()), engine(&dir, cfg.clone()));
+        // Warm A's prefix cache with the first prompt in full (a whole-prompt hit for it).
+        a.add_request(greedy_request(999, reqs[0].prompt.clone(), 1), Instant::now()).unwrap();
+        run_to_end(&mut a);
+        let (got, _) = run_disagg(&mut a, &mut b, &reqs, &[], &[]);
+        proptest::prop_assert_eq!(got, single_engine(&dir, &cfg, &reqs));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
