@@ -274,3 +274,56 @@ async fn tls_kinds_need_an_identity() {
         assert!(Listener::bind(&cfg(kind, None), local()).await.is_err());
     }
 }
+
+/// A QUIC peer that dies without a word (its runtime vanishes: no CONNECTION_CLOSE) and comes
+/// back on the same address with the same identity: the client's cached connection is reset by
+/// the new process's stateless reset (same identity, same reset key) at its next packet, so the
+/// client fails one attempt fast and reconnects, instead of waiting for the idle timeout (30 s,
+/// beyond this test's wait bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_peer_crash_and_restart_is_noticed_through_stateless_reset() {
+    let ids = NodeIdentity::generate_test_cluster(&["server", "client"]).unwrap();
+    let server_cfg = cfg(NetKind::Quic, Some(&ids[0]));
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let (crash_tx, crash_rx) = tokio::sync::oneshot::channel::<()>();
+    let cfg2 = server_cfg.clone();
+    // First life on its own runtime in its own thread; "crash" = leave block_on and drop the
+    // runtime, so no task (the endpoint driver included) runs again.
+    let life = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut l = Listener::bind(&cfg2, local()).await.unwrap();
+            addr_tx.send(l.local_addr()).unwrap();
+            let mut crash_rx = crash_rx;
+            loop {
+                tokio::select! {
+                    r = l.accept() => { if let Some(Ok((s, _))) = r { tokio::spawn(echo_one(s)); } }
+                    _ = &mut crash_rx => break,
+                }
+            }
+            drop(l); // queues a close that no task will ever send
+        });
+        drop(rt);
+    });
+    let addr = bounded("first life", addr_rx).await.unwrap();
+    let c = Connector::new(&cfg(NetKind::Quic, Some(&ids[1]))).unwrap();
+    assert_eq!(bounded("echo 1", echo_roundtrip(&c, addr, b"one")).await.unwrap(), b"one");
+    crash_tx.send(()).unwrap();
+    bounded("crash", tokio::task::spawn_blocking(move || life.join().unwrap())).await.unwrap();
+
+    let l2 = bounded("rebind", rebind(&server_cfg, addr)).await;
+    let _peers = spawn_echo_server(l2);
+    let t0 = std::time::Instant::now();
+    let mut ok = false;
+    for _ in 0..2 {
+        match bounded("echo after crash", echo_roundtrip(&c, addr, b"two")).await {
+            Ok(v) => {
+                assert_eq!(v, b"two");
+                ok = true;
+                break;
+            }
+            Err(e) => eprintln!("attempt after crash failed after {:?}: {e:#}", t0.elapsed()),
+        }
+    }
+    assert!(ok, "no echo after the peer crashed and restarted");
+}

@@ -160,8 +160,15 @@ impl QuicTuning {
     }
 
     fn endpoint_config(&self, identity: &NodeIdentity) -> Result<EndpointConfig> {
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &identity.secret_digest());
+        let secret = identity.secret_digest();
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret);
         let mut cfg = EndpointConfig::new(Arc::new(key));
+        // quinn's default generator keys its connection-id tag randomly per process, so a
+        // restarted node would drop packets for its previous life's connections as "invalid
+        // CID" instead of answering them with the stateless reset above, and peers would wait
+        // for the idle timeout. Key it by the identity too.
+        let cid_key = u64::from_le_bytes(secret[24..32].try_into().expect("8 bytes"));
+        cfg.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
         let max = self.mtu_discovery_upper_bound.unwrap_or(self.initial_mtu).max(self.initial_mtu);
         cfg.max_udp_payload_size(max.clamp(1200, 65_527))
             .map_err(|e| KvTransferError::Tls(format!("quic max udp payload: {e}")))?;
