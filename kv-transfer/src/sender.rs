@@ -16,6 +16,7 @@
 //! - a chunk is validated against the ticket (layer, token range, byte lengths) when it is
 //!   enqueued, so a bad chunk fails at the caller, not at the receiver.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -104,10 +105,15 @@ pub struct ChunkSender {
     layout: KvLayout,
     num_tokens: u32,
     txs: Arc<[mpsc::Sender<Item>]>,
+    /// Set when the [`KvSender`] is finished or dropped: later chunks fail at once.
+    ended: Arc<AtomicBool>,
 }
 
 impl ChunkSender {
     fn check(&self, c: &LayerChunk) -> Result<usize> {
+        if self.ended.load(Ordering::Acquire) {
+            return Err(self.closed());
+        }
         let bad = |reason: String| Err(KvTransferError::ChunkOutOfBounds { lease: self.lease, reason });
         if c.layer >= self.layout.num_layers {
             return bad(format!("layer {} of {}", c.layer, self.layout.num_layers));
@@ -227,6 +233,7 @@ impl KvSender {
                 layout: local.clone(),
                 num_tokens: ticket.num_tokens,
                 txs: Arc::from(Vec::new()),
+                ended: Arc::new(AtomicBool::new(false)),
             },
             events,
             started,
@@ -298,7 +305,8 @@ impl KvSender {
                 r = tokio::time::timeout_at(io_deadline, rx) => match r {
                     Err(_) => return Err(KvTransferError::Timeout { what: format!("flushing {lease}"), ms: self.cfg.io_timeout.as_millis() as u64 }),
                     Ok(Err(_)) => return Err(self.failure().await),
-                    Ok(Ok(r)) => r?,
+                    Ok(Ok(Err(e))) => return Err(self.explain(e).await),
+                    Ok(Ok(Ok(r))) => r,
                 },
                 ev = self.next_event(io_deadline, "flush") => return Err(match ev { Ok(c) => unexpected(lease, &c), Err(e) => e }),
             };
@@ -317,7 +325,8 @@ impl KvSender {
                 })
             }
             Ok(Err(_)) => return Err(self.failure().await),
-            Ok(Ok(r)) => r?,
+            Ok(Ok(Err(e))) => return Err(self.explain(e).await),
+            Ok(Ok(Ok(()))) => {}
         }
         let ack_deadline = tokio::time::Instant::now() + self.cfg.ack_timeout;
         match self.next_event(ack_deadline, "Ack").await {
@@ -338,6 +347,14 @@ impl KvSender {
         })
     }
 
+    /// A local write failed: the receiver's Abort explains it better if one arrives soon.
+    async fn explain(&mut self, local: KvTransferError) -> KvTransferError {
+        match self.failure().await {
+            e @ KvTransferError::PeerAborted { .. } => e,
+            _ => local,
+        }
+    }
+
     /// Why a writer went away: the receiver's word if it sent one soon, else a lost connection.
     async fn failure(&mut self) -> KvTransferError {
         let soon = tokio::time::Instant::now() + Duration::from_millis(500).min(self.cfg.io_timeout);
@@ -345,6 +362,12 @@ impl KvSender {
             Err(e) => e,
             Ok(c) => unexpected(self.ticket.lease_id, &c),
         }
+    }
+}
+
+impl Drop for KvSender {
+    fn drop(&mut self) {
+        self.chunks.ended.store(true, Ordering::Release);
     }
 }
 

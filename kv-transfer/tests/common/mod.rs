@@ -175,7 +175,7 @@ impl Pair {
                 self.transport = Arc::new(self.receiver.handle().in_process());
             }
             Some(rnet) => {
-                let listener = bounded("rebind", Listener::bind(rnet, self.addr)).await.unwrap();
+                let listener = bounded("rebind", rebind(rnet, self.addr)).await;
                 self.receiver = ReceiverService::spawn(
                     receiver_cfg(self.kind, self.addr, &opts),
                     self.pool.clone(),
@@ -192,4 +192,18 @@ impl Pair {
         assert_eq!(st.live_leases, 0, "{:?}: {st:?}", self.kind);
         assert_eq!(self.pool.free_blocks(), self.pool.total_blocks(), "{:?}: pool lost blocks", self.kind);
     }
+}
+
+/// Binds `addr` again once the previous listener let go of it (a dropped listener's socket is
+/// closed by its task, which the runtime runs shortly; the wait is bounded).
+async fn rebind(cfg: &NetConfig, addr: SocketAddr) -> Listener {
+    let mut last = None;
+    for _ in 0..10_000 {
+        match Listener::bind(cfg, addr).await {
+            Ok(l) => return l,
+            Err(e) => last = Some(e),
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("could not rebind {addr}: {last:?}");
 }
