@@ -377,13 +377,13 @@ impl<S: KvSink> Actor<S> {
             return Err(KvTransferError::InvalidRequest { reason: "a handoff of zero tokens".into() });
         }
         let need = HandoffTicket::blocks_for(num_tokens, self.cfg.layout.block_size);
-        let blocks = self.sink.reserve(need)?;
+        let blocks = self.sink.reserve(request_id, num_tokens, need)?;
         let ttl = ttl.unwrap_or(self.cfg.lease_ttl);
         let spec = LeaseSpec { request_id, blocks: blocks.clone(), num_tokens, ttl };
         let lease = match self.sm.open_lease(now(), spec) {
             Ok(l) => l,
             Err(e) => {
-                self.sink.release(&blocks);
+                self.sink.release(request_id, &blocks);
                 return Err(e);
             }
         };
@@ -444,7 +444,7 @@ impl<S: KvSink> Actor<S> {
                 }
                 Effect::Released { lease, request_id, blocks, error } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
-                    self.sink.release(&blocks);
+                    self.sink.release(request_id, &blocks);
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Err(error));
                     }

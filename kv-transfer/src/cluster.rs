@@ -73,8 +73,8 @@ pub async fn register(connector: &Connector, cfg: &ControlLinkConfig, reg: &Regi
 }
 
 /// Runs the control link until `shutdown` resolves (Ok) or the coordinator refuses the node
-/// (Err). `load` produces each report. `registered` fires once, with the first node id (or the
-/// first registration's error, after which the link still retries unless it was a refusal).
+/// (Err). `load` produces each report. `registered` fires once: with the first node id, or with
+/// the refusal. Transient failures (coordinator not up yet, link lost) are retried forever.
 pub async fn run_control_link<F, Fut>(
     connector: Connector,
     cfg: ControlLinkConfig,
@@ -118,17 +118,16 @@ where
                         }
                     }
                 }
-                Err(e @ KvTransferError::Refused { .. }) => {
+                Err(KvTransferError::Refused { reason }) => {
+                    tracing::error!(%reason, "the coordinator refused this node");
                     if let Some(tx) = registered.take() {
-                        let _ = tx.send(Err(KvTransferError::Refused { reason: e.to_string() }));
+                        let _ = tx.send(Err(KvTransferError::Refused { reason: reason.clone() }));
                     }
-                    return Err(e);
+                    return Err(KvTransferError::Refused { reason });
                 }
                 Err(e) => {
+                    // The coordinator may not be up yet, or restarting: keep trying.
                     tracing::debug!(error = %e, "registration failed; retrying");
-                    if let Some(tx) = registered.take() {
-                        let _ = tx.send(Err(e));
-                    }
                 }
             }
             tokio::time::sleep(backoff).await;

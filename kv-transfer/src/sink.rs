@@ -3,7 +3,8 @@
 //! implementation for tests and benchmarks.
 //!
 //! Contract of an implementation:
-//! - `reserve(n)` either returns exactly `n` distinct free blocks, which stay out of the free
+//! - `reserve(request, tokens, n)` either returns exactly `n` distinct free blocks (for `tokens`
+//!   tokens of `request`; a pool keyed by request, like the engine's, uses those), which stay out of the free
 //!   pool until `release`d or adopted by a request, or fails with
 //!   [`KvTransferError::OutOfBlocks`] without reserving anything;
 //! - `write` copies `w.k`/`w.v` (token-major `[token_count, num_kv_heads, head_dim]`, layout
@@ -14,16 +15,16 @@
 
 use std::sync::{Arc, Mutex};
 
-use cleave_protocol::KvLayout;
+use cleave_protocol::{KvLayout, RequestId};
 
 use crate::receiver::KvWrite;
 use crate::{KvTransferError, Result};
 
 /// Where a receiver reserves blocks and writes the KV it receives.
 pub trait KvSink: Send + 'static {
-    fn reserve(&mut self, num_blocks: usize) -> Result<Vec<u32>>;
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Result<Vec<u32>>;
     fn write(&mut self, w: &KvWrite) -> Result<()>;
-    fn release(&mut self, blocks: &[u32]);
+    fn release(&mut self, request_id: RequestId, blocks: &[u32]);
 }
 
 /// A block pool in plain memory: per block and layer, K then V, each
@@ -113,7 +114,7 @@ impl PoolInner {
 }
 
 impl KvSink for MemoryPool {
-    fn reserve(&mut self, num_blocks: usize) -> Result<Vec<u32>> {
+    fn reserve(&mut self, _request_id: RequestId, _num_tokens: u32, num_blocks: usize) -> Result<Vec<u32>> {
         let mut p = self.lock();
         if p.free.len() < num_blocks {
             return Err(KvTransferError::OutOfBlocks { need: num_blocks, free: p.free.len() });
@@ -150,7 +151,7 @@ impl KvSink for MemoryPool {
         Ok(())
     }
 
-    fn release(&mut self, blocks: &[u32]) {
+    fn release(&mut self, _request_id: RequestId, blocks: &[u32]) {
         self.lock().free.extend_from_slice(blocks);
     }
 }
