@@ -58,6 +58,8 @@ pub struct ChoiceState {
     completion_tokens: u32,
     cached_tokens: u32,
     finished: bool,
+    /// The router sent its final event (so there is nothing to cancel).
+    router_finished: bool,
 }
 
 impl ChoiceState {
@@ -70,6 +72,7 @@ impl ChoiceState {
             completion_tokens: 0,
             cached_tokens: 0,
             finished: false,
+            router_finished: false,
         }
     }
 
@@ -79,6 +82,12 @@ impl ChoiceState {
 
     pub fn is_finished(&self) -> bool {
         self.finished
+    }
+
+    /// Finished before the router did (a stop string, or a failure): the dispatch must be
+    /// cancelled so that the node frees the sequence.
+    pub fn needs_cancel(&self) -> bool {
+        self.finished && !self.router_finished
     }
 
     /// Applies one event. A stop string ends the choice with [`FinishReason::Stop`] even
@@ -106,6 +115,7 @@ impl ChoiceState {
                 });
             }
         };
+        self.router_finished = ev.finish_reason.is_some();
         self.cached_tokens = self.cached_tokens.max(ev.cached_tokens);
         update.cached_tokens = self.cached_tokens;
         if ev.finish_reason == Some(FinishReason::Error) {
@@ -324,8 +334,10 @@ fn choice_stream(
                 }
                 if update.finish.is_some() {
                     t.done = true;
-                    // The router may still be generating (stop string): tell it to stop.
-                    t.cancel.cancel();
+                    if t.state.needs_cancel() {
+                        // A stop string matched while the node is still generating.
+                        t.cancel.cancel();
+                    }
                     let e2e = t.started.elapsed().as_secs_f64();
                     ::metrics::histogram!(m::E2E_LATENCY_SECONDS).record(e2e);
                     let n = t.state.completion_tokens();
