@@ -26,8 +26,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 
 use crate::frame::{read_frame, write_control, Control, Frame, Limits};
+use crate::metrics as m;
 use crate::net::{BoxRead, BoxWrite, DuplexStream, Listener, PeerInfo};
-use crate::receiver::{Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
+use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
 use crate::sink::KvSink;
 use crate::transport::{BoxFuture, Transport};
 use crate::{KvTransferError, Result};
@@ -164,7 +165,13 @@ impl ReceiverHandle {
     /// Reserves blocks for `num_tokens` tokens of a request and returns the ticket. Refused up
     /// front ([`KvTransferError::OutOfBlocks`]) when the pool cannot hold them.
     pub async fn reserve(&self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
-        self.call("reserve", |reply| Cmd::Reserve { request_id, num_tokens, ttl, reply }).await?
+        let t0 = std::time::Instant::now();
+        let r = self.call("reserve", |reply| Cmd::Reserve { request_id, num_tokens, ttl, reply }).await.and_then(|r| r);
+        match &r {
+            Ok(_) => metrics::histogram!(m::RESERVATION_WAIT_SECONDS).record(t0.elapsed().as_secs_f64()),
+            Err(e) => metrics::counter!(m::RESERVATIONS_REFUSED_TOTAL, "cause" => m::cause(e)).increment(1),
+        }
+        r
     }
 
     /// Cancels a lease (the request was cancelled): its blocks go back to the pool, its sender
@@ -335,7 +342,10 @@ impl<S: KvSink> Actor<S> {
             };
             tokio::select! {
                 cmd = rx.recv() => match cmd {
-                    Some(cmd) => self.command(cmd),
+                    Some(cmd) => {
+                        self.command(cmd);
+                        metrics::gauge!(m::LEASED_BLOCKS).set(self.sm.reserved_blocks() as f64);
+                    }
                     None => break,
                 },
                 () = timer => {
@@ -423,6 +433,8 @@ impl<S: KvSink> Actor<S> {
         while let Some(e) = queue.pop_front() {
             match e {
                 Effect::Write(w) => {
+                    metrics::counter!(m::BYTES_TOTAL, "side" => "receiver", "transport" => m::transport_label(self.cfg.transport))
+                        .increment((w.k.len() + w.v.len()) as u64);
                     if let Err(err) = self.sink.write(&w) {
                         queue.extend(self.sm.fail(w.lease, err));
                     }
@@ -438,12 +450,14 @@ impl<S: KvSink> Actor<S> {
                 Effect::Close { stream } => self.close_stream(stream),
                 Effect::Completed { lease, request_id, blocks, first_token } => {
                     tracing::debug!(%lease, %request_id, "kv receiver: handoff complete");
+                    m::record_success("receiver", self.cfg.transport, 0, None);
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Ok(Completed { lease, request_id, blocks, first_token }));
                     }
                 }
                 Effect::Released { lease, request_id, blocks, error } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
+                    m::record_failure("receiver", self.cfg.transport, &error);
                     self.sink.release(request_id, &blocks);
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Err(error));
@@ -451,6 +465,11 @@ impl<S: KvSink> Actor<S> {
                 }
                 Effect::Dropped { stream, lease, layer, token_start, why } => {
                     tracing::debug!(stream, %lease, layer, token_start, ?why, "kv receiver: chunk dropped");
+                    let reason = match why {
+                        DropReason::Duplicate => "duplicate",
+                        DropReason::Late => "late",
+                    };
+                    metrics::counter!(m::CHUNKS_DROPPED_TOTAL, "reason" => reason).increment(1);
                 }
             }
         }

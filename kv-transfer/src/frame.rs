@@ -486,8 +486,18 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limit
     let mut head = [0u8; MAX_HEADER_BYTES];
     read_exact_or_truncated(r, &mut head[..header_len], PREFIX_BYTES).await?;
     let header = parse_header(&head[..header_len], payload_len, limits)?;
-    let mut payload = BytesMut::zeroed(payload_len);
-    read_exact_or_truncated(r, &mut payload[..], PREFIX_BYTES + header_len).await?;
+    // Read straight into uninitialised capacity (no memset, no copy afterwards).
+    let mut payload = BytesMut::with_capacity(payload_len);
+    while payload.len() < payload_len {
+        let want = (payload_len - payload.len()) as u64;
+        let n = (&mut *r).take(want).read_buf(&mut payload).await.map_err(io_err("frame payload"))?;
+        if n == 0 {
+            return Err(KvTransferError::Truncated {
+                expected: PREFIX_BYTES + header_len + payload_len,
+                got: PREFIX_BYTES + header_len + payload.len(),
+            });
+        }
+    }
     Ok(Some(assemble(header, payload.freeze())))
 }
 

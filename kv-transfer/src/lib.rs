@@ -79,6 +79,7 @@ pub mod error;
 pub mod frame;
 #[allow(clippy::all)]
 pub mod generated;
+pub mod metrics;
 pub mod net;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -95,4 +96,4 @@ pub use error::{KvTransferError, Result};
 pub use receiver::{KvWrite, ReceiverStats};
 pub use sender::{ChunkSender, KvSender, LayerChunk, SendConfig, TransferReport};
 pub use sink::{KvSink, MemoryPool};
-pub use transport::{NetTransport, Transport};
+pub use transport::{NetTransport, Transport, TransportSet};

@@ -175,6 +175,19 @@ impl KvSender {
         local: &KvLayout,
         cfg: &SendConfig,
     ) -> Result<Self> {
+        let r = Self::start_inner(transport, ticket, local, cfg).await;
+        if let Err(e) = &r {
+            crate::metrics::record_failure("sender", transport.kind(), e);
+        }
+        r
+    }
+
+    async fn start_inner(
+        transport: &dyn Transport,
+        ticket: &HandoffTicket,
+        local: &KvLayout,
+        cfg: &SendConfig,
+    ) -> Result<Self> {
         if ticket.version != HANDOFF_VERSION {
             return Err(KvTransferError::VersionUnsupported { got: ticket.version, supported: HANDOFF_VERSION });
         }
@@ -290,7 +303,17 @@ impl KvSender {
     }
 
     /// Flushes every stream, sends `Complete(first_token)` and waits for the `Ack`.
-    pub async fn finish(mut self, first_token: u32) -> Result<TransferReport> {
+    pub async fn finish(self, first_token: u32) -> Result<TransferReport> {
+        let kind = self.transport;
+        let r = self.finish_inner(first_token).await;
+        match &r {
+            Ok(rep) => crate::metrics::record_success("sender", kind, rep.bytes, Some(rep.elapsed)),
+            Err(e) => crate::metrics::record_failure("sender", kind, e),
+        }
+        r
+    }
+
+    async fn finish_inner(mut self, first_token: u32) -> Result<TransferReport> {
         let lease = self.ticket.lease_id;
         let io_deadline = tokio::time::Instant::now() + self.cfg.io_timeout;
         let mut bytes = 0;

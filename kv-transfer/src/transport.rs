@@ -71,3 +71,37 @@ where
     let (r, w) = tokio::io::split(stream);
     DuplexStream { send: Box::pin(w), recv: Box::pin(r) }
 }
+
+/// The transports a sender has, chosen per peer by the ticket's [`TransportKind`].
+#[derive(Default, Clone)]
+pub struct TransportSet {
+    by_kind: Vec<(TransportKind, std::sync::Arc<dyn Transport>)>,
+}
+
+impl TransportSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) the transport for its kind.
+    pub fn with(mut self, t: std::sync::Arc<dyn Transport>) -> Self {
+        let kind = t.kind();
+        self.by_kind.retain(|(k, _)| *k != kind);
+        self.by_kind.push((kind, t));
+        self
+    }
+
+    /// The transport a ticket asks for. No silent fallback: a kind this node lacks is an error.
+    pub fn pick(&self, ticket: &cleave_protocol::HandoffTicket) -> Result<std::sync::Arc<dyn Transport>> {
+        self.by_kind.iter().find(|(k, _)| *k == ticket.transport).map(|(_, t)| t.clone()).ok_or_else(|| {
+            crate::KvTransferError::InvalidRequest {
+                reason: format!(
+                    "ticket for {} asks for {:?}, this node has {:?}",
+                    ticket.lease_id,
+                    ticket.transport,
+                    self.by_kind.iter().map(|(k, _)| *k).collect::<Vec<_>>()
+                ),
+            }
+        })
+    }
+}

@@ -109,3 +109,16 @@ async fn chunks_that_do_not_fit_the_ticket_fail_at_the_caller() {
     assert!(matches!(err, cleave_kv_transfer::KvTransferError::SenderGone { .. }), "{err}");
     pair.assert_nothing_leased().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_is_chosen_per_ticket_without_fallback() {
+    let pair = Pair::new(TransportKind::InProcess, PairOptions::default()).await;
+    let set = cleave_kv_transfer::TransportSet::new().with(pair.transport.clone());
+    let res = pair.receiver.handle().reserve(RequestId(1), 4, None).await.unwrap();
+    assert_eq!(set.pick(&res.ticket).unwrap().kind(), TransportKind::InProcess);
+    let mut t = res.ticket.clone();
+    t.transport = TransportKind::Quic;
+    assert!(set.pick(&t).is_err());
+    pair.receiver.handle().cancel(res.ticket.lease_id).await.unwrap();
+    pair.assert_nothing_leased().await;
+}
