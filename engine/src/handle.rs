@@ -12,6 +12,7 @@
 //! `submit_imported` sent after them. A loop that stops releases every import reservation.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -43,13 +44,33 @@ enum Command {
 
 /// Commands that are not submissions.
 enum Control {
-    ReserveImport { id: RequestId, num_tokens: usize, reply: oneshot::Sender<Result<Vec<u32>>> },
-    ImportKv { id: RequestId, layer: u32, token_start: u32, k: Bytes, v: Bytes, reply: oneshot::Sender<Result<()>> },
-    ReleaseImport { id: RequestId, reply: oneshot::Sender<Result<()>> },
+    ReserveImport {
+        id: RequestId,
+        num_tokens: usize,
+        reply: oneshot::Sender<Result<Vec<u32>>>,
+    },
+    ReleaseImport {
+        id: RequestId,
+        reply: oneshot::Sender<Result<()>>,
+    },
     Cancel(RequestId),
     Snapshot(oneshot::Sender<EngineSnapshot>),
     PrefixHashes(oneshot::Sender<Vec<u64>>),
+    /// Imports are waiting in the import channel (see [`EngineHandle::import_kv`]).
+    Wake,
     Shutdown,
+}
+
+/// One chunk of K/V for a reservation. Chunks travel on their own unbounded channel so that
+/// a burst of them (layers x chunks x requests) never fills the bounded command queue; their
+/// memory is bounded by the reservations, which the pool bounds.
+struct ImportKv {
+    id: RequestId,
+    layer: u32,
+    token_start: u32,
+    k: Bytes,
+    v: Bytes,
+    reply: oneshot::Sender<Result<()>>,
 }
 
 /// Facts about the engine that do not change while it runs.
@@ -68,6 +89,9 @@ pub const COMMAND_QUEUE: usize = 4096;
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: SyncSender<Command>,
+    imports: mpsc::Sender<ImportKv>,
+    /// Set while a `Wake` for queued imports is pending; the loop clears it before draining.
+    wake: Arc<AtomicBool>,
     info: Arc<EngineInfo>,
 }
 
@@ -156,8 +180,9 @@ impl EngineHandle {
         Ok(rx)
     }
 
-    /// Writes one chunk of K/V into `id`'s reservation ([`EngineCore::import_kv`]), after every
-    /// command sent before it.
+    /// Writes one chunk of K/V into `id`'s reservation ([`EngineCore::import_kv`]). Never
+    /// refused for a full queue. Chunks are applied in the order sent, before any submission
+    /// sent after them (so `submit_imported` sees every chunk sent before it).
     pub fn import_kv(
         &self,
         id: RequestId,
@@ -167,7 +192,11 @@ impl EngineHandle {
         v: Bytes,
     ) -> Result<oneshot::Receiver<Result<()>>> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Control(Control::ImportKv { id, layer, token_start, k, v, reply }))?;
+        self.imports.send(ImportKv { id, layer, token_start, k, v, reply }).map_err(|_| EngineError::Stopped)?;
+        if !self.wake.swap(true, Ordering::AcqRel) {
+            // A full queue means the loop is busy and drains the imports anyway.
+            let _ = self.tx.try_send(Command::Control(Control::Wake));
+        }
         Ok(rx)
     }
 
@@ -238,6 +267,9 @@ impl EngineThread {
         F: FnOnce() -> Result<EngineCore<B>> + Send + 'static,
     {
         let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
+        let (imports, imports_rx) = mpsc::channel();
+        let wake = Arc::new(AtomicBool::new(false));
+        let loop_wake = wake.clone();
         let (ready_tx, ready_rx) = mpsc::channel();
         let join = std::thread::Builder::new()
             .name("cleave-engine".into())
@@ -258,11 +290,13 @@ impl EngineThread {
                         return Err(EngineError::Rejected(msg));
                     }
                 };
-                run_loop(core, rx)
+                run_loop(core, Inbox { commands: rx, imports: imports_rx, wake: loop_wake })
             })
             .map_err(|e| EngineError::io("engine thread", e))?;
         match ready_rx.recv() {
-            Ok(Ok(info)) => Ok(Self { handle: EngineHandle { tx, info: Arc::new(info) }, join: Some(join) }),
+            Ok(Ok(info)) => {
+                Ok(Self { handle: EngineHandle { tx, imports, wake, info: Arc::new(info) }, join: Some(join) })
+            }
             Ok(Err(e)) => {
                 let _ = join.join();
                 Err(e)
@@ -295,15 +329,33 @@ impl Drop for EngineThread {
     }
 }
 
-fn run_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>) -> Result<()> {
-    let result = drive(&mut core, rx);
+/// What the loop receives: commands, and K/V chunks on their own channel.
+struct Inbox {
+    commands: Receiver<Command>,
+    imports: Receiver<ImportKv>,
+    wake: Arc<AtomicBool>,
+}
+
+impl Inbox {
+    /// Applies every queued chunk, in order.
+    fn drain_imports<B: Backend>(&self, core: &mut EngineCore<B>) {
+        self.wake.store(false, Ordering::Release);
+        while let Ok(c) = self.imports.try_recv() {
+            let _ = c.reply.send(core.import_kv(c.id, c.layer, c.token_start, &c.k, &c.v));
+        }
+    }
+}
+
+fn run_loop<B: Backend>(mut core: EngineCore<B>, inbox: Inbox) -> Result<()> {
+    let result = drive(&mut core, &inbox);
     if let Err(e) = core.release_all_imports() {
         tracing::error!(error = %e, "releasing kv import reservations at shutdown");
     }
     result
 }
 
-fn drive<B: Backend>(core: &mut EngineCore<B>, rx: Receiver<Command>) -> Result<()> {
+fn drive<B: Backend>(core: &mut EngineCore<B>, inbox: &Inbox) -> Result<()> {
+    let rx = &inbox.commands;
     let mut senders: std::collections::HashMap<RequestId, UnboundedSender<TokenEvent>> = Default::default();
     // Prefill-only requests: their stream closes after their one event.
     let mut handoff: HashSet<RequestId> = HashSet::new();
@@ -318,7 +370,11 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, rx: Receiver<Command>) -> Result<
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
             }
         };
+        inbox.drain_imports(core);
         for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            // Chunks sent before this command are queued by now: apply them first, so that a
+            // submission or release sees every chunk sent before it.
+            inbox.drain_imports(core);
             let now = Instant::now();
             let (sub, etx) = match cmd {
                 Command::Submit(sub, etx) => (sub, etx),
@@ -388,9 +444,7 @@ fn control<B: Backend>(core: &mut EngineCore<B>, cmd: Control) -> bool {
         Control::ReserveImport { id, num_tokens, reply } => {
             let _ = reply.send(core.reserve_import(id, num_tokens));
         }
-        Control::ImportKv { id, layer, token_start, k, v, reply } => {
-            let _ = reply.send(core.import_kv(id, layer, token_start, &k, &v));
-        }
+        Control::Wake => {}
         Control::ReleaseImport { id, reply } => {
             let _ = reply.send(core.release_import(id));
         }

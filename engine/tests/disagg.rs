@@ -719,3 +719,38 @@ fn a_resumed_request_continues_the_same_tokens() {
         assert!(e.to_string().contains("max_tokens"), "{e}");
     }
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn import_chunks_never_fill_the_command_queue_and_wake_an_idle_engine() {
+    use cleave_engine::handle::COMMAND_QUEUE;
+    use cleave_engine::model::ModelFiles;
+    use cleave_engine::EngineThread;
+    let thread = EngineThread::spawn(|| {
+        let files = ModelFiles::open(&tiny_llama_dir())?;
+        EngineCore::load(CpuBackend::default(), files, &config(16, 32))
+    })
+    .unwrap();
+    let b = thread.handle();
+    let id = RequestId(1);
+    b.reserve_import(id, 2).unwrap().await.unwrap().unwrap();
+    let row = bytes::Bytes::from(vec![0u8; 2 * 32 * 4]);
+    // More chunks than the command queue holds, sent without waiting (rewrites are harmless).
+    let replies: Vec<_> = (0..COMMAND_QUEUE + 100)
+        .map(|i| b.import_kv(id, (i % 2) as u32, 0, row.clone(), row.clone()).unwrap())
+        .collect();
+    // The idle engine applies them without any other command arriving.
+    for r in replies {
+        tokio::time::timeout(std::time::Duration::from_secs(30), r).await.expect("reply in time").unwrap().unwrap();
+    }
+    let start = ImportStart { first_token: 5, sampler_seed: None, cached_tokens: 0 };
+    let mut s = b.submit_imported(greedy_request(1, vec![1, 2], 3), start).unwrap();
+    let mut n = 0;
+    while let Some(ev) = s.next().await {
+        assert!(ev.error.is_none(), "{ev:?}");
+        n += ev.token_id.is_some() as usize;
+    }
+    assert_eq!(n, 2);
+    let snap = b.snapshot().unwrap().await.unwrap();
+    assert_eq!((snap.kv_blocks_in_use, snap.kv_blocks_reserved), (0, 0), "{snap:?}");
+    thread.shutdown().unwrap();
+}
