@@ -118,7 +118,7 @@ pub struct PeerInfo {
 }
 
 enum ConnectorImpl {
-    Quic(quic::QuicConnector),
+    Quic(Box<quic::QuicConnector>),
     Tcp(tcp::TcpConnector),
 }
 
@@ -143,7 +143,7 @@ impl Connector {
     /// A connector with explicit QUIC tuning (ignored by the TCP kinds).
     pub fn with_tuning(cfg: &NetConfig, tuning: &QuicTuning) -> Result<Self> {
         let inner = match cfg.kind {
-            NetKind::Quic => ConnectorImpl::Quic(quic::QuicConnector::new(cfg, tuning)?),
+            NetKind::Quic => ConnectorImpl::Quic(Box::new(quic::QuicConnector::new(cfg, tuning)?)),
             NetKind::TcpTls | NetKind::TcpPlain => ConnectorImpl::Tcp(tcp::TcpConnector::new(cfg)?),
         };
         Ok(Self { inner })
