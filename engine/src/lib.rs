@@ -4,6 +4,12 @@
 //! Allowed dependencies: kernels, tokenizer, protocol. The core (kv, sched, sampler, runner's
 //! step) is plain state with time passed in: no async runtime and no wall clock inside, so it is
 //! tested deterministically. Only [`handle`] owns a thread.
+//!
+//! Disaggregated serving: a prefill node runs prefill-only requests whose K/V leaves layer by
+//! layer during the forward pass ([`export`]); a decode node reserves blocks, writes the
+//! received K/V into them and decodes from the token after the first ([`import`]). A migrated
+//! stream resumes on another engine with [`EngineCore::add_resumed`]. [`EngineCore::kv_layout`]
+//! carries the model fingerprint both sides compare before any byte moves.
 
 pub mod error;
 pub mod export;

@@ -396,7 +396,7 @@ fn a_preempted_prefill_only_request_exports_each_token_once() {
     let (mut a, mut b) = (engine(&dir, tight), engine(&dir, config(4, 16)));
     let older = greedy_request(1, tokens(91, 8, 32000), 24);
     let handoff = greedy_request(2, tokens(92, 30, 32000), 6);
-    let (got, _) = run_disagg(&mut a, &mut b, std::slice::from_ref(&handoff), &[older.clone()], &[]);
+    let (got, _) = run_disagg(&mut a, &mut b, std::slice::from_ref(&handoff), std::slice::from_ref(&older), &[]);
     assert!(a.snapshot().preemptions >= 1, "the scenario must preempt: {:?}", a.snapshot());
     assert_eq!(got, single_engine(&dir, &config(4, 16), &[older, handoff]));
 }
