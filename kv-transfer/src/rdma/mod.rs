@@ -22,18 +22,25 @@
 //!    Done when every (layer, chunk) immediate arrived; the sender when every write completed.
 //! 5. Faults: see [`completion`] for the lease state machine and who frees blocks when.
 //!
-//! Module dependencies: [`layout`], [`plan`], [`meta`] and [`completion`] depend on no verbs
-//! type; [`verbs`] is the only module with `unsafe`.
+//! [`link`] drives it all (one end per queue pair) over a small operations trait, implemented
+//! by [`verbs`] for a device and by [`sim`] in memory, so the whole flow, faults included, runs
+//! in tests without a device.
+//!
+//! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`] and [`sim`]
+//! depend on no verbs type; [`verbs`] is the only module with `unsafe`.
 
 pub mod completion;
 pub mod layout;
+pub mod link;
 pub mod meta;
 pub mod plan;
+pub mod sim;
 pub mod verbs;
 
 pub use completion::{
     FailReason, LeaseEvent, Outcome, RecvCompletion, RecvTracker, SendCompletion, SendTracker, WcStatus,
 };
 pub use layout::{Half, Imm, PoolLayout};
+pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{PathMtu, QpMetadata};
 pub use plan::{plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};

@@ -674,3 +674,61 @@ impl Drop for QueuePair {
         }
     }
 }
+
+/// The sending end of a link on a device: a connected queue pair, its send completion queue
+/// and a registered staging buffer.
+pub struct VerbsSender {
+    pub qp: QueuePair,
+    pub cq: Arc<CompletionQueue>,
+    pub staging: OwnedRegion,
+}
+
+impl super::link::SendOps for VerbsSender {
+    fn staging(&mut self) -> &mut [u8] {
+        self.staging.bytes_mut()
+    }
+
+    fn post_writes(&mut self, src_base: u64, rkey: u32, writes: &[RdmaWrite], wr_ids: &[u64]) -> Result<()> {
+        self.qp.post_writes(self.staging.region(), src_base, rkey, writes, wr_ids)
+    }
+
+    fn poll_send(&mut self, out: &mut Vec<SendCompletion>) -> Result<()> {
+        let mut wcs = Vec::new();
+        while self.cq.poll(32, &mut wcs)? == 32 {}
+        out.extend(wcs.into_iter().map(WorkCompletion::to_send));
+        Ok(())
+    }
+}
+
+/// The receiving end of a link on a device: a connected queue pair and its receive completion
+/// queue (the pool's [`MemoryRegion`] lives with the pool).
+pub struct VerbsReceiver {
+    pub qp: QueuePair,
+    pub cq: Arc<CompletionQueue>,
+    next_recv_id: u64,
+}
+
+impl VerbsReceiver {
+    pub fn new(qp: QueuePair, cq: Arc<CompletionQueue>) -> Self {
+        Self { qp, cq, next_recv_id: 0 }
+    }
+}
+
+impl super::link::RecvOps for VerbsReceiver {
+    fn post_recvs(&mut self, count: u32) -> Result<()> {
+        let ids: Vec<u64> = (0..count as u64).map(|i| self.next_recv_id + i).collect();
+        self.next_recv_id += count as u64;
+        self.qp.post_recvs(&ids)
+    }
+
+    fn poll_recv(&mut self, out: &mut Vec<RecvCompletion>) -> Result<()> {
+        let mut wcs = Vec::new();
+        while self.cq.poll(32, &mut wcs)? == 32 {}
+        out.extend(wcs.into_iter().map(WorkCompletion::to_recv));
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.qp.to_error()
+    }
+}

@@ -1,0 +1,224 @@
+//! An in-memory reliable connection between a [`SimSender`] and a [`SimReceiver`], with the
+//! verbs semantics the links rely on, for tests and benchmarks without a device:
+//!
+//! - writes execute in posting order into the receiver's region (checked against its rkey and
+//!   bounds: a miss is IBV_WC_REM_ACCESS_ERR);
+//! - a WRITE WITH IMMEDIATE consumes one posted receive (none posted: IBV_WC_RNR_RETRY_EXC_ERR)
+//!   and yields a receive completion after its data landed;
+//! - only signaled requests complete successfully; once the connection failed, every
+//!   outstanding request on both sides completes as flushed and nothing more lands.
+//!
+//! Fault injection: [`SimNet::fail_write`] (the n-th next write fails with a status),
+//! [`SimNet::hold`] (writes stay in flight, as on a stuck path, until [`SimNet::release`]).
+//!
+//! The two ends share state through a mutex: this is a test double, not a pattern to copy.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::completion::{RecvCompletion, SendCompletion, WcStatus};
+use super::link::{RecvOps, SendOps};
+use super::plan::RdmaWrite;
+use crate::error::Result;
+
+#[derive(Debug)]
+struct Posted {
+    wr_id: u64,
+    src: Vec<u8>,
+    rkey: u32,
+    write: RdmaWrite,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    region: Vec<u8>,
+    addr: u64,
+    rkey: u32,
+    recvs: u32,
+    send_cq: VecDeque<SendCompletion>,
+    recv_cq: VecDeque<RecvCompletion>,
+    error: bool,
+    fail: Option<(u64, WcStatus)>,
+    hold: bool,
+    held: VecDeque<Posted>,
+    landed_writes: u64,
+}
+
+/// The shared wire; clone it to keep a handle for faults and inspection.
+#[derive(Debug, Clone)]
+pub struct SimNet {
+    state: Arc<Mutex<State>>,
+}
+
+impl SimNet {
+    /// A connection whose receiver exposes a zeroed region of `len` bytes at `addr`.
+    pub fn new(addr: u64, len: usize, rkey: u32) -> Self {
+        let state = State { region: vec![0; len], addr, rkey, ..State::default() };
+        Self { state: Arc::new(Mutex::new(state)) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic elsewhere in a test must not hide its own message behind a poisoned lock.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn sender(&self, staging_len: usize) -> SimSender {
+        SimSender { net: self.clone(), staging: vec![0; staging_len] }
+    }
+
+    pub fn receiver(&self) -> SimReceiver {
+        SimReceiver { net: self.clone() }
+    }
+
+    /// A copy of the receiver's region.
+    pub fn region(&self) -> Vec<u8> {
+        self.lock().region.clone()
+    }
+
+    /// Writes executed so far.
+    pub fn landed_writes(&self) -> u64 {
+        self.lock().landed_writes
+    }
+
+    /// The `n`-th write from now (0 = the next) fails with `status`, breaking the connection.
+    pub fn fail_write(&self, n: u64, status: WcStatus) {
+        self.lock().fail = Some((n, status));
+    }
+
+    /// While held, posted writes stay in flight: nothing lands, nothing completes.
+    pub fn hold(&self, on: bool) {
+        self.lock().hold = on;
+    }
+
+    /// Executes the held writes now (or flushes them if the connection failed meanwhile).
+    pub fn release(&self) {
+        let mut s = self.lock();
+        s.hold = false;
+        while let Some(p) = s.held.pop_front() {
+            s.execute(p);
+        }
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.lock().held.len()
+    }
+}
+
+impl State {
+    fn break_connection(&mut self) {
+        if self.error {
+            return;
+        }
+        self.error = true;
+        for _ in 0..self.recvs {
+            self.recv_cq.push_back(RecvCompletion { status: WcStatus::Flushed, imm: None });
+        }
+        self.recvs = 0;
+        let held: Vec<Posted> = self.held.drain(..).collect();
+        for p in held {
+            self.send_cq.push_back(SendCompletion { wr_id: p.wr_id, status: WcStatus::Flushed, vendor_err: 0 });
+        }
+    }
+
+    fn execute(&mut self, p: Posted) {
+        let complete =
+            |s: &mut Self, status| s.send_cq.push_back(SendCompletion { wr_id: p.wr_id, status, vendor_err: 0 });
+        if self.error {
+            return complete(self, WcStatus::Flushed);
+        }
+        if let Some((n, status)) = self.fail {
+            if n == 0 {
+                self.fail = None;
+                complete(self, status);
+                return self.break_connection();
+            }
+            self.fail = Some((n - 1, status));
+        }
+        let w = p.write;
+        let at = w.remote_addr.checked_sub(self.addr).map(|a| a as usize);
+        let fits = at.is_some_and(|a| a.checked_add(w.len as usize).is_some_and(|e| e <= self.region.len()));
+        if p.rkey != self.rkey || !fits {
+            complete(self, WcStatus::RemoteAccess);
+            return self.break_connection();
+        }
+        if w.imm.is_some() && self.recvs == 0 {
+            complete(self, WcStatus::RnrRetryExceeded);
+            return self.break_connection();
+        }
+        let at = at.unwrap_or(0);
+        self.region[at..at + w.len as usize].copy_from_slice(&p.src);
+        self.landed_writes += 1;
+        if let Some(imm) = w.imm {
+            self.recvs -= 1;
+            self.recv_cq.push_back(RecvCompletion { status: WcStatus::Success, imm: Some(imm.encode()) });
+        }
+        if w.signaled {
+            complete(self, WcStatus::Success);
+        }
+    }
+}
+
+/// The sending end; its staging memory is a plain buffer.
+#[derive(Debug)]
+pub struct SimSender {
+    net: SimNet,
+    staging: Vec<u8>,
+}
+
+impl SendOps for SimSender {
+    fn staging(&mut self) -> &mut [u8] {
+        &mut self.staging
+    }
+
+    fn post_writes(&mut self, src_base: u64, rkey: u32, writes: &[RdmaWrite], wr_ids: &[u64]) -> Result<()> {
+        let mut s = self.net.lock();
+        for (w, &wr_id) in writes.iter().zip(wr_ids) {
+            let from = (src_base + w.src_offset) as usize;
+            // Copied at post time, like a NIC that fetched the data: the slot may be reused
+            // only after the completion anyway.
+            let src = self.staging[from..from + w.len as usize].to_vec();
+            let p = Posted { wr_id, src, rkey, write: *w };
+            if s.hold && !s.error {
+                s.held.push_back(p);
+            } else {
+                s.execute(p);
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_send(&mut self, out: &mut Vec<SendCompletion>) -> Result<()> {
+        out.extend(self.net.lock().send_cq.drain(..));
+        Ok(())
+    }
+}
+
+/// The receiving end.
+#[derive(Debug)]
+pub struct SimReceiver {
+    net: SimNet,
+}
+
+impl RecvOps for SimReceiver {
+    fn post_recvs(&mut self, count: u32) -> Result<()> {
+        let mut s = self.net.lock();
+        if s.error {
+            for _ in 0..count {
+                s.recv_cq.push_back(RecvCompletion { status: WcStatus::Flushed, imm: None });
+            }
+        } else {
+            s.recvs += count;
+        }
+        Ok(())
+    }
+
+    fn poll_recv(&mut self, out: &mut Vec<RecvCompletion>) -> Result<()> {
+        out.extend(self.net.lock().recv_cq.drain(..));
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.net.lock().break_connection();
+        Ok(())
+    }
+}
