@@ -754,3 +754,29 @@ async fn import_chunks_never_fill_the_command_queue_and_wake_an_idle_engine() {
     assert_eq!((snap.kv_blocks_in_use, snap.kv_blocks_reserved), (0, 0), "{snap:?}");
     thread.shutdown().unwrap();
 }
+
+#[test]
+fn cancelling_a_prefill_only_request_closes_its_sink_without_done() {
+    let dir = tiny_llama_dir();
+    let mut a = engine(&dir, config(4, 8));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let now = Instant::now();
+    a.add_prefill_only(greedy_request(1, tokens(101, 30, 32000), 4), KvExport::unbounded(tx), now).unwrap();
+    a.add_request(greedy_request(2, tokens(102, 6, 32000), 3), now).unwrap();
+    let snap = a.snapshot();
+    assert_eq!((snap.waiting, snap.queued_prefill_tokens), (2, 36), "{snap:?}");
+    a.step(now).unwrap();
+    assert_eq!(a.snapshot().queued_prefill_tokens, 36 - 8);
+    a.abort(RequestId(1));
+    let out = run_to_end(&mut a);
+    assert_eq!(out[&1].len(), 1);
+    assert_eq!(out[&1][0].finish_reason, Some(FinishReason::Cancelled));
+    let mut got = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        got.push(ev);
+    }
+    assert!(!got.is_empty() && got.iter().all(|e| matches!(e, KvExportEvent::Chunk(_))), "{got:?}");
+    assert!(rx.is_closed(), "the sink is dropped with the request");
+    assert_eq!(token_ids(&out[&2]).len(), 3);
+    assert_no_blocks_in_use(&a);
+}
