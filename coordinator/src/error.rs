@@ -69,6 +69,19 @@ pub enum CoordinatorError {
     /// No event arrived in time.
     #[error("{request_id}: no token event within {waited_ms} ms (after {tokens} tokens)")]
     Timeout { request_id: RequestId, waited_ms: u64, tokens: u32 },
+    /// A bug or a panicked helper task; the message says which.
+    #[error("internal error: {reason}")]
+    Internal { reason: String },
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The router is not ready (no node registered yet, or shutting down).
+    #[error("not ready: {reason}")]
+    NotReady { reason: String },
     /// No such route.
     #[error("no route for {path}")]
     NotFound { path: String },
@@ -104,9 +117,11 @@ impl CoordinatorError {
             E::Unauthorized => StatusCode::UNAUTHORIZED,
             E::NotFound { .. } => StatusCode::NOT_FOUND,
             E::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            E::RouterGone | E::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            E::RouterGone | E::Unavailable { .. } | E::NotReady { .. } => StatusCode::SERVICE_UNAVAILABLE,
             E::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             E::NoModel
+            | E::Internal { .. }
+            | E::Bind { .. }
             | E::ModelConfig { .. }
             | E::Tokenizer(_)
             | E::Serve(_)

@@ -16,14 +16,15 @@ use crate::api::{ChatRequest, CompletionRequest};
 use crate::error::CoordinatorError;
 use crate::generate::{admit, ChoiceUpdate, Generation};
 use crate::metrics as m;
+use crate::model::ModelInfo;
 use crate::respond::{full_response, Body, ChoiceAcc, ChunkWriter, ResponseMeta, UsageTally};
 use crate::server::{parse_json, unix_now, AppState};
-use crate::validate::{validate_chat, validate_completion, Endpoint, ValidRequest};
+use crate::validate::{validate_chat, validate_completion, Endpoint, Limits, ValidRequest};
 
 pub async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let result = async {
         let req: CompletionRequest = parse_json(body)?;
-        let valid = validate_completion(req, &state.inner.model, state.inner.limits)?;
+        let valid = off_runtime(&state, move |model, limits| validate_completion(req, model, limits)).await?;
         generate(&state, valid).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
@@ -32,10 +33,23 @@ pub async fn completions(State(state): State<AppState>, body: Result<Bytes, Byte
 pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let result = async {
         let req: ChatRequest = parse_json(body)?;
-        let valid = validate_chat(req, &state.inner.model, state.inner.limits)?;
+        let valid = off_runtime(&state, move |model, limits| validate_chat(req, model, limits)).await?;
         generate(&state, valid).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Runs validation (tokenization, template rendering: CPU work proportional to the prompt)
+/// on the blocking pool, so that a long prompt does not stall other requests' streams.
+async fn off_runtime<F>(state: &AppState, f: F) -> Result<ValidRequest, CoordinatorError>
+where
+    F: FnOnce(&ModelInfo, Limits) -> Result<ValidRequest, CoordinatorError> + Send + 'static,
+{
+    let model = state.inner.model.clone();
+    let limits = state.inner.limits;
+    tokio::task::spawn_blocking(move || f(&model, limits))
+        .await
+        .map_err(|e| CoordinatorError::Internal { reason: format!("validation task failed: {e}") })?
 }
 
 /// Counts a request as running from admission until dropped (end of body or disconnect).

@@ -26,4 +26,4 @@ pub use config::CoordinatorArgs;
 pub use dispatch::{dispatch_channel, Dispatch, DispatchEvent, DispatchSender};
 pub use error::{CoordinatorError, ErrorResponse};
 pub use model::ModelInfo;
-pub use server::{router, serve, serve_with_shutdown, AppState};
+pub use server::{bind, router, serve, serve_with_shutdown, AppState, Readiness};

@@ -16,6 +16,7 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::api::{DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse};
 use crate::config::CoordinatorArgs;
@@ -35,6 +36,9 @@ pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 #[derive(Clone, Debug)]
 pub struct AppState {
     pub(crate) inner: Arc<Inner>,
+    /// `Ok(())` while the backend can take requests; /health answers 503 with the reason
+    /// otherwise. Always ready when no readiness signal was given.
+    ready: Option<watch::Receiver<Readiness>>,
 }
 
 #[derive(Debug)]
@@ -49,6 +53,9 @@ pub(crate) struct Inner {
     pub metrics: Option<PrometheusHandle>,
     pub started_unix: u64,
 }
+
+/// What /health reports: `Ok(())`, or why requests cannot be served now.
+pub type Readiness = Result<(), String>;
 
 pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -76,7 +83,14 @@ impl AppState {
                 metrics: m::prometheus_handle(),
                 started_unix: unix_now(),
             }),
+            ready: None,
         }
+    }
+
+    /// The same state whose /health follows `ready` (e.g. the router's "at least one
+    /// prefill-capable and one decode-capable node" signal). Call before serving.
+    pub fn with_readiness(self, ready: watch::Receiver<Readiness>) -> Self {
+        AppState { ready: Some(ready), ..self }
     }
 
     pub fn model(&self) -> &ModelInfo {
@@ -101,6 +115,11 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(state.inner.max_body_bytes))
         .layer(middleware::from_fn(request_id_and_metrics))
         .with_state(state)
+}
+
+/// Binds `args.listen` (use port 0 in tests and read the address back from the listener).
+pub async fn bind(args: &CoordinatorArgs) -> Result<TcpListener, CoordinatorError> {
+    TcpListener::bind(args.listen).await.map_err(|source| CoordinatorError::Bind { addr: args.listen, source })
 }
 
 /// Serves `router(state)` on an already-bound listener until the listener fails.
@@ -180,8 +199,11 @@ pub(crate) fn check_model(state: &AppState, requested: Option<&String>) -> Resul
     }
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+async fn health(State(state): State<AppState>) -> Result<StatusCode, CoordinatorError> {
+    match state.ready.as_ref().map(|r| r.borrow().clone()) {
+        None | Some(Ok(())) => Ok(StatusCode::OK),
+        Some(Err(reason)) => Err(CoordinatorError::NotReady { reason }),
+    }
 }
 
 async fn not_found(uri: Uri) -> CoordinatorError {

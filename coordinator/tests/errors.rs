@@ -166,3 +166,21 @@ async fn a_silent_backend_times_out_and_is_cancelled() {
     let cancelled = tokio::time::timeout(WAIT, h.cancelled.recv()).await.unwrap().unwrap();
     assert_eq!(cancelled, seen.id);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_the_readiness_signal() {
+    use cleave_coordinator::{dispatch_channel, AppState, ModelInfo};
+    let args = args();
+    let model = ModelInfo::from_args(&args).unwrap();
+    let (tx, _rx) = dispatch_channel(4);
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(Err("no decode node registered".to_owned()));
+    let state = AppState::new(&args, model, tx).with_readiness(ready_rx);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/health", listener.local_addr().unwrap());
+    tokio::spawn(cleave_coordinator::serve(listener, state));
+    let client = reqwest::Client::new();
+    let e = expect_error(client.get(&url).send().await.unwrap(), 503).await;
+    assert!(e["message"].as_str().unwrap().contains("no decode node"), "{e}");
+    ready_tx.send(Ok(())).unwrap();
+    assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+}
