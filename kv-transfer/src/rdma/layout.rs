@@ -65,6 +65,19 @@ impl PoolLayout {
         Ok(l)
     }
 
+    /// The layout of one arena ordered `[block][layer][K|V][slot]`, as
+    /// [`crate::sink::MemoryPool`] stores blocks. Valid, but each block is its own write: a
+    /// pool meant for RDMA should prefer [`Self::dense`].
+    pub fn block_major(kv: &KvLayout, num_blocks: u32) -> Result<Self> {
+        let mut l = Self::dense(kv, num_blocks)?;
+        let half = l.half_block_bytes();
+        l.half_stride = half;
+        l.layer_stride = 2 * half;
+        l.block_stride = 2 * half * l.num_layers as u64;
+        l.validate(l.extent()?)?;
+        Ok(l)
+    }
+
     /// Bytes of one block half (K or V of one block in one layer).
     pub fn half_block_bytes(&self) -> u64 {
         self.block_size as u64 * self.token_bytes as u64
@@ -209,6 +222,21 @@ mod tests {
         assert_eq!(l.offset(0, Half::K, 1, 0).unwrap(), l.offset(0, Half::K, 0, 3).unwrap() + 32);
         assert_eq!(l.extent().unwrap(), 4 * 2 * 10 * 128);
         assert!(l.validate(l.extent().unwrap() - 1).is_err());
+    }
+
+    #[test]
+    fn block_major_matches_the_memory_pool_formula() {
+        let kv = kv();
+        let l = PoolLayout::block_major(&kv, 10).unwrap();
+        let half = kv.half_block_bytes() as u64;
+        let tb = l.token_bytes as u64;
+        // MemoryPool: base = (block * num_layers + layer) * 2 * half; V = K + half.
+        for (layer, block, slot) in [(0, 0, 0), (3, 9, 3), (1, 4, 2)] {
+            let base = (block as u64 * 4 + layer as u64) * 2 * half + slot as u64 * tb;
+            assert_eq!(l.offset(layer, Half::K, block, slot).unwrap(), base);
+            assert_eq!(l.offset(layer, Half::V, block, slot).unwrap(), base + half);
+        }
+        assert_eq!(l.extent().unwrap(), PoolLayout::dense(&kv, 10).unwrap().extent().unwrap());
     }
 
     #[test]
