@@ -1,1 +1,346 @@
-//! decode-node: filled by a later issue. Dependency direction is fixed now (see STYLE.md).
+//! decode-node: the thin async shell around an engine that decodes.
+//!
+//! ```text
+//! coordinator ──DecodeRequest──▶ rpc stream ─┬─ local prefill: engine.submit ─────────────┐
+//!                                            └─ remote: reserve (kv receiver) ─▶ Ticket   │
+//!                                               prefill node ══KV══▶ receiver ─▶ engine   │
+//!                                               lease completes ─▶ submit_imported ───────┤
+//! coordinator ◀──────────────── TokenMsg per token ◀──────────────────────────────────────┘
+//! ```
+//!
+//! The node also registers with the coordinator and reports its load (see
+//! [`cleave_kv_transfer::cluster`]). A colocated node (`--role both`) is the same shell: the
+//! coordinator simply sends it every request with `local_prefill`.
+//!
+//! Ownership of KV blocks: a remote request's blocks are reserved in the engine through the
+//! [`EngineSink`] when the receiver grants the lease; the receiver releases them on every failed
+//! lease path (see kv-transfer's crate docs); after completion they belong to the engine
+//! request, which frees them when it ends, is cancelled (the rpc stream closing drops its
+//! [`TokenStream`], which cancels it) or fails. A completed lease whose request cannot be
+//! submitted is released here.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
+use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
+use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig, NetKind};
+use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, LoadReport, NodeRole, Register};
+use cleave_protocol::{FinishReason, RequestId, TokenEvent, TransportKind};
+use tokio::sync::oneshot;
+
+/// Errors of a decode node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Transfer(#[from] KvTransferError),
+    #[error(transparent)]
+    Engine(#[from] cleave_engine::EngineError),
+    #[error("node setup: {0}")]
+    Setup(String),
+}
+
+/// Settings of a decode (or colocated) node.
+#[derive(Clone)]
+pub struct DecodeNodeConfig {
+    pub name: String,
+    pub role: NodeRole,
+    pub model_name: String,
+    pub coordinator: SocketAddr,
+    /// Where the coordinator's per-request streams arrive (port 0: any).
+    pub rpc_bind: SocketAddr,
+    /// Where prefill nodes push KV (port 0: any).
+    pub kv_bind: SocketAddr,
+    pub net: NetConfig,
+    pub report_interval: Duration,
+    /// How long a lease waits for its KV before the blocks are freed.
+    pub lease_ttl: Duration,
+    /// Bound on reading a request's first message.
+    pub request_timeout: Duration,
+}
+
+/// The node's [`KvSink`]: reservations and writes go to the engine thread in order.
+///
+/// `reserve` waits for the engine's answer (at most one engine step) inside
+/// [`tokio::task::block_in_place`], so the node must run on a multi-threaded runtime.
+pub struct EngineSink {
+    engine: EngineHandle,
+}
+
+impl KvSink for EngineSink {
+    fn reserve(
+        &mut self,
+        request_id: RequestId,
+        num_tokens: u32,
+        _num_blocks: usize,
+    ) -> cleave_kv_transfer::Result<Vec<u32>> {
+        let rx = self.engine.reserve_import(request_id, num_tokens as usize).map_err(sink_err)?;
+        let got = tokio::task::block_in_place(|| rx.blocking_recv());
+        match got {
+            Ok(Ok(blocks)) => Ok(blocks),
+            Ok(Err(e)) => {
+                Err(KvTransferError::InvalidRequest { reason: format!("engine refused the reservation: {e}") })
+            }
+            Err(_) => Err(KvTransferError::Closed { what: "engine" }),
+        }
+    }
+
+    fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
+        let rx =
+            self.engine.import_kv(w.request_id, w.layer, w.token_start, w.k.clone(), w.v.clone()).map_err(sink_err)?;
+        let (id, layer) = (w.request_id, w.layer);
+        // The write is applied in order before the request is submitted; a failed write
+        // leaves rows uncovered, which `submit_imported` refuses with an error event.
+        tokio::spawn(async move {
+            if let Ok(Err(e)) = rx.await {
+                tracing::warn!(request_id = %id, layer, error = %e, "kv import write failed");
+            }
+        });
+        Ok(())
+    }
+
+    fn release(&mut self, request_id: RequestId, _blocks: &[u32]) {
+        if let Err(e) = self.engine.release_import(request_id) {
+            tracing::warn!(%request_id, error = %e, "releasing a reservation failed (engine stopped?)");
+        }
+    }
+}
+
+fn sink_err(e: cleave_engine::EngineError) -> KvTransferError {
+    KvTransferError::Closed {
+        what: if matches!(e, cleave_engine::EngineError::Stopped) { "engine" } else { "engine queue" },
+    }
+}
+
+/// A running decode node.
+pub struct DecodeNode {
+    pub rpc_addr: SocketAddr,
+    pub kv_addr: SocketAddr,
+    /// Resolves with the node id once the coordinator accepted the node.
+    pub registered: Option<oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
+    task: tokio::task::JoinHandle<Result<(), NodeError>>,
+}
+
+impl DecodeNode {
+    /// Binds, starts the KV receiver and the control link, and serves until the control link
+    /// ends (refused, or `shutdown`).
+    pub async fn start(
+        engine: EngineHandle,
+        cfg: DecodeNodeConfig,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<Self, NodeError> {
+        let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
+        let kv = Listener::bind(&cfg.net, cfg.kv_bind).await?;
+        let (rpc_addr, kv_addr) = (rpc.local_addr(), kv.local_addr());
+        let layout = engine.info().kv_layout.clone();
+        let transport = match cfg.net.kind {
+            NetKind::Quic => TransportKind::Quic,
+            NetKind::TcpTls => TransportKind::TcpTls,
+            NetKind::TcpPlain => TransportKind::TcpPlain,
+        };
+        let mut rcfg = ReceiverConfig::new(layout.clone(), kv_addr, transport);
+        rcfg.lease_ttl = cfg.lease_ttl;
+        let receiver = ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv));
+        let reg = Register {
+            role: cfg.role,
+            name: cfg.name.clone(),
+            model_name: cfg.model_name.clone(),
+            layout,
+            kv_capacity_blocks: engine.info().kv_blocks_total as u32,
+            max_model_len: engine.info().max_model_len as u32,
+            rpc_addr,
+            kv_addr: Some(kv_addr),
+        };
+        let connector = Connector::new(&cfg.net)?;
+        let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);
+        link_cfg.report_interval = cfg.report_interval;
+        let (reg_tx, reg_rx) = oneshot::channel();
+        let shared = Arc::new(Shared { engine: engine.clone(), receiver: receiver.handle().clone(), cfg: cfg.clone() });
+        let task = tokio::spawn(async move {
+            let accept = tokio::spawn(accept_loop(rpc, shared));
+            let load_engine = engine.clone();
+            let r =
+                run_control_link(connector, link_cfg, reg, move || load(load_engine.clone()), reg_tx, shutdown).await;
+            accept.abort();
+            drop(receiver);
+            r.map_err(NodeError::from)
+        });
+        Ok(Self { rpc_addr, kv_addr, registered: Some(reg_rx), task })
+    }
+
+    /// Waits for the node to stop.
+    pub async fn wait(self) -> Result<(), NodeError> {
+        self.task.await.map_err(|e| NodeError::Setup(format!("node task: {e}")))?
+    }
+}
+
+/// The load report of an engine, or `None` once it stopped.
+pub async fn load(engine: EngineHandle) -> Option<LoadReport> {
+    let snap = engine.snapshot().ok()?.await.ok()?;
+    let hashes = match engine.prefix_hashes() {
+        Ok(rx) => rx.await.unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    Some(LoadReport {
+        queued_prefill_tokens: snap.queued_prefill_tokens as u64,
+        waiting_seqs: snap.waiting as u32,
+        running_seqs: snap.running as u32,
+        free_blocks: snap.kv_blocks_free as u32,
+        cached_blocks: snap.kv_blocks_cached as u32,
+        total_blocks: snap.kv_blocks_total as u32,
+        prefix_hashes: hashes.into_iter().take(MAX_REPORTED_HASHES).collect(),
+    })
+}
+
+/// Cap on prefix hashes per load report (4096 × 8 bytes = 32 KiB every report interval).
+pub const MAX_REPORTED_HASHES: usize = 4096;
+
+struct Shared {
+    engine: EngineHandle,
+    receiver: ReceiverHandle,
+    cfg: DecodeNodeConfig,
+}
+
+async fn accept_loop(mut rpc: Listener, shared: Arc<Shared>) {
+    while let Some(r) = rpc.accept().await {
+        match r {
+            Ok((stream, _peer)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move { serve_stream(stream, shared).await });
+            }
+            Err(e) => tracing::warn!(error = %e, "rpc accept failed"),
+        }
+    }
+}
+
+async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
+    let first = tokio::time::timeout(shared.cfg.request_timeout, read_msg(&mut s.recv)).await;
+    let req = match first {
+        Ok(Ok(Some(ControlMsg::DecodeRequest(d)))) => d,
+        Ok(Ok(Some(other))) => {
+            tracing::warn!(message = other.name(), "decode node expects DecodeRequest first");
+            return;
+        }
+        Ok(Ok(None)) => return,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "bad rpc stream");
+            return;
+        }
+        Err(_) => return,
+    };
+    let id = req.work.id;
+    let span = tracing::info_span!("decode", request_id = %id, local = req.local_prefill);
+    let _enter = span.enter();
+    let prompt_tokens = req.work.prompt.len() as u32;
+    let stream = if req.local_prefill { local(&shared, req) } else { remote(&shared, req, &mut s).await };
+    match stream {
+        Ok(Some(ts)) => forward(ts, &mut s).await,
+        Ok(None) => {}
+        Err(msg) => {
+            let ev = error_event(id, prompt_tokens, msg);
+            let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
+        }
+    }
+}
+
+fn error_event(id: RequestId, prompt_tokens: u32, msg: String) -> TokenEvent {
+    TokenEvent {
+        request_id: id,
+        token_id: None,
+        text: String::new(),
+        logprobs: None,
+        finish_reason: Some(FinishReason::Error),
+        prompt_tokens,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        error: Some(msg),
+    }
+}
+
+/// The engine request of a decode request: a migrated stream's tokens extend the prompt and
+/// count against `max_tokens`.
+fn engine_request(req: DecodeRequest) -> Result<EngineRequest, String> {
+    let mut w = req.work;
+    let done = req.generated.len() as u32;
+    if done >= w.stop.max_tokens {
+        return Err(format!("{done} tokens already generated of max_tokens {}", w.stop.max_tokens));
+    }
+    w.stop.max_tokens -= done;
+    w.prompt.extend_from_slice(&req.generated);
+    Ok(EngineRequest { id: w.id, prompt: w.prompt, params: w.params, stop: w.stop })
+}
+
+fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, String> {
+    let req = engine_request(req)?;
+    shared.engine.submit(req).map(Some).map_err(|e| e.to_string())
+}
+
+/// Leases blocks, answers the ticket, waits for the KV (or a cancel), then starts decoding.
+async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Result<Option<TokenStream>, String> {
+    let id = req.work.id;
+    let started = Instant::now();
+    let num_tokens = req.work.prompt.len() as u32;
+    let res = shared.receiver.reserve(id, num_tokens, Some(shared.cfg.lease_ttl)).await.map_err(|e| e.to_string())?;
+    tracing::debug!(lease = %res.ticket.lease_id, reserve_us = started.elapsed().as_micros() as u64, "leased");
+    let lease = res.ticket.lease_id;
+    if write_msg(&mut s.send, &ControlMsg::Ticket(res.ticket)).await.is_err() {
+        let _ = shared.receiver.cancel(lease).await;
+        return Ok(None);
+    }
+    let wait = res.done.wait(shared.cfg.lease_ttl + Duration::from_secs(1));
+    tokio::pin!(wait);
+    let done = loop {
+        tokio::select! {
+            r = &mut wait => break r,
+            m = read_msg(&mut s.recv) => match m {
+                Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => {
+                    // Cancelled or the coordinator went away: free the lease (a lease that
+                    // completed meanwhile is released below through its waiter).
+                    let _ = shared.receiver.cancel(lease).await;
+                    if let Ok(c) = wait.await {
+                        let _ = shared.engine.release_import(c.request_id);
+                    }
+                    return Ok(None);
+                }
+                Ok(Some(other)) => tracing::debug!(message = other.name(), "ignored while waiting for kv"),
+            },
+        }
+    };
+    let completed = done.map_err(|e| format!("kv handoff failed: {e}"))?;
+    tracing::debug!(wait_us = started.elapsed().as_micros() as u64, "kv complete");
+    let start = ImportStart { first_token: completed.first_token, sampler_seed: None, cached_tokens: 0 };
+    let ereq = match engine_request(req) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = shared.engine.release_import(id);
+            return Err(e);
+        }
+    };
+    // On Err the engine never saw the request: give the blocks back ourselves.
+    shared.engine.submit_imported(ereq, start).map(Some).map_err(|e| {
+        let _ = shared.engine.release_import(id);
+        e.to_string()
+    })
+}
+
+/// Streams a request's events to the coordinator until the final one, a Cancel, or the stream
+/// closing (dropping `ts` cancels the request in the engine).
+async fn forward(mut ts: TokenStream, s: &mut DuplexStream) {
+    loop {
+        tokio::select! {
+            ev = ts.next() => {
+                let Some(ev) = ev else { return };
+                let last = ev.finish_reason.is_some();
+                if write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_err() || last {
+                    return;
+                }
+            }
+            m = read_msg(&mut s.recv) => match m {
+                Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => return,
+                Ok(Some(_)) => {}
+            },
+        }
+    }
+}

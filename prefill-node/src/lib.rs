@@ -1,1 +1,303 @@
-//! prefill-node: filled by a later issue. Dependency direction is fixed now (see STYLE.md).
+//! prefill-node: the thin async shell around an engine that prefills and hands the KV off.
+//!
+//! ```text
+//! coordinator ──PrefillRequest (+ Ticket, now or later)──▶ rpc stream
+//!   engine.submit_prefill_only ──KvChunk per layer per chunk──▶ shipper ══KV══▶ decode node
+//!   first token ──TokenMsg──▶ coordinator (as soon as it is sampled: it is the client's TTFT)
+//!   shipper: finish(first token) ─▶ Ack ─▶ HandoffDone (telemetry) ──▶ coordinator
+//! ```
+//!
+//! The prefill starts before the decode node's ticket arrives (the coordinator asks both at
+//! once): chunks computed before the ticket wait in the shipper's queue, so the reservation
+//! round trip overlaps the prefill instead of adding to TTFT.
+//!
+//! Cancellation: a `Cancel`, or the rpc stream closing, drops the engine's token stream (which
+//! cancels the request) and the shipper (whose sender aborts the transfer, so the decode node
+//! frees the lease).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent};
+use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
+use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
+use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig};
+use cleave_protocol::control::{
+    read_msg, write_msg, ControlMsg, HandoffDone, LoadReport, NodeRole, PrefillRequest, Register,
+};
+use cleave_protocol::{FinishReason, HandoffTicket, KvLayout, RequestId, TokenEvent};
+use tokio::sync::{mpsc, oneshot};
+
+/// Errors of a prefill node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Transfer(#[from] KvTransferError),
+    #[error(transparent)]
+    Engine(#[from] cleave_engine::EngineError),
+    #[error("node task: {0}")]
+    Task(String),
+}
+
+/// Settings of a prefill node.
+#[derive(Clone)]
+pub struct PrefillNodeConfig {
+    pub name: String,
+    pub model_name: String,
+    pub coordinator: SocketAddr,
+    /// Where the coordinator's per-request streams arrive (port 0: any).
+    pub rpc_bind: SocketAddr,
+    pub net: NetConfig,
+    pub report_interval: Duration,
+    /// Bound on reading a request's first message, and on waiting for its ticket.
+    pub request_timeout: Duration,
+    pub send: SendConfig,
+}
+
+/// A running prefill node.
+pub struct PrefillNode {
+    pub rpc_addr: SocketAddr,
+    /// Resolves with the node id once the coordinator accepted the node.
+    pub registered: Option<oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
+    task: tokio::task::JoinHandle<Result<(), NodeError>>,
+}
+
+struct Shared {
+    engine: EngineHandle,
+    transport: NetTransport,
+    layout: KvLayout,
+    cfg: PrefillNodeConfig,
+}
+
+impl PrefillNode {
+    pub async fn start(
+        engine: EngineHandle,
+        cfg: PrefillNodeConfig,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<Self, NodeError> {
+        let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
+        let rpc_addr = rpc.local_addr();
+        let layout = engine.info().kv_layout.clone();
+        let reg = Register {
+            role: NodeRole::Prefill,
+            name: cfg.name.clone(),
+            model_name: cfg.model_name.clone(),
+            layout: layout.clone(),
+            kv_capacity_blocks: engine.info().kv_blocks_total as u32,
+            max_model_len: engine.info().max_model_len as u32,
+            rpc_addr,
+            kv_addr: None,
+        };
+        let connector = Connector::new(&cfg.net)?;
+        let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);
+        link_cfg.report_interval = cfg.report_interval;
+        let shared = Arc::new(Shared {
+            engine: engine.clone(),
+            transport: NetTransport::new(&cfg.net)?,
+            layout,
+            cfg: cfg.clone(),
+        });
+        let (reg_tx, reg_rx) = oneshot::channel();
+        let task = tokio::spawn(async move {
+            let accept = tokio::spawn(accept_loop(rpc, shared));
+            let load_engine = engine.clone();
+            let r =
+                run_control_link(connector, link_cfg, reg, move || load(load_engine.clone()), reg_tx, shutdown).await;
+            accept.abort();
+            r.map_err(NodeError::from)
+        });
+        Ok(Self { rpc_addr, registered: Some(reg_rx), task })
+    }
+
+    pub async fn wait(self) -> Result<(), NodeError> {
+        self.task.await.map_err(|e| NodeError::Task(e.to_string()))?
+    }
+}
+
+async fn load(engine: EngineHandle) -> Option<LoadReport> {
+    let snap = engine.snapshot().ok()?.await.ok()?;
+    let hashes = match engine.prefix_hashes() {
+        Ok(rx) => rx.await.unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    Some(LoadReport {
+        queued_prefill_tokens: snap.queued_prefill_tokens as u64,
+        waiting_seqs: snap.waiting as u32,
+        running_seqs: snap.running as u32,
+        free_blocks: snap.kv_blocks_free as u32,
+        cached_blocks: snap.kv_blocks_cached as u32,
+        total_blocks: snap.kv_blocks_total as u32,
+        prefix_hashes: hashes.into_iter().take(4096).collect(),
+    })
+}
+
+async fn accept_loop(mut rpc: Listener, shared: Arc<Shared>) {
+    while let Some(r) = rpc.accept().await {
+        match r {
+            Ok((stream, _peer)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move { serve_stream(stream, shared).await });
+            }
+            Err(e) => tracing::warn!(error = %e, "rpc accept failed"),
+        }
+    }
+}
+
+async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
+    let first = tokio::time::timeout(shared.cfg.request_timeout, read_msg(&mut s.recv)).await;
+    let req = match first {
+        Ok(Ok(Some(ControlMsg::PrefillRequest(p)))) => p,
+        Ok(Ok(Some(other))) => {
+            tracing::warn!(message = other.name(), "prefill node expects PrefillRequest first");
+            return;
+        }
+        Ok(Ok(None)) | Err(_) => return,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "bad rpc stream");
+            return;
+        }
+    };
+    let span = tracing::info_span!("prefill", request_id = %req.work.id);
+    let _enter = span.enter();
+    prefill(req, &mut s, &shared).await;
+}
+
+/// What the shipper reports when the KV has landed (or not).
+struct Shipped {
+    ticket_wait: Duration,
+    bytes: u64,
+    transfer: Duration,
+}
+
+async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
+    let id = req.work.id;
+    let prompt_tokens = req.work.prompt.len() as u32;
+    let submitted = Instant::now();
+    let (xtx, xrx) = mpsc::unbounded_channel();
+    let w = req.work;
+    let ereq = EngineRequest { id, prompt: w.prompt, params: w.params, stop: w.stop };
+    let mut ts = match shared.engine.submit_prefill_only(ereq, KvExport::unbounded(xtx)) {
+        Ok(ts) => ts,
+        Err(e) => {
+            let _ = write_msg(&mut s.send, &ControlMsg::Token(error_event(id, prompt_tokens, e.to_string()))).await;
+            return;
+        }
+    };
+    let (ticket_tx, ticket_rx) = oneshot::channel();
+    let mut ticket_tx = Some(ticket_tx);
+    if let Some(t) = req.ticket {
+        let _ = ticket_tx.take().map(|tx| tx.send(t));
+    }
+    let shipper = ship(shared, ticket_rx, xrx);
+    tokio::pin!(shipper);
+    let mut first_at = None;
+    let mut handed_off = None::<bool>;
+    let mut shipped = None;
+    loop {
+        tokio::select! {
+            ev = ts.next(), if handed_off.is_none() => {
+                let Some(ev) = ev else {
+                    let ev = error_event(id, prompt_tokens, "engine stopped".into());
+                    let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
+                    return;
+                };
+                first_at = Some(submitted.elapsed());
+                let ends = ev.finish_reason.is_some();
+                if write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_err() {
+                    return;
+                }
+                if ends {
+                    // Nothing to hand off (the first token ended it, or it failed).
+                    return;
+                }
+                handed_off = Some(true);
+            }
+            r = &mut shipper, if shipped.is_none() => {
+                shipped = Some(r);
+            }
+            m = read_msg(&mut s.recv) => match m {
+                Ok(Some(ControlMsg::Ticket(t))) => {
+                    if let Some(tx) = ticket_tx.take() {
+                        let _ = tx.send(t);
+                    }
+                }
+                Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => return,
+                Ok(Some(other)) => tracing::debug!(message = other.name(), "ignored"),
+            },
+        }
+        if handed_off == Some(true) && shipped.is_some() {
+            let Some(r) = shipped.take() else { return };
+            let prefill = first_at.unwrap_or_default();
+            let done = match r {
+                Ok(sh) => HandoffDone {
+                    request_id: id,
+                    error: None,
+                    queue_us: 0,
+                    prefill_us: prefill.as_micros() as u64,
+                    ticket_wait_us: sh.ticket_wait.as_micros() as u64,
+                    transfer_bytes: sh.bytes,
+                    transfer_us: sh.transfer.as_micros() as u64,
+                },
+                Err(e) => HandoffDone { request_id: id, error: Some(e), ..Default::default() },
+            };
+            let _ = write_msg(&mut s.send, &ControlMsg::HandoffDone(done)).await;
+            return;
+        }
+    }
+}
+
+/// Waits for the ticket, opens the transfer, forwards every chunk, and completes it with the
+/// first token. Chunks produced before the ticket wait in the channel.
+async fn ship(
+    shared: &Shared,
+    ticket: oneshot::Receiver<HandoffTicket>,
+    mut chunks: mpsc::UnboundedReceiver<KvExportEvent>,
+) -> Result<Shipped, String> {
+    let waited = Instant::now();
+    let ticket = tokio::time::timeout(shared.cfg.request_timeout, ticket)
+        .await
+        .map_err(|_| "no handoff ticket arrived in time".to_string())?
+        .map_err(|_| "request ended before its ticket arrived".to_string())?;
+    let ticket_wait = waited.elapsed();
+    let started = Instant::now();
+    let sender = KvSender::start(&shared.transport, &ticket, &shared.layout, &shared.cfg.send)
+        .await
+        .map_err(|e| format!("opening the transfer to {}: {e}", ticket.receiver_addr))?;
+    while let Some(ev) = chunks.recv().await {
+        match ev {
+            KvExportEvent::Chunk(c) => {
+                let c = LayerChunk {
+                    layer: c.layer,
+                    token_start: c.token_start,
+                    token_count: c.token_count,
+                    k: c.k,
+                    v: c.v,
+                };
+                sender.send(c).await.map_err(|e| format!("sending kv: {e}"))?;
+            }
+            KvExportEvent::Done(d) => {
+                if d.finish.is_some() {
+                    return Err("the request ended at its first token".into());
+                }
+                let report = sender.finish(d.first_token).await.map_err(|e| format!("completing the handoff: {e}"))?;
+                return Ok(Shipped { ticket_wait, bytes: report.bytes, transfer: started.elapsed() });
+            }
+        }
+    }
+    Err("the engine dropped the request before its kv was out".into())
+}
+
+fn error_event(id: RequestId, prompt_tokens: u32, msg: String) -> TokenEvent {
+    TokenEvent {
+        request_id: id,
+        token_id: None,
+        text: String::new(),
+        logprobs: None,
+        finish_reason: Some(FinishReason::Error),
+        prompt_tokens,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        error: Some(msg),
+    }
+}

@@ -6,6 +6,8 @@ mod bench_transfer;
 mod certs;
 mod generate;
 mod make_model;
+mod serve;
+mod up;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +33,17 @@ enum Command {
     Bench(BenchCommand),
     /// Generate a cluster CA and node certificates (mutual TLS between nodes) into a directory.
     Certs(certs::CertsArgs),
+    /// Start the whole system on this machine: a coordinator and prefill/decode (or colocated)
+    /// nodes as child processes, serving the OpenAI API.
+    Up(up::UpArgs),
+    /// Run the coordinator: the OpenAI-compatible HTTP API, node registry and request router.
+    Coordinator(serve::CoordinatorCmd),
+    /// Run a prefill node.
+    Prefill(serve::NodeCmd),
+    /// Run a decode node.
+    Decode(serve::NodeCmd),
+    /// Run a node with an explicit role (prefill, decode, or both = colocated).
+    Node(serve::NodeRoleCmd),
 }
 
 #[derive(Subcommand, Debug)]
@@ -48,6 +61,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
         Command::Certs(args) => certs::run(args),
+        Command::Up(args) => up::run(args),
+        Command::Coordinator(args) => serve::run_coordinator(args),
+        Command::Prefill(args) => serve::run_node(serve::RoleArg::Prefill, args),
+        Command::Decode(args) => serve::run_node(serve::RoleArg::Decode, args),
+        Command::Node(args) => serve::run_node(args.role, args.node),
     }
 }
 

@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
-use cleave_protocol::KvLayout;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::dispatch::Dispatch;
@@ -153,18 +152,18 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
-    /// Starts the registry, the control listener and the router. `layout`: the model's KV
-    /// layout with its fingerprint when the coordinator knows it (nodes must match it).
+    /// Starts the registry, the control listener and the router. `fingerprint`: the model's,
+    /// when the coordinator knows it (nodes must match it).
     pub fn start(
         cfg: ClusterConfig,
-        layout: Option<KvLayout>,
+        fingerprint: Option<u64>,
         control: Listener,
         dispatches: mpsc::Receiver<Dispatch>,
     ) -> Result<Self, cleave_kv_transfer::KvTransferError> {
         let control_addr = control.local_addr();
         let (tx, rx) = mpsc::channel(1024);
         let handle = ClusterHandle { tx };
-        let registry = Registry::new(cfg.routing.clone(), layout);
+        let registry = Registry::new(cfg.routing.clone(), fingerprint);
         let connector = Arc::new(Connector::new(&cfg.net)?);
         let cfg = Arc::new(cfg);
         let tasks = vec![

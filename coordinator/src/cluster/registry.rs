@@ -2,9 +2,9 @@
 //! ([`super::ClusterHandle`]) and tested deterministically.
 //!
 //! Invariants:
-//! - every live node's layout (model fingerprint included) equals the cluster's, which is the
-//!   coordinator's own when it knows it, else the first registered node's; a node with another
-//!   is refused at registration;
+//! - every live node's model fingerprint equals the coordinator's (when it knows its model's)
+//!   and every live node's KV layout equals the first registered node's; a node with another is
+//!   refused at registration, loudly;
 //! - a node that has not reported for `dead_after` is removed by [`Registry::expire`], as is a
 //!   node whose control stream ended; routing never picks a removed node;
 //! - `inflight_*` counts work assigned since the node's last report that the report cannot
@@ -143,15 +143,16 @@ pub struct Assignment {
 
 pub struct Registry {
     cfg: RoutingConfig,
+    fingerprint: Option<u64>,
     layout: Option<KvLayout>,
     nodes: BTreeMap<u64, Node>,
     next_id: u64,
 }
 
 impl Registry {
-    /// `layout`: the coordinator's own model layout when known (else the first node's wins).
-    pub fn new(cfg: RoutingConfig, layout: Option<KvLayout>) -> Self {
-        Self { cfg, layout, nodes: BTreeMap::new(), next_id: 1 }
+    /// `fingerprint`: the coordinator's model's, when it knows it.
+    pub fn new(cfg: RoutingConfig, fingerprint: Option<u64>) -> Self {
+        Self { cfg, fingerprint, layout: None, nodes: BTreeMap::new(), next_id: 1 }
     }
 
     pub fn config(&self) -> &RoutingConfig {
@@ -172,14 +173,17 @@ impl Registry {
 
     /// Admits a node, or says loudly why not.
     pub fn register(&mut self, reg: Register, now: Instant) -> Result<u64, Refusal> {
-        if let Some(l) = &self.layout {
-            if l.model_fingerprint != reg.layout.model_fingerprint {
+        let want = self.fingerprint.or(self.layout.as_ref().map(|l| l.model_fingerprint));
+        if let Some(fp) = want {
+            if fp != reg.layout.model_fingerprint {
                 return Err(Refusal(format!(
-                    "model fingerprint {:016x} of node `{}` (model `{}`) differs from the cluster's {:016x}: \
+                    "model fingerprint {:016x} of node `{}` (model `{}`) differs from the cluster's {fp:016x}: \
                      every node must serve the coordinator's model",
-                    reg.layout.model_fingerprint, reg.name, reg.model_name, l.model_fingerprint
+                    reg.layout.model_fingerprint, reg.name, reg.model_name
                 )));
             }
+        }
+        if let Some(l) = &self.layout {
             if *l != reg.layout {
                 return Err(Refusal(format!(
                     "kv layout of node `{}` ({:?}) differs from the cluster's ({l:?})",
@@ -432,7 +436,7 @@ mod tests {
     #[test]
     fn refuses_another_model_loudly() {
         let t = Instant::now();
-        let mut r = Registry::new(RoutingConfig::default(), Some(layout(1)));
+        let mut r = Registry::new(RoutingConfig::default(), Some(1));
         let err = r.register(reg("p", NodeRole::Prefill, 2, 1), t).unwrap_err();
         assert!(err.0.contains("fingerprint"), "{err}");
         assert!(r.is_empty());

@@ -35,8 +35,9 @@ enum Outcome {
     Finished,
     /// The prefill node failed before the first token.
     PrefillFailed { node: NodeRef, error: String },
-    /// The decode node failed; tokens sent so far stay sent.
-    DecodeFailed { node: NodeRef, error: String },
+    /// The decode node failed; tokens sent so far stay sent. `alive`: it said so itself (an
+    /// error event, e.g. a broken handoff), so it may serve the retry.
+    DecodeFailed { node: NodeRef, error: String, alive: bool },
 }
 
 /// What the client has received so far.
@@ -133,9 +134,11 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                     return;
                 }
             }
-            Outcome::DecodeFailed { node, error } => {
+            Outcome::DecodeFailed { node, error, alive } => {
                 last_error = format!("decode node {}: {error}", node.name);
-                exclude.push(node.id);
+                if !alive {
+                    exclude.push(node.id);
+                }
                 if p.generated.is_empty() {
                     // Nothing was sent yet: a plain retry elsewhere, like a failed prefill.
                     prefill_retries += 1;
@@ -228,7 +231,7 @@ async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &Clus
         ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: true, generated: p.generated.clone() });
     let mut s = match open(connector, &node, &msg).await {
         Ok(s) => s,
-        Err(error) => return Outcome::DecodeFailed { node, error },
+        Err(error) => return Outcome::DecodeFailed { node, error, alive: false },
     };
     loop {
         tokio::select! {
@@ -239,7 +242,7 @@ async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &Clus
             r = next(&mut s, cfg.node_silence_timeout) => match r {
                 Read::Msg(ControlMsg::Token(ev)) => {
                     if let Some(error) = node_error(&ev) {
-                        return Outcome::DecodeFailed { node, error };
+                        return Outcome::DecodeFailed { node, error, alive: true };
                     }
                     let last = ev.finish_reason.is_some();
                     if !emit(d, p, ev).await || last {
@@ -247,7 +250,7 @@ async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &Clus
                     }
                 }
                 Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from decode node"),
-                Read::Lost(error) => return Outcome::DecodeFailed { node, error },
+                Read::Lost(error) => return Outcome::DecodeFailed { node, error, alive: false },
             },
         }
     }
@@ -267,7 +270,7 @@ async fn remote(
     let (ds, ps) = tokio::join!(open(connector, &dnode, &dmsg), open(connector, &pnode, &pmsg));
     let mut ds = match ds {
         Ok(s) => s,
-        Err(error) => return Outcome::DecodeFailed { node: dnode, error },
+        Err(error) => return Outcome::DecodeFailed { node: dnode, error, alive: false },
     };
     let mut ps = match ps {
         Ok(s) => s,
@@ -299,9 +302,9 @@ async fn remote(
                 }
                 Read::Msg(ControlMsg::Token(ev)) => {
                     if let Some(error) = node_error(&ev) {
-                        // Before the first token (e.g. no blocks) the request is retried
-                        // elsewhere; after it, the stream migrates.
-                        return Outcome::DecodeFailed { node: dnode, error };
+                        // Before the first token (e.g. no blocks) the request is retried;
+                        // after it, the stream migrates.
+                        return Outcome::DecodeFailed { node: dnode, error, alive: true };
                     }
                     if first_at.is_none() {
                         early.push(ev);
@@ -320,7 +323,7 @@ async fn remote(
                     }
                 }
                 Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from decode node"),
-                Read::Lost(error) => return Outcome::DecodeFailed { node: dnode, error },
+                Read::Lost(error) => return Outcome::DecodeFailed { node: dnode, error, alive: false },
             },
             r = next(&mut ps, cfg.node_silence_timeout), if prefill_open => match r {
                 Read::Msg(ControlMsg::Token(ev)) => {

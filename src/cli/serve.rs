@@ -1,0 +1,309 @@
+//! The serving processes: `cleave coordinator`, `cleave prefill`, `cleave decode` and
+//! `cleave node --role ...`. Each prints one `READY ...` line on stdout once it serves (what
+//! `cleave up` waits for) and stops cleanly on SIGTERM, Ctrl-C, or (with `--exit-with-parent`)
+//! when its stdin closes.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use cleave_coordinator::cluster::registry::RoutingConfig;
+use cleave_coordinator::cluster::{Cluster, ClusterConfig};
+use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, ModelInfo};
+use cleave_decode_node::{DecodeNode, DecodeNodeConfig};
+use cleave_engine::model::ModelFiles;
+use cleave_engine::{EngineCore, EngineThread};
+use cleave_kernels::cpu::CpuBackend;
+use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
+use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_kv_transfer::SendConfig;
+use cleave_prefill_node::{PrefillNode, PrefillNodeConfig};
+use cleave_protocol::control::NodeRole;
+
+use super::EngineArgs;
+
+/// How a process reaches the rest of the cluster.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClusterNetArgs {
+    /// Directory with the cluster CA (ca.crt) and this process's certificate and key
+    /// (<name>.crt, <name>.key); see `cleave certs`.
+    #[arg(long, env = "CLEAVE_CERTS")]
+    pub certs: Option<PathBuf>,
+    /// This process's name: its certificate's name, and how it appears in logs and metrics.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Internal transport: quic (mutual TLS 1.3), tcp-tls, or tcp-plain (no encryption or
+    /// authentication: only on a network you trust).
+    #[arg(long, value_enum, default_value_t = TransportArg::Quic)]
+    pub transport: TransportArg,
+    /// Exit when stdin closes (set by `cleave up` so that children never outlive it).
+    #[arg(long, hide = true)]
+    pub exit_with_parent: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportArg {
+    Quic,
+    TcpTls,
+    TcpPlain,
+}
+
+impl ClusterNetArgs {
+    fn net_config(&self, default_name: &str) -> anyhow::Result<(NetConfig, String)> {
+        let name = self.name.clone().unwrap_or_else(|| default_name.to_string());
+        let kind = match self.transport {
+            TransportArg::Quic => NetKind::Quic,
+            TransportArg::TcpTls => NetKind::TcpTls,
+            TransportArg::TcpPlain => NetKind::TcpPlain,
+        };
+        let identity = match (&self.certs, kind) {
+            (None, NetKind::TcpPlain) => None,
+            (None, _) => anyhow::bail!(
+                "--certs DIR is required with --transport {} (make one with `cleave certs --dir DIR --nodes {name}`)",
+                kind.name()
+            ),
+            (Some(dir), _) => Some(
+                NodeIdentity::load(dir, &name)
+                    .with_context(|| format!("loading the certificate of `{name}` from {}", dir.display()))?,
+            ),
+        };
+        Ok((NetConfig::new(kind, identity), name))
+    }
+}
+
+/// `cleave coordinator`.
+#[derive(clap::Args, Debug)]
+pub struct CoordinatorCmd {
+    #[command(flatten)]
+    pub http: CoordinatorArgs,
+    /// Where nodes register (QUIC or TCP per --transport).
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    pub cluster_listen: SocketAddr,
+    #[command(flatten)]
+    pub net: ClusterNetArgs,
+    /// Prefill on the decode node when at most this many prompt tokens are not in its prefix
+    /// cache (conditional disaggregation).
+    #[arg(long, default_value_t = 32)]
+    pub local_prefill_max_tokens: usize,
+    /// The prefill pool is saturated (requests prefill on decode nodes) when every prefill node
+    /// has more than this many prompt tokens queued.
+    #[arg(long, default_value_t = 65_536)]
+    pub prefill_saturation_tokens: u64,
+    /// Seconds without a load report after which a node is dead.
+    #[arg(long, default_value_t = 3.0)]
+    pub dead_after_secs: f64,
+    /// Times a stream may move to another decode node when its node fails.
+    #[arg(long, default_value_t = 2)]
+    pub max_migrations: u32,
+    /// Skip loading the model to learn its fingerprint (nodes are then checked against the
+    /// first node that registers).
+    #[arg(long)]
+    pub no_fingerprint: bool,
+}
+
+/// `cleave prefill`, `cleave decode`, `cleave node`.
+#[derive(clap::Args, Debug)]
+pub struct NodeCmd {
+    /// Model folder (Hugging Face layout) or .gguf file.
+    #[arg(long, env = "CLEAVE_MODEL")]
+    pub model: PathBuf,
+    /// The coordinator's cluster address (its --cluster-listen).
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    pub coordinator: SocketAddr,
+    /// Where the coordinator's request streams arrive.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub rpc_listen: SocketAddr,
+    /// Where prefill nodes push KV (decode and colocated nodes).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub kv_listen: SocketAddr,
+    /// Name of the served model (must match the coordinator's).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub net: ClusterNetArgs,
+}
+
+/// `cleave node --role`.
+#[derive(clap::Args, Debug)]
+pub struct NodeRoleCmd {
+    /// prefill, decode, or both (a colocated node that prefills and decodes its requests).
+    #[arg(long, value_enum)]
+    pub role: RoleArg,
+    #[command(flatten)]
+    pub node: NodeCmd,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleArg {
+    Prefill,
+    Decode,
+    Both,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    // Two workers at least: the decode node's KV sink blocks a worker for one engine step
+    // (`block_in_place`) while it reserves blocks.
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+}
+
+/// Resolves on SIGTERM, Ctrl-C, or stdin closing when `with_parent`.
+async fn shutdown_signal(with_parent: bool) {
+    let parent = async move {
+        if !with_parent {
+            return std::future::pending::<()>().await;
+        }
+        // A blocking read on a thread: the parent holds the pipe's other end until it exits.
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            use std::io::Read;
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+            let _ = tx.send(());
+        });
+        let _ = rx.await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+        () = parent => {}
+    }
+}
+
+fn model_name(path: &Path, given: Option<&String>) -> String {
+    given
+        .cloned()
+        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into()))
+}
+
+pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
+    let model = ModelInfo::from_args(&cmd.http).context("loading the model's tokenizer and config")?;
+    let fingerprint = match (&cmd.http.model, cmd.no_fingerprint) {
+        (Some(dir), false) => Some(fingerprint_of(dir)?),
+        _ => None,
+    };
+    let (net, _name) = cmd.net.net_config("coordinator")?;
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let http = tokio::net::TcpListener::bind(cmd.http.listen)
+            .await
+            .with_context(|| format!("binding the HTTP API on {}", cmd.http.listen))?;
+        let control = Listener::bind(&net, cmd.cluster_listen)
+            .await
+            .with_context(|| format!("binding the cluster address {}", cmd.cluster_listen))?;
+        let (dispatch, dispatches) = dispatch_channel(cmd.http.max_queued_requests);
+        let mut cfg = ClusterConfig::new(net);
+        cfg.routing = RoutingConfig {
+            local_prefill_max_tokens: cmd.local_prefill_max_tokens,
+            prefill_saturation_tokens: cmd.prefill_saturation_tokens,
+            dead_after: Duration::from_secs_f64(cmd.dead_after_secs.clamp(0.1, 3600.0)),
+        };
+        cfg.max_migrations = cmd.max_migrations;
+        let cluster = Cluster::start(cfg, fingerprint, control, dispatches)?;
+        let state = AppState::new(&cmd.http, model, dispatch);
+        let http_addr = http.local_addr()?;
+        println!("READY coordinator http={http_addr} cluster={}", cluster.control_addr());
+        cleave_coordinator::serve_with_shutdown(http, state, shutdown_signal(cmd.net.exit_with_parent)).await?;
+        drop(cluster);
+        Ok(())
+    })
+}
+
+/// The model's fingerprint, as every node computes it (loads the weights once).
+fn fingerprint_of(dir: &Path) -> anyhow::Result<u64> {
+    let files = ModelFiles::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
+    let cfg = cleave_engine::EngineConfig { kv_cache_memory: 1 << 20, ..Default::default() };
+    let core = EngineCore::load(CpuBackend::new(Some(1))?, files, &cfg)?;
+    Ok(core.kv_layout().model_fingerprint)
+}
+
+pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
+    let default_name = match role {
+        RoleArg::Prefill => "prefill",
+        RoleArg::Decode => "decode",
+        RoleArg::Both => "node",
+    };
+    let (net, name) = cmd.net.net_config(default_name)?;
+    let files = ModelFiles::open(&cmd.model).with_context(|| format!("opening model {}", cmd.model.display()))?;
+    let cfg = cmd.engine.to_config();
+    let threads = cmd.engine.threads;
+    let engine = EngineThread::spawn(move || EngineCore::load(CpuBackend::new(threads)?, files, &cfg))
+        .context("starting the engine")?;
+    let model_name = model_name(&cmd.model, cmd.served_model_name.as_ref());
+    let rt = runtime()?;
+    let handle = engine.handle();
+    let res = rt.block_on(async move {
+        let shutdown = shutdown_signal(cmd.net.exit_with_parent);
+        match role {
+            RoleArg::Prefill => {
+                let cfg = PrefillNodeConfig {
+                    name: name.clone(),
+                    model_name,
+                    coordinator: cmd.coordinator,
+                    rpc_bind: cmd.rpc_listen,
+                    net,
+                    report_interval: Duration::from_millis(200),
+                    request_timeout: Duration::from_secs(60),
+                    send: SendConfig::default(),
+                };
+                let mut node = PrefillNode::start(handle, cfg, shutdown).await?;
+                let id = registered(node.registered.take()).await?;
+                println!("READY prefill name={name} id={id} rpc={}", node.rpc_addr);
+                node.wait().await?;
+            }
+            RoleArg::Decode | RoleArg::Both => {
+                let cfg = DecodeNodeConfig {
+                    name: name.clone(),
+                    role: if role == RoleArg::Both { NodeRole::Both } else { NodeRole::Decode },
+                    model_name,
+                    coordinator: cmd.coordinator,
+                    rpc_bind: cmd.rpc_listen,
+                    kv_bind: cmd.kv_listen,
+                    net,
+                    report_interval: Duration::from_millis(200),
+                    lease_ttl: Duration::from_secs(60),
+                    request_timeout: Duration::from_secs(60),
+                };
+                let mut node = DecodeNode::start(handle, cfg, shutdown).await?;
+                let id = registered(node.registered.take()).await?;
+                println!("READY {} name={name} id={id} rpc={} kv={}", role_str(role), node.rpc_addr, node.kv_addr);
+                node.wait().await?;
+            }
+        }
+        anyhow::Ok(())
+    });
+    engine.shutdown()?;
+    res
+}
+
+fn role_str(role: RoleArg) -> &'static str {
+    match role {
+        RoleArg::Prefill => "prefill",
+        RoleArg::Decode => "decode",
+        RoleArg::Both => "both",
+    }
+}
+
+/// Waits for the first registration; a refusal (another model) or repeated failure is fatal.
+async fn registered(
+    rx: Option<tokio::sync::oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
+) -> anyhow::Result<u64> {
+    let rx = rx.context("registration already awaited")?;
+    match tokio::time::timeout(Duration::from_secs(60), rx).await {
+        Err(_) => anyhow::bail!("the coordinator did not accept this node within 60 s"),
+        Ok(Err(_)) => anyhow::bail!("the node stopped before registering"),
+        Ok(Ok(Err(e))) => Err(anyhow::anyhow!(e).context("registering with the coordinator")),
+        Ok(Ok(Ok(id))) => Ok(id),
+    }
+}

@@ -1,0 +1,320 @@
+//! `cleave up`: the whole system on one machine. Starts the coordinator and the nodes as child
+//! processes of this binary on loopback, with a freshly generated cluster CA, waits until every
+//! one is ready (each prints a `READY` line), prints the URL, and on Ctrl-C or SIGTERM stops
+//! them all. A child that dies is reported; the coordinator drops it from routing by itself
+//! (its control stream ends). Children watch their stdin, which this process holds, so they
+//! never outlive it even if it is killed.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use cleave_engine::model::synth::{self, SynthDtype};
+use cleave_kv_transfer::tls::CertFiles;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use super::serve::TransportArg;
+
+#[derive(clap::Args, Debug)]
+pub struct UpArgs {
+    /// Model folder (Hugging Face layout) or .gguf file. Default: a built-in random-weight
+    /// model (preset `small`), written once into the cache folder, so that the first run needs
+    /// no download (its text is meaningless; use a real model for real answers).
+    #[arg(long, env = "CLEAVE_MODEL")]
+    pub model: Option<PathBuf>,
+    /// HTTP port of the OpenAI-compatible API.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Address the API binds.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Prefill nodes (disaggregated mode).
+    #[arg(long, conflicts_with = "colocated")]
+    pub prefill: Option<usize>,
+    /// Decode nodes (disaggregated mode).
+    #[arg(long, conflicts_with = "colocated")]
+    pub decode: Option<usize>,
+    /// Colocated nodes that prefill and decode their own requests (a conventional engine each).
+    #[arg(long)]
+    pub colocated: Option<usize>,
+    /// KV cache per node (suffixes k, m, g).
+    #[arg(long, default_value = "512m")]
+    pub kv_cache_memory: String,
+    /// Compute threads per node (default: the cores divided among the nodes).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Pin node i to core i (modulo the cores) with taskset, so nodes do not share cores.
+    #[arg(long)]
+    pub pin: bool,
+    /// Require this API key (Bearer) on the API routes.
+    #[arg(long, env = "CLEAVE_API_KEY")]
+    pub api_key: Option<String>,
+    /// Internal transport between processes.
+    #[arg(long, value_enum, default_value_t = TransportArg::Quic)]
+    pub transport: TransportArg,
+    /// Extra flags for every node (e.g. `--node-arg=--max-num-seqs=32`).
+    #[arg(long = "node-arg", allow_hyphen_values = true)]
+    pub node_args: Vec<String>,
+    /// Extra flags for the coordinator (e.g. `--coordinator-arg=--local-prefill-max-tokens=0`).
+    #[arg(long = "coordinator-arg", allow_hyphen_values = true)]
+    pub coordinator_args: Vec<String>,
+    /// Seconds to wait for every process to be ready.
+    #[arg(long, default_value_t = 300)]
+    pub ready_timeout_secs: u64,
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+pub fn run(args: UpArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(up(args))
+}
+
+/// The cache folder for the built-in model.
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("CLEAVE_CACHE") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("cleave");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache").join("cleave"),
+        None => std::env::temp_dir().join("cleave-cache"),
+    }
+}
+
+/// The built-in default model, written on first use.
+pub fn default_model() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join("default-model-small-seed0");
+    if !dir.join("model.safetensors").exists() {
+        let spec = synth::preset_or_err("small")?;
+        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+        synth::write_model(&spec, 0, SynthDtype::F32, &tmp)
+            .with_context(|| format!("writing the built-in model to {}", tmp.display()))?;
+        // Atomic from a concurrent `up`'s point of view.
+        if std::fs::rename(&tmp, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        eprintln!("wrote the built-in default model (random weights, preset `small`) to {}", dir.display());
+    }
+    Ok(dir)
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<()> {
+    let (prefill, decode, colocated) = match (args.prefill, args.decode, args.colocated) {
+        (_, _, Some(k)) => (0, 0, k),
+        (None, None, None) => (1, 1, 0),
+        (p, d, None) => (p.unwrap_or(1), d.unwrap_or(1), 0),
+    };
+    anyhow::ensure!(prefill + decode + colocated > 0, "no node to start");
+    anyhow::ensure!(decode + colocated > 0, "at least one decode or colocated node is needed to generate tokens");
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => default_model()?,
+    };
+    let exe = std::env::current_exe().context("locating the cleave binary")?;
+    let certs = std::env::temp_dir().join(format!("cleave-up-{}", std::process::id()));
+    let mut names = vec!["coordinator".to_string()];
+    let mut nodes = Vec::new();
+    for i in 0..prefill {
+        nodes.push((format!("prefill-{i}"), "prefill"));
+    }
+    for i in 0..decode {
+        nodes.push((format!("decode-{i}"), "decode"));
+    }
+    for i in 0..colocated {
+        nodes.push((format!("node-{i}"), "both"));
+    }
+    names.extend(nodes.iter().map(|(n, _)| n.clone()));
+    if args.transport != TransportArg::TcpPlain {
+        CertFiles { dir: certs.clone() }.generate(&names).context("generating the cluster CA and certificates")?;
+    }
+    let transport = match args.transport {
+        TransportArg::Quic => "quic",
+        TransportArg::TcpTls => "tcp-tls",
+        TransportArg::TcpPlain => "tcp-plain",
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args.threads.unwrap_or_else(|| (cores / nodes.len().max(1)).max(1));
+    let common = |name: &str| {
+        let mut v = vec![
+            "--name".to_string(),
+            name.to_string(),
+            "--transport".into(),
+            transport.into(),
+            "--exit-with-parent".into(),
+        ];
+        if args.transport != TransportArg::TcpPlain {
+            v.extend(["--certs".to_string(), certs.display().to_string()]);
+        }
+        v
+    };
+
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = async {
+        // The coordinator first: the nodes need its cluster address.
+        let mut cargs = vec![
+            "coordinator".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--listen".into(),
+            std::net::SocketAddr::new(args.host, args.port).to_string(),
+            "--cluster-listen".into(),
+            "127.0.0.1:0".into(),
+        ];
+        if let Some(k) = &args.api_key {
+            cargs.extend(["--api-key".to_string(), k.clone()]);
+        }
+        cargs.extend(common("coordinator"));
+        cargs.extend(args.coordinator_args.iter().cloned());
+        let (proc_, ready) = spawn(&exe, "coordinator", cargs, None, args.ready_timeout_secs).await?;
+        procs.push(proc_);
+        let cluster = ready.get("cluster").cloned().context("coordinator READY line without cluster=")?;
+        let http = ready.get("http").cloned().context("coordinator READY line without http=")?;
+
+        // The nodes load their models in parallel.
+        let mut pending = Vec::new();
+        for (i, (name, role)) in nodes.iter().enumerate() {
+            let mut nargs = vec![
+                "node".to_string(),
+                "--role".into(),
+                role.to_string(),
+                "--model".into(),
+                model.display().to_string(),
+                "--coordinator".into(),
+                cluster.clone(),
+                "--kv-cache-memory".into(),
+                args.kv_cache_memory.clone(),
+                "--threads".into(),
+                threads.to_string(),
+            ];
+            nargs.extend(common(name));
+            nargs.extend(args.node_args.iter().cloned());
+            let pin = args.pin.then_some(i % cores);
+            pending.push(spawn(&exe, name, nargs, pin, args.ready_timeout_secs));
+        }
+        for r in futures::future::join_all(pending).await {
+            let (p, _) = r?;
+            procs.push(p);
+        }
+        let shape = if colocated > 0 {
+            format!("{colocated} colocated")
+        } else {
+            format!("{prefill} prefill + {decode} decode")
+        };
+        println!("cleave is serving {} at http://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
+        anyhow::Ok(())
+    }
+    .await;
+
+    let outcome = match result {
+        Err(e) => Err(e),
+        Ok(()) => supervise(&mut procs).await,
+    };
+    stop_all(&mut procs).await;
+    let _ = std::fs::remove_dir_all(&certs);
+    outcome
+}
+
+/// Starts one child and waits for its `READY key=value ...` line.
+async fn spawn(
+    exe: &std::path::Path,
+    name: &str,
+    args: Vec<String>,
+    pin: Option<usize>,
+    timeout_secs: u64,
+) -> anyhow::Result<(Proc, HashMap<String, String>)> {
+    let mut cmd = match pin {
+        Some(core) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(core.to_string()).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    cmd.args(&args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("READY ") {
+                let kv = rest.split_whitespace().filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into()));
+                return anyhow::Ok(Some(kv.collect::<HashMap<String, String>>()));
+            }
+            println!("[{name}] {line}");
+        }
+        Ok(None)
+    };
+    let ready = tokio::time::timeout(Duration::from_secs(timeout_secs), ready).await;
+    let kv = match ready {
+        Ok(Ok(Some(kv))) => kv,
+        Ok(Ok(None)) => {
+            let status = child.wait().await?;
+            anyhow::bail!("{name} exited before it was ready ({status}); see its messages above");
+        }
+        Ok(Err(e)) => anyhow::bail!("reading {name}'s output: {e}"),
+        Err(_) => anyhow::bail!("{name} was not ready after {timeout_secs} s"),
+    };
+    // Keep draining the child's stdout so it never blocks on a full pipe.
+    let tag = name.to_string();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            println!("[{tag}] {line}");
+        }
+    });
+    Ok((Proc { name: name.to_string(), child }, kv))
+}
+
+/// Runs until a signal (Ok) or the coordinator's death (Err); reports nodes that die.
+async fn supervise(procs: &mut [Proc]) -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut alive: Vec<bool> = vec![true; procs.len()];
+    loop {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        tick.tick().await;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = term.recv() => return Ok(()),
+            _ = tick.tick() => {
+                for (i, p) in procs.iter_mut().enumerate() {
+                    if !alive[i] {
+                        continue;
+                    }
+                    if let Ok(Some(status)) = p.child.try_wait() {
+                        alive[i] = false;
+                        if i == 0 {
+                            anyhow::bail!("the coordinator exited ({status}); stopping every node");
+                        }
+                        eprintln!("cleave up: {} exited ({status}); the coordinator no longer routes to it", p.name);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// SIGTERM to every child (nodes first), then SIGKILL after a grace period.
+async fn stop_all(procs: &mut [Proc]) {
+    for p in procs.iter().rev() {
+        if let Some(pid) = p.child.id() {
+            let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        }
+    }
+    for p in procs.iter_mut().rev() {
+        match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                eprintln!("cleave up: {} did not stop within 10 s; killing it", p.name);
+                let _ = p.child.kill().await;
+            }
+        }
+    }
+}
