@@ -780,3 +780,46 @@ fn cancelling_a_prefill_only_request_closes_its_sink_without_done() {
     assert_eq!(token_ids(&out[&2]).len(), 3);
     assert_no_blocks_in_use(&a);
 }
+
+/// Prints what the layer-wise export adds to a prefill's wall time (not a pass/fail test:
+/// `cargo test -p cleave-engine --test disagg export_overhead -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn export_overhead() {
+    let spec = synth::preset("small").unwrap();
+    let dir = write_llama("overhead", spec);
+    let cfg = EngineConfig { enable_prefix_caching: false, kv_cache_memory: 256 << 20, ..EngineConfig::default() };
+    let prompt = tokens(5, 2040, spec.vocab_size);
+    let mut core = engine(&dir.0, cfg);
+    let mut time = |export: bool, id: u64| {
+        let t = Instant::now();
+        let req = greedy_request(id, prompt.clone(), 2);
+        let (tx, rx) = mpsc::unbounded_channel();
+        if export {
+            core.add_prefill_only(req, KvExport::unbounded(tx), t).unwrap();
+        } else {
+            core.add_request(
+                EngineRequest { stop: cleave_protocol::StopConditions { max_tokens: 1, ..req.stop }, ..req },
+                t,
+            )
+            .unwrap();
+        }
+        run_to_end(&mut core);
+        drop(rx);
+        t.elapsed().as_secs_f64()
+    };
+    let (mut plain, mut with) = (f64::MAX, f64::MAX);
+    for i in 0..3 {
+        plain = plain.min(time(false, 2 * i));
+        with = with.min(time(true, 2 * i + 1));
+    }
+    let bytes = 2040 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 2;
+    println!(
+        "prefill 2040 tokens ({} layers, {} KiB of KV): plain {:.1} ms, with export {:.1} ms ({:+.1}%)",
+        spec.num_layers,
+        bytes / 1024,
+        plain * 1e3,
+        with * 1e3,
+        (with / plain - 1.0) * 100.0
+    );
+}
