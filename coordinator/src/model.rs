@@ -25,6 +25,26 @@ pub struct ModelInfo {
     pub context_len: u32,
     /// Token ids that end generation unless `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
+    /// Sampling defaults for fields a request leaves out, from generation_config.json
+    /// (as vLLM does); OpenAI's defaults where the file says nothing.
+    pub defaults: SamplingDefaults,
+}
+
+/// Defaults for omitted sampling fields. Validated like a request's values when used.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+}
+
+impl Default for SamplingDefaults {
+    /// OpenAI's: temperature 1, no truncation, no penalty.
+    fn default() -> Self {
+        SamplingDefaults { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0, repetition_penalty: 1.0 }
+    }
 }
 
 /// `5` or `[5, 7]` in config.json / generation_config.json.
@@ -45,6 +65,34 @@ struct ConfigFacts {
     max_seq_len: Option<u32>,
     #[serde(default)]
     eos_token_id: Option<OneOrMany>,
+    #[serde(default)]
+    do_sample: Option<bool>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<i64>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+}
+
+impl ConfigFacts {
+    /// generation_config.json's sampling fields; `do_sample: false` (HF's greedy) makes the
+    /// default temperature 0 unless a temperature is also given.
+    fn sampling_defaults(&self) -> SamplingDefaults {
+        let d = SamplingDefaults::default();
+        let greedy = self.do_sample == Some(false);
+        SamplingDefaults {
+            temperature: self.temperature.unwrap_or(if greedy { 0.0 } else { d.temperature }),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            top_k: self.top_k.and_then(|k| u32::try_from(k).ok()).unwrap_or(d.top_k),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+        }
+    }
 }
 
 impl ModelInfo {
@@ -63,6 +111,7 @@ impl ModelInfo {
             .or(config.max_seq_len)
             .unwrap_or(FALLBACK_CONTEXT_LEN)
             .max(1);
+        let defaults = generation.sampling_defaults();
         let mut eos_token_ids = Vec::new();
         for ids in [generation.eos_token_id, config.eos_token_id].into_iter().flatten() {
             match ids {
@@ -73,7 +122,7 @@ impl ModelInfo {
         eos_token_ids.extend(tokenizer.eos_token_id());
         let mut seen = std::collections::HashSet::new();
         eos_token_ids.retain(|id| seen.insert(*id));
-        Ok(ModelInfo { name, tokenizer, context_len, eos_token_ids })
+        Ok(ModelInfo { name, tokenizer, context_len, eos_token_ids, defaults })
     }
 }
 
@@ -93,4 +142,28 @@ fn read_facts(path: &Path) -> Result<ConfigFacts, CoordinatorError> {
         .map_err(|e| CoordinatorError::ModelConfig { path: PathBuf::from(path), reason: e.to_string() })?;
     serde_json::from_str(&text)
         .map_err(|e| CoordinatorError::ModelConfig { path: PathBuf::from(path), reason: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(json: &str) -> ConfigFacts {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn generation_config_sampling_defaults() {
+        assert_eq!(facts("{}").sampling_defaults(), SamplingDefaults::default());
+        assert_eq!(facts(r#"{"do_sample": false}"#).sampling_defaults().temperature, 0.0);
+        let d = facts(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20}"#).sampling_defaults();
+        assert_eq!((d.temperature, d.top_p, d.top_k), (0.6, 0.9, 20));
+        assert_eq!(facts(r#"{"top_k": -1}"#).sampling_defaults().top_k, 0);
+    }
+
+    #[test]
+    fn eos_ids_as_int_or_list() {
+        assert!(matches!(facts(r#"{"eos_token_id": [2, 7]}"#).eos_token_id, Some(OneOrMany::Many(v)) if v == [2, 7]));
+        assert!(matches!(facts(r#"{"eos_token_id": 2}"#).eos_token_id, Some(OneOrMany::One(2))));
+    }
 }

@@ -196,12 +196,13 @@ fn validate_common(
         Some(k) => return Err(invalid("top_k", format!("must be -1, 0 or positive, got {k}"))),
     };
     let defaults = SamplingParams::default();
+    let model_defaults = model.defaults;
     let params = SamplingParams {
-        temperature: c.temperature.unwrap_or(1.0),
-        top_p: c.top_p.unwrap_or(defaults.top_p),
-        top_k,
-        min_p: c.min_p.unwrap_or(defaults.min_p),
-        repetition_penalty: c.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        temperature: c.temperature.unwrap_or(model_defaults.temperature),
+        top_p: c.top_p.unwrap_or(model_defaults.top_p),
+        top_k: if c.top_k.is_some() { top_k } else { model_defaults.top_k },
+        min_p: c.min_p.unwrap_or(model_defaults.min_p),
+        repetition_penalty: c.repetition_penalty.unwrap_or(model_defaults.repetition_penalty),
         frequency_penalty: c.frequency_penalty.unwrap_or(defaults.frequency_penalty),
         presence_penalty: c.presence_penalty.unwrap_or(defaults.presence_penalty),
         // Negative seeds are accepted as their two's-complement bits.

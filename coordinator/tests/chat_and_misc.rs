@@ -33,6 +33,7 @@ async fn chat_applies_the_template_and_streams_like_openai() {
     assert_eq!(seen.prompt[0], 1, "one BOS, from the template");
     assert_eq!(seen.prompt.iter().filter(|&&t| t == 1).count(), 1);
     assert_eq!(seen.stop.max_tokens, 64, "max_completion_tokens wins over max_tokens");
+    assert_eq!(seen.params.temperature, 0.0, "generation_config.json says do_sample: false");
     assert_eq!(v["object"], "chat.completion");
     let want = expected_text(&m, &seen.prompt, &script);
     assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": want}));
