@@ -115,14 +115,28 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
         .enable_all()
         .build()
         .map_err(crate::net::io_err("tokio runtime"))?;
-    rt.block_on(async {
+    // Everything that is timed runs in a runtime task, never on this (block_on) thread: a
+    // future polled here competes with the worker threads for the cores.
+    let cfg = cfg.clone();
+    rt.block_on(async move {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let job = tokio::spawn(async move { run_all(&cfg, tx).await });
+        while let Some(m) = rx.recv().await {
+            progress(&m);
+        }
+        job.await.map_err(|e| KvTransferError::Bench(e.to_string()))?
+    })
+}
+
+async fn run_all(cfg: &TransferBenchConfig, tx: mpsc::UnboundedSender<Measurement>) -> Result<Vec<Measurement>> {
+    {
         let ids = NodeIdentity::generate_test_cluster(&["bench-receiver", "bench-sender"])?;
         let mut rows = Vec::new();
         for &tokens in &cfg.prompts {
             let bytes = tokens * cfg.bytes_per_token();
             let payload = payload(bytes);
-            let mut push = |rows: &mut Vec<Measurement>, m: Measurement| {
-                progress(&m);
+            let push = |rows: &mut Vec<Measurement>, m: Measurement| {
+                let _ = tx.send(m.clone());
                 rows.push(m);
             };
             push(&mut rows, memcpy(tokens, &payload, cfg.repeats));
@@ -167,7 +181,7 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
             }
         }
         Ok(rows)
-    })
+    }
 }
 
 /// Deterministic, non-zero payload (so no page is shared or compressible by accident).
