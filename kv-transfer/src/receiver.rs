@@ -222,18 +222,16 @@ impl Receiver {
             Frame::Control(Control::Open(open)) => self.on_open(now, stream, state, open, &mut fx),
             Frame::Chunk { header, k, v } => self.on_chunk(now, stream, state, header, k, v, &mut fx),
             Frame::Control(Control::Complete { lease_id, first_token }) => {
-                match self.bound_lease(stream, state, lease_id, &mut fx) {
-                    Some(id) => {
-                        let lease = self.leases.get_mut(&id).expect("bound lease is live");
-                        if lease.complete.is_some() {
-                            let err = KvTransferError::Protocol { reason: format!("second Complete for {id}") };
-                            self.release(id, err, &mut fx);
-                        } else {
-                            lease.complete = Some((first_token, stream));
-                            self.maybe_complete(id, &mut fx);
-                        }
+                if let Some(id) = self.bound_lease(stream, state, lease_id, &mut fx) {
+                    // Bound streams always name a live lease (release unbinds them).
+                    let Some(lease) = self.leases.get_mut(&id) else { return fx };
+                    if lease.complete.is_some() {
+                        let err = KvTransferError::Protocol { reason: format!("second Complete for {id}") };
+                        self.release(id, err, &mut fx);
+                    } else {
+                        lease.complete = Some((first_token, stream));
+                        self.maybe_complete(id, &mut fx);
                     }
-                    None => {}
                 }
             }
             Frame::Control(Control::Abort { lease_id, code, reason }) => {
@@ -339,7 +337,8 @@ impl Receiver {
             self.release(id, err, fx);
             return;
         }
-        let lease = self.leases.get_mut(&id).expect("bound lease is live");
+        // Bound streams always name a live lease (release unbinds them).
+        let Some(lease) = self.leases.get_mut(&id) else { return };
         let end = h.token_start as u64 + h.token_count as u64;
         if end > lease.num_tokens as u64 {
             let err = KvTransferError::ChunkOutOfBounds {
@@ -426,12 +425,12 @@ impl Receiver {
     }
 
     fn maybe_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
-        let lease = &self.leases[&id];
+        let Some(lease) = self.leases.get(&id) else { return };
         let Some((first_token, ack_stream)) = lease.complete else { return };
         if lease.layers_done != self.layout.num_layers {
             return;
         }
-        let lease = self.leases.remove(&id).expect("checked above");
+        let Some(lease) = self.leases.remove(&id) else { return };
         fx.push(Effect::Send { stream: ack_stream, msg: Control::Ack { lease_id: id } });
         for s in &lease.streams {
             self.streams.insert(*s, StreamState::Idle);

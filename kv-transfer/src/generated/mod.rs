@@ -4,3 +4,7 @@
 #[allow(unused_imports, dead_code, clippy::all, non_camel_case_types, non_snake_case, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes)]
 #[rustfmt::skip]
 pub mod handoff_generated;
+
+#[allow(unused_imports, dead_code, clippy::all, non_camel_case_types, non_snake_case, unsafe_op_in_unsafe_fn, mismatched_lifetime_syntaxes)]
+#[rustfmt::skip]
+pub mod rdma_generated;
