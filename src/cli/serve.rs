@@ -214,7 +214,13 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         let state = AppState::new(&cmd.http, model, dispatch);
         let http_addr = http.local_addr()?;
         println!("READY coordinator http={http_addr} cluster={}", cluster.control_addr());
-        cleave_coordinator::serve_with_shutdown(http, state, shutdown_signal(cmd.net.exit_with_parent)).await?;
+        cleave_coordinator::cluster::serve_with_cluster(
+            http,
+            state,
+            &cluster,
+            shutdown_signal(cmd.net.exit_with_parent),
+        )
+        .await?;
         drop(cluster);
         Ok(())
     })

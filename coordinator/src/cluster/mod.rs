@@ -13,8 +13,11 @@
 //! Allowed dependencies: protocol (messages) and kv-transfer's `net` (authenticated streams);
 //! never the engine.
 
+mod admin;
 pub mod registry;
 mod request;
+
+pub use admin::{admin_router, serve_with_cluster};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -90,6 +93,7 @@ enum Cmd {
     Plan(Box<RouteQuery>, oneshot::Sender<Result<(Plan, Assignment), NoRoute>>),
     Release(Assignment),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
+    States(oneshot::Sender<Vec<registry::NodeState>>),
 }
 
 /// Cheap, cloneable access to the registry actor.
@@ -128,6 +132,11 @@ impl ClusterHandle {
     /// Returns an attempt's booking (see [`Registry::release`]); never waits.
     pub fn release(&self, a: Assignment) {
         let _ = self.tx.try_send(Cmd::Release(a));
+    }
+
+    /// Every live node with its last load report.
+    pub async fn node_states(&self) -> Option<Vec<registry::NodeState>> {
+        self.call(Cmd::States).await
     }
 
     /// Pool totals and the live nodes.
@@ -216,6 +225,9 @@ async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>) {
                     Cmd::Release(a) => reg.release(&a),
                     Cmd::Pools(reply) => {
                         let _ = reply.send((reg.pools(), reg.nodes()));
+                    }
+                    Cmd::States(reply) => {
+                        let _ = reply.send(reg.node_states(now));
                     }
                 }
             }

@@ -375,10 +375,35 @@ impl Registry {
         s
     }
 
+    /// Every live node with its last load report, for the admin API.
+    pub fn node_states(&self, now: Instant) -> Vec<NodeState> {
+        self.nodes
+            .iter()
+            .map(|(&id, n)| NodeState {
+                node: n.node_ref(id),
+                model_name: n.reg.model_name.clone(),
+                load: LoadReport { prefix_hashes: Vec::new(), ..n.load.clone() },
+                cached_prefix_blocks: n.prefix.len(),
+                report_age: now.saturating_duration_since(n.last_report),
+            })
+            .collect()
+    }
+
     /// Names, roles and addresses of the live nodes.
     pub fn nodes(&self) -> Vec<NodeRef> {
         self.nodes.iter().map(|(&id, n)| n.node_ref(id)).collect()
     }
+}
+
+/// One node as the admin API shows it.
+#[derive(Debug, Clone)]
+pub struct NodeState {
+    pub node: NodeRef,
+    pub model_name: String,
+    /// The last report, without its prefix hashes.
+    pub load: LoadReport,
+    pub cached_prefix_blocks: usize,
+    pub report_age: Duration,
 }
 
 /// Load of one pool.
