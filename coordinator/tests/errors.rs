@@ -184,3 +184,11 @@ async fn health_follows_the_readiness_signal() {
     ready_tx.send(Ok(())).unwrap();
     assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_body_is_413_in_openai_shape() {
+    let args = cleave_coordinator::CoordinatorArgs { max_body_bytes: 64, ..args() };
+    let h = start(args, Mode::Script(vec![22557])).await;
+    let e = expect_error(h.post("/v1/completions", json!({"prompt": "x".repeat(200)})).await, 413).await;
+    assert_eq!(e["type"], "invalid_request_error");
+}
