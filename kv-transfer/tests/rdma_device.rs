@@ -72,7 +72,7 @@ fn open_device_and_register_the_pool() {
         layer_stride: 0,
     };
     let region = RemoteRegion { addr: pool.region().addr(), len: 1 << 20, rkey: pool.region().rkey(), layout };
-    let meta = qp.local_metadata(42, 1 << 30, Some(region)).unwrap();
+    let meta = qp.local_metadata(42, port.max_msg_sz.max(1), Some(region)).unwrap();
     assert_eq!(QpMetadata::decode(&meta.encode().unwrap()).unwrap(), meta);
     // Drop order does not matter: every object holds what it was made from.
     drop(pd);

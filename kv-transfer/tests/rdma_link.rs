@@ -132,6 +132,15 @@ fn two_interleaved_leases_land_like_the_reference_and_end_done_on_both_sides() {
         expect(&r.layout, &mut want, &blocks_b, b, layer, 6..10);
     }
     assert!(r.net.region() == want, "region differs from the reference");
+    // The receiver's in-place checksum equals the sender's frame checksum of K and V.
+    let pool = r.net.region();
+    for layer in 0..3 {
+        let (k, v) = kv_bytes(&r.layout, a, layer, 5..13);
+        let landed = landed_checksum(&pool, &r.layout, &blocks_a, layer, 5..13).unwrap();
+        assert_eq!(landed, cleave_kv_transfer::frame::checksum(&k, &v));
+        assert_ne!(landed_checksum(&pool, &r.layout, &blocks_b, layer, 0..3).unwrap(), landed);
+    }
+    assert!(landed_checksum(&pool, &r.layout, &blocks_a, 0, 5..17).is_err(), "beyond the lease");
     assert_eq!((r.tx.free_slots(), r.tx.tracker().slots_used(), r.rx.open_leases()), (2, 0, 0));
 }
 

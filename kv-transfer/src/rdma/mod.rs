@@ -43,4 +43,4 @@ pub use completion::{
 pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{PathMtu, QpMetadata};
-pub use plan::{plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
+pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};

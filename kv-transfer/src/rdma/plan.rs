@@ -167,6 +167,41 @@ pub fn plan_chunk(
     Ok(writes)
 }
 
+/// CRC-32 of a chunk as it landed in the receiver's pool: K of `tokens` in order, then V, the
+/// same value as [`crate::frame::checksum`] of the sender's K and V. The receiver computes it
+/// after the group's immediate arrived and compares it with the checksum the sender sent on
+/// the control stream (one-sided writes carry none), reading the pool in place (no copy).
+///
+/// `pool` is the registered region's bytes, from its base address.
+pub fn landed_checksum(
+    pool: &[u8],
+    layout: &PoolLayout,
+    blocks: &[u32],
+    layer: u32,
+    tokens: Range<u32>,
+) -> Result<u32> {
+    let bad = |reason: String| KvTransferError::RdmaPlan { reason };
+    if tokens.start >= tokens.end || tokens.end as u64 > blocks.len() as u64 * layout.block_size as u64 {
+        return Err(bad(format!("tokens {tokens:?} do not fit {} blocks", blocks.len())));
+    }
+    let mut h = crc32fast::Hasher::new();
+    for half in Half::BOTH {
+        let mut p = tokens.start;
+        while p < tokens.end {
+            let slot = p % layout.block_size;
+            let count = (layout.block_size - slot).min(tokens.end - p);
+            let at = layout.offset(layer, half, blocks[(p / layout.block_size) as usize], slot)? as usize;
+            let len = count as usize * layout.token_bytes as usize;
+            let bytes = pool
+                .get(at..at + len)
+                .ok_or_else(|| bad(format!("bytes {at}..{} outside the {}-byte pool", at + len, pool.len())))?;
+            h.update(bytes);
+            p += count;
+        }
+    }
+    Ok(h.finalize())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -93,6 +93,8 @@ pub struct PortInfo {
     pub lid: u16,
     pub active_mtu: PathMtu,
     pub active: bool,
+    /// Largest message the port carries: the `max_write_bytes` to advertise.
+    pub max_msg_sz: u32,
 }
 
 impl Context {
@@ -147,7 +149,12 @@ impl Context {
             errno: 0,
             message: format!("unknown active mtu code {}", attr.active_mtu),
         })?;
-        Ok(PortInfo { lid: attr.lid, active_mtu, active: attr.state == ibv_port_state::IBV_PORT_ACTIVE })
+        Ok(PortInfo {
+            lid: attr.lid,
+            active_mtu,
+            active: attr.state == ibv_port_state::IBV_PORT_ACTIVE,
+            max_msg_sz: attr.max_msg_sz,
+        })
     }
 
     /// The GID at `index` of `port`, in network byte order.
@@ -509,7 +516,8 @@ impl QueuePair {
             a.ah_attr.is_global = 1;
             a.ah_attr.grh.dgid.raw = remote.gid;
             a.ah_attr.grh.sgid_index = i;
-            a.ah_attr.grh.hop_limit = 1;
+            // Enough for routed RoCE v2; loopback and one subnet need 1.
+            a.ah_attr.grh.hop_limit = 64;
         }
         use ibv_qp_attr_mask as m;
         let mask = m::IBV_QP_STATE
