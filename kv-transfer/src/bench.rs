@@ -1,6 +1,8 @@
 //! `cleave bench transfer`: moves the KV cache of real model shapes over every transport on
 //! loopback and prints the throughput beside the limits measured in the same run (STYLE 12):
 //! - **memcpy**: one thread copying the request's bytes between two warm buffers;
+//! - **AES-128-GCM**: sealing then opening the request in 64 KiB records on one thread (the
+//!   crypto work of an encrypted transport, both sides together);
 //! - **raw TCP**: plain tokio `TcpStream`s, the whole request in one `write_all`, read into a
 //!   warm buffer, a 1-byte ack back; once over one long-lived connection (before the stream rows)
 //!   and once with a connection per request (after them); "% raw" is against the faster.
@@ -140,6 +142,7 @@ async fn run_all(cfg: &TransferBenchConfig, tx: mpsc::UnboundedSender<Measuremen
                 rows.push(m);
             };
             push(&mut rows, memcpy(tokens, &payload, cfg.repeats));
+            push(&mut rows, aead(tokens, &payload, cfg.repeats)?);
             push(&mut rows, raw_tcp(tokens, &payload, cfg.repeats, false).await?);
             for &kind in &cfg.kinds {
                 let tunings: Vec<(String, QuicTuning)> = match kind {
@@ -205,6 +208,43 @@ fn memcpy(tokens: usize, src: &[u8], repeats: usize) -> Measurement {
         }
     }
     Measurement::from_times("memcpy (limit)".into(), tokens, src.len() as u64, times)
+}
+
+/// AES-128-GCM (the suite every TLS link here negotiates) sealing and then opening the request
+/// in 64 KiB records on one thread: the per-byte crypto an encrypted transport does, sender and
+/// receiver together. Time is seal + open, so on two cores (one per side) the encrypted ceiling
+/// is up to twice this figure.
+fn aead(tokens: usize, src: &[u8], repeats: usize) -> Result<Measurement> {
+    use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
+    const RECORD: usize = 64 << 10;
+    let key = UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| KvTransferError::Bench("aead key".into()))?;
+    let key = LessSafeKey::new(key);
+    let nonce = |i: usize| {
+        let mut n = [0u8; 12];
+        n[4..].copy_from_slice(&(i as u64).to_be_bytes());
+        Nonce::assume_unique_for_key(n)
+    };
+    let mut buf = src.to_vec();
+    let mut tags = Vec::with_capacity(buf.len().div_ceil(RECORD));
+    let mut times = Vec::new();
+    for r in 0..=repeats {
+        let t = Instant::now();
+        tags.clear();
+        for (i, rec) in buf.chunks_mut(RECORD).enumerate() {
+            let tag = key
+                .seal_in_place_separate_tag(nonce(i), Aad::empty(), rec)
+                .map_err(|_| KvTransferError::Bench("aead seal".into()))?;
+            tags.push(tag);
+        }
+        for (i, rec) in buf.chunks_mut(RECORD).enumerate() {
+            key.open_in_place_separate_tag(nonce(i), Aad::empty(), tags[i], rec, 0..)
+                .map_err(|_| KvTransferError::Bench("aead open".into()))?;
+        }
+        if r > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(Measurement::from_times("aes-128-gcm seal+open 1 thr".into(), tokens, src.len() as u64, times))
 }
 
 /// Plain tokio TCP, one `write_all` of the whole request, 1-byte ack. `fresh`: a new connection
