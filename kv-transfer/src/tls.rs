@@ -467,6 +467,8 @@ impl CertFiles {
     /// Creates the CA in `dir` if it has none (else reuses it), then issues a certificate for
     /// each name, replacing an existing one. Returns the paths written.
     pub fn generate(&self, names: &[String]) -> Result<Vec<PathBuf>> {
+        // Every name is checked before anything is written.
+        names.iter().try_for_each(|n| validate_node_name(n))?;
         let mut written = Vec::new();
         let ca = if self.dir.join("ca.key").exists() {
             ClusterCa::load_dir(&self.dir)?
