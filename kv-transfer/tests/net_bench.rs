@@ -1,6 +1,9 @@
 //! Tuning sweep of the QUIC transport (ignored by default; a measurement, not a check):
 //! `cargo test --release -p cleave-kv-transfer --test net_bench -- --ignored --nocapture`
-//! Prompt length from `CLEAVE_BENCH_TOKENS` (default 2048).
+//! Knobs (environment, read by this test only): `CLEAVE_BENCH_TOKENS` (default 2048),
+//! `CLEAVE_BENCH_VARIANTS` (comma-separated variant names; default all), `CLEAVE_BENCH_KINDS`
+//! (quic,tcp-plain,tcp-tls), `CLEAVE_BENCH_STREAMS` (default 1,4), `CLEAVE_BENCH_HANDOFFS` (set:
+//! also run handoff rows).
 
 use cleave_kv_transfer::bench::{self, TransferBenchConfig};
 use cleave_kv_transfer::net::{NetKind, QuicTuning};
