@@ -259,22 +259,22 @@ fn error_event(id: RequestId, prompt_tokens: u32, msg: String) -> TokenEvent {
     }
 }
 
-/// The engine request of a decode request: a migrated stream's tokens extend the prompt and
-/// count against `max_tokens`.
-fn engine_request(req: DecodeRequest) -> Result<EngineRequest, String> {
-    let mut w = req.work;
-    let done = req.generated.len() as u32;
-    if done >= w.stop.max_tokens {
-        return Err(format!("{done} tokens already generated of max_tokens {}", w.stop.max_tokens));
-    }
-    w.stop.max_tokens -= done;
-    w.prompt.extend_from_slice(&req.generated);
-    Ok(EngineRequest { id: w.id, prompt: w.prompt, params: w.params, stop: w.stop })
+fn engine_request(w: cleave_protocol::control::Work) -> EngineRequest {
+    EngineRequest { id: w.id, prompt: w.prompt, params: w.params, stop: w.stop }
 }
 
+/// Prefills here. A migrated stream resumes: its tokens already sent extend the prompt, count
+/// toward `max_tokens` and are not sent again; with the request's seed, sampling continues the
+/// same random stream.
 fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, String> {
-    let req = engine_request(req)?;
-    shared.engine.submit(req).map(Some).map_err(|e| e.to_string())
+    let generated = req.generated;
+    let ereq = engine_request(req.work);
+    let ts = if generated.is_empty() {
+        shared.engine.submit(ereq)
+    } else {
+        shared.engine.submit_resumed(ereq, generated, None)
+    };
+    ts.map(Some).map_err(|e| e.to_string())
 }
 
 /// Leases blocks, answers the ticket, waits for the KV (or a cancel), then starts decoding.
@@ -311,15 +311,8 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
     let completed = done.map_err(|e| format!("kv handoff failed: {e}"))?;
     tracing::debug!(wait_us = started.elapsed().as_micros() as u64, "kv complete");
     let start = ImportStart { first_token: completed.first_token, sampler_seed: None, cached_tokens: 0 };
-    let ereq = match engine_request(req) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = shared.engine.release_import(id);
-            return Err(e);
-        }
-    };
-    // On Err the engine never saw the request: give the blocks back ourselves.
-    shared.engine.submit_imported(ereq, start).map(Some).map_err(|e| {
+    // On Err the command never reached the engine: give the blocks back ourselves.
+    shared.engine.submit_imported(engine_request(req.work), start).map(Some).map_err(|e| {
         let _ = shared.engine.release_import(id);
         e.to_string()
     })
