@@ -30,7 +30,7 @@ use crate::metrics as m;
 use crate::net::{BoxRead, BoxWrite, DuplexStream, Listener, PeerInfo};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
 use crate::sink::KvSink;
-use crate::transport::{BoxFuture, Transport};
+use crate::transport::{BoxFuture, FramePipe, Transport};
 use crate::{KvTransferError, Result};
 
 /// Settings of a receiver.
@@ -132,6 +132,10 @@ enum Cmd {
         stream: DuplexStream,
         peer: Option<PeerInfo>,
     },
+    Frames {
+        from_sender: mpsc::Receiver<Frame>,
+        to_sender: mpsc::Sender<Frame>,
+    },
     Frame {
         stream: StreamId,
         item: Result<Option<Frame>>,
@@ -194,14 +198,28 @@ impl ReceiverHandle {
         }
     }
 
-    /// A transport for a sender in the same process: streams are in-memory pipes.
+    /// Hands an in-process frame pipe to the receiver.
+    async fn attach_frames(&self, from_sender: mpsc::Receiver<Frame>, to_sender: mpsc::Sender<Frame>) -> Result<()> {
+        let ms = self.command_timeout.as_millis() as u64;
+        match timeout(self.command_timeout, self.tx.send(Cmd::Frames { from_sender, to_sender })).await {
+            Err(_) => Err(KvTransferError::Timeout { what: "kv receiver queue (attach)".into(), ms }),
+            Ok(Err(_)) => Err(KvTransferError::Closed { what: "kv receiver" }),
+            Ok(Ok(())) => Ok(()),
+        }
+    }
+
+    /// A transport for a sender in the same process: frames are handed over whole (the
+    /// receiver's copy into its blocks is the only copy); raw byte streams (for tests) are
+    /// in-memory pipes.
     pub fn in_process(&self) -> InProcessTransport {
         InProcessTransport { handle: self.clone(), pipe_bytes: 4 << 20 }
     }
 }
 
-/// In-process transport: each stream is a [`tokio::io::duplex`] pipe whose far end is handed
-/// to the receiver directly. One memory copy per byte, no sockets, same protocol.
+/// In-process transport: a transfer's streams are channels of whole frames handed to the
+/// receiver directly (payload `Bytes` moved, not copied; the receiver's write into its blocks is
+/// the one memory copy). `open` still gives byte streams ([`tokio::io::duplex`] pipes), for
+/// tests that speak raw frames.
 #[derive(Clone)]
 pub struct InProcessTransport {
     handle: ReceiverHandle,
@@ -219,6 +237,15 @@ impl Transport for InProcessTransport {
             self.handle.attach(crate::transport::duplex_from(b), None).await?;
             Ok(crate::transport::duplex_from(a))
         })
+    }
+
+    fn open_frames(&self, _peer: SocketAddr) -> Option<BoxFuture<'_, Result<FramePipe>>> {
+        Some(Box::pin(async move {
+            let (to_receiver, from_sender) = mpsc::channel(16);
+            let (to_sender, from_receiver) = mpsc::channel(16);
+            self.handle.attach_frames(from_sender, to_sender).await?;
+            Ok(FramePipe { send: to_receiver, recv: from_receiver })
+        }))
     }
 }
 
@@ -371,6 +398,7 @@ impl<S: KvSink> Actor<S> {
                 let _ = reply.send(self.sm.stats());
             }
             Cmd::Stream { stream, peer } => self.add_stream(stream, peer),
+            Cmd::Frames { from_sender, to_sender } => self.add_frames(from_sender, to_sender),
             Cmd::Frame { stream, item } => {
                 let fx = match item {
                     Ok(Some(frame)) => self.sm.on_frame(now(), stream, frame),
@@ -428,6 +456,23 @@ impl<S: KvSink> Actor<S> {
         self.sm.stream_opened(id);
     }
 
+    fn add_frames(&mut self, from_sender: mpsc::Receiver<Frame>, to_sender: mpsc::Sender<Frame>) {
+        let id = self.next_stream;
+        self.next_stream += 1;
+        let reader = tokio::spawn(forward_frames(id, from_sender, self.cfg.stream_idle_timeout, self.tx.clone()));
+        let (wtx, mut wrx) = mpsc::channel::<Control>(16);
+        let limit = self.cfg.write_timeout;
+        tokio::spawn(async move {
+            while let Some(msg) = wrx.recv().await {
+                if !matches!(timeout(limit, to_sender.send(Frame::Control(msg))).await, Ok(Ok(()))) {
+                    return;
+                }
+            }
+        });
+        self.streams.insert(id, StreamTasks { writer: wtx, _reader: AbortOnDrop(reader) });
+        self.sm.stream_opened(id);
+    }
+
     fn apply(&mut self, fx: Vec<Effect>) {
         let mut queue: std::collections::VecDeque<Effect> = fx.into();
         while let Some(e) = queue.pop_front() {
@@ -478,6 +523,21 @@ impl<S: KvSink> Actor<S> {
     /// Stops a stream's reader now; its writer sends what is queued (an Abort) and shuts down.
     fn close_stream(&mut self, stream: StreamId) {
         self.streams.remove(&stream);
+    }
+}
+
+async fn forward_frames(id: StreamId, mut rx: mpsc::Receiver<Frame>, idle: Duration, tx: mpsc::Sender<Cmd>) {
+    loop {
+        let item = match timeout(idle, rx.recv()).await {
+            Err(_) => {
+                Err(KvTransferError::Timeout { what: format!("a frame on stream {id}"), ms: idle.as_millis() as u64 })
+            }
+            Ok(f) => Ok(f),
+        };
+        let last = !matches!(item, Ok(Some(_)));
+        if tx.send(Cmd::Frame { stream: id, item }).await.is_err() || last {
+            return;
+        }
     }
 }
 

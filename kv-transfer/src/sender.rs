@@ -32,7 +32,7 @@ use crate::frame::{
 };
 use crate::net::{BoxRead, BoxWrite, DuplexStream};
 use crate::receiver::layout_mismatch;
-use crate::transport::Transport;
+use crate::transport::{FramePipe, Transport};
 use crate::{KvTransferError, Result};
 
 /// Settings of one transfer.
@@ -209,16 +209,6 @@ impl KvSender {
         let deadline = tokio::time::Instant::now() + cfg.open_timeout;
         let mut sends = Vec::with_capacity(n);
         for i in 0..n {
-            let DuplexStream { mut send, recv } =
-                match tokio::time::timeout_at(deadline, transport.open(ticket.receiver_addr)).await {
-                    Err(_) => {
-                        return Err(KvTransferError::Timeout {
-                            what: format!("opening stream {i} to {}", ticket.receiver_addr),
-                            ms: open_ms,
-                        })
-                    }
-                    Ok(r) => r?,
-                };
             let open = Control::Open(Open {
                 request_id: ticket.request_id,
                 lease_id: lease,
@@ -227,14 +217,30 @@ impl KvSender {
                 stream_index: i as u16,
                 stream_count: n as u16,
             });
-            match tokio::time::timeout_at(deadline, write_control(&mut send, &open)).await {
-                Err(_) => {
-                    return Err(KvTransferError::Timeout { what: format!("sending Open on stream {i}"), ms: open_ms })
-                }
-                Ok(r) => r?,
-            }
-            tasks.push(AbortOnDrop(tokio::spawn(read_events(i, recv, etx.clone()))));
-            sends.push(send);
+            let timed_out = |what: String| KvTransferError::Timeout { what, ms: open_ms };
+            let out = if let Some(pipe) = transport.open_frames(ticket.receiver_addr) {
+                let FramePipe { send, recv } = tokio::time::timeout_at(deadline, pipe)
+                    .await
+                    .map_err(|_| timed_out(format!("opening stream {i} to {}", ticket.receiver_addr)))??;
+                let mut out = Out::Frames(send);
+                tokio::time::timeout_at(deadline, out.control(open))
+                    .await
+                    .map_err(|_| timed_out(format!("sending Open on stream {i}")))??;
+                tasks.push(AbortOnDrop(tokio::spawn(forward_events(i, recv, etx.clone()))));
+                out
+            } else {
+                let DuplexStream { send, recv } =
+                    tokio::time::timeout_at(deadline, transport.open(ticket.receiver_addr))
+                        .await
+                        .map_err(|_| timed_out(format!("opening stream {i} to {}", ticket.receiver_addr)))??;
+                let mut out = Out::Bytes(BufWriter::with_capacity(64 << 10, send));
+                tokio::time::timeout_at(deadline, out.control(open))
+                    .await
+                    .map_err(|_| timed_out(format!("sending Open on stream {i}")))??;
+                tasks.push(AbortOnDrop(tokio::spawn(read_events(i, recv, etx.clone()))));
+                out
+            };
+            sends.push(out);
         }
         drop(etx);
         let mut this = Self {
@@ -409,8 +415,58 @@ async fn read_events(i: usize, mut recv: BoxRead, tx: mpsc::Sender<(usize, Resul
     }
 }
 
-async fn write_items(lease: LeaseId, send: BoxWrite, mut rx: mpsc::Receiver<Item>, limit: Duration) {
-    let mut w = BufWriter::with_capacity(64 << 10, send);
+/// Where a stream's frames go: encoded onto a byte stream, or handed over whole in-process.
+enum Out {
+    Bytes(BufWriter<BoxWrite>),
+    Frames(mpsc::Sender<Frame>),
+}
+
+fn pipe_closed() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::BrokenPipe, "in-process receiver closed the stream")
+}
+
+impl Out {
+    async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
+        match self {
+            Out::Bytes(w) => {
+                w.write_all(&encode_chunk_header(&h)).await?;
+                w.write_all(&k).await?;
+                w.write_all(&v).await
+            }
+            Out::Frames(tx) => tx.send(Frame::Chunk { header: h, k, v }).await.map_err(|_| pipe_closed()),
+        }
+    }
+
+    /// Writes and flushes a control frame.
+    async fn control(&mut self, c: Control) -> Result<()> {
+        match self {
+            Out::Bytes(w) => write_control(w, &c).await,
+            Out::Frames(tx) => tx
+                .send(Frame::Control(c))
+                .await
+                .map_err(|_| KvTransferError::Io { what: "control frame".into(), source: pipe_closed() }),
+        }
+    }
+
+    async fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Out::Bytes(w) => w.flush().await,
+            Out::Frames(_) => Ok(()),
+        }
+    }
+}
+
+async fn forward_events(i: usize, mut rx: mpsc::Receiver<Frame>, tx: mpsc::Sender<(usize, Result<Option<Frame>>)>) {
+    loop {
+        let f = rx.recv().await;
+        let last = f.is_none();
+        if tx.send((i, Ok(f))).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+async fn write_items(lease: LeaseId, mut w: Out, mut rx: mpsc::Receiver<Item>, limit: Duration) {
     let mut bytes = 0u64;
     let mut chunks = 0u64;
     let ms = limit.as_millis() as u64;
@@ -427,15 +483,11 @@ async fn write_items(lease: LeaseId, send: BoxWrite, mut rx: mpsc::Receiver<Item
                     v_len: c.v.len() as u32,
                     crc32: checksum(&c.k, &c.v),
                 };
-                let head = encode_chunk_header(&h);
-                let write = async {
-                    w.write_all(&head).await?;
-                    w.write_all(&c.k).await?;
-                    w.write_all(&c.v).await
-                };
+                let n = (c.k.len() + c.v.len()) as u64;
+                let write = w.chunk(h, c.k, c.v);
                 match timeout(limit, write).await {
                     Ok(Ok(())) => {
-                        bytes += (c.k.len() + c.v.len()) as u64;
+                        bytes += n;
                         chunks += 1;
                     }
                     Ok(Err(e)) => {
@@ -461,9 +513,7 @@ async fn write_items(lease: LeaseId, send: BoxWrite, mut rx: mpsc::Receiver<Item
                 }
             }
             Item::Complete(first_token, reply) => {
-                let r = match timeout(limit, write_control(&mut w, &Control::Complete { lease_id: lease, first_token }))
-                    .await
-                {
+                let r = match timeout(limit, w.control(Control::Complete { lease_id: lease, first_token })).await {
                     Ok(r) => r,
                     Err(_) => Err(timed("Complete")),
                 };

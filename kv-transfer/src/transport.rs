@@ -33,6 +33,20 @@ pub trait Transport: Send + Sync {
     fn kind(&self) -> TransportKind;
     /// Opens one new stream to the receiver at `peer`.
     fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>>;
+
+    /// Transports inside one process hand whole frames over (no encoding, payloads moved, not
+    /// copied); the sender uses this instead of [`Transport::open`] when it is `Some`. The same
+    /// guarantees hold: ordered, and the end of the pipe (a dropped sender) is seen by the peer.
+    fn open_frames(&self, _peer: SocketAddr) -> Option<BoxFuture<'_, Result<FramePipe>>> {
+        None
+    }
+}
+
+/// One in-process "stream" of whole frames in each direction.
+#[derive(Debug)]
+pub struct FramePipe {
+    pub send: tokio::sync::mpsc::Sender<crate::frame::Frame>,
+    pub recv: tokio::sync::mpsc::Receiver<crate::frame::Frame>,
 }
 
 /// Streams over the network (QUIC, TCP+TLS or plain TCP), connections reused by the
