@@ -381,3 +381,29 @@ fn links_refuse_bad_setups() {
     assert!(SendLink::new(net.sender(1024), &with, SendLinkConfig { slots: 0, ..cfg }).is_err());
     SendLink::new(net.sender(1024), &with, cfg).unwrap();
 }
+
+#[test]
+fn a_quarantined_lease_is_released_at_once_when_the_connection_fails_by_itself() {
+    let mut r = rig(4, 64);
+    let dl = r.t0 + Duration::from_secs(5);
+    let a = r.rx.open_lease(3, dl).unwrap();
+    let b = r.rx.open_lease(3, dl).unwrap();
+    r.tx.open(b, dl).unwrap();
+    assert_eq!(r.rx.cancel(a, r.t0).unwrap(), vec![], "quarantined");
+    r.net.fail_write(0, WcStatus::RetryExceeded);
+    let (k, v) = kv_bytes(&r.layout, b, 0, 0..4);
+    r.tx.send_chunk(&ChunkWrite { blocks: &[1], layer: 0, tokens: 0..4, tag: b, chunk: 0 }, &k, &v).unwrap();
+    let mut out = r.rx.poll(r.t0).unwrap();
+    out.sort_by_key(|e| e.tag);
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert_eq!(
+        out[0],
+        LeaseEvent { tag: a, outcome: Outcome::Failed { reason: FailReason::Cancelled, must_reset_qp: false } }
+    );
+    assert!(matches!(
+        out[1].outcome,
+        Outcome::Failed { reason: FailReason::QueuePairBroken { .. }, must_reset_qp: false }
+    ));
+    assert!(!r.rx.is_reset(), "no reset needed");
+    assert_eq!(r.rx.open_leases(), 0);
+}

@@ -275,7 +275,14 @@ impl<O: RecvOps> RecvLink<O> {
         }
         events.extend(self.tracker.on_timeout(now));
         let mut out = self.settle(events, now)?;
-        if self.quarantined.values().any(|(_, deadline)| *deadline <= now) {
+        if self.tracker.broken().is_some() && !self.quarantined.is_empty() {
+            // The queue pair failed by itself: nothing lands any more, release at once.
+            let mut q: Vec<u16> = self.quarantined.keys().copied().collect();
+            q.sort_unstable();
+            for tag in q {
+                out.extend(self.drained(tag)?);
+            }
+        } else if self.quarantined.values().any(|(_, deadline)| *deadline <= now) {
             out.extend(self.reset()?);
         }
         if !self.reset_done && self.tracker.broken().is_none() && self.posted < self.cfg.recv_depth {
