@@ -132,7 +132,8 @@ impl ChunkSender {
         KvTransferError::Closed { what: "kv transfer (see finish() for the cause)" }
     }
 
-    /// Enqueues a chunk, waiting while the stream's queue is full.
+    /// Enqueues a chunk, waiting while the stream's queue is full. The wait is bounded: a
+    /// stream that cannot write fails its writer within `io_timeout`, which closes the queue.
     pub async fn send(&self, c: LayerChunk) -> Result<()> {
         let i = self.check(&c)?;
         self.txs[i].send(Item::Chunk(c)).await.map_err(|_| self.closed())
