@@ -221,12 +221,12 @@ impl TestCluster {
             buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
             while let Some(i) = buf.find("\n\n") {
                 let event: String = buf.drain(..i + 2).collect();
-                let data = event.trim().strip_prefix("data: ").unwrap_or_else(|| panic!("bad SSE event {event:?}"));
+                let Some(data) = sse_data(&event) else { continue };
                 if data == "[DONE]" {
                     done = true;
                     continue;
                 }
-                let v: Value = serde_json::from_str(data).unwrap();
+                let v: Value = serde_json::from_str(&data).unwrap();
                 assert!(v.get("error").is_none(), "stream error: {v}");
                 for c in v["choices"].as_array().unwrap() {
                     text.push_str(c["text"].as_str().unwrap_or(""));
@@ -284,6 +284,19 @@ impl Drop for TestCluster {
         self.nodes.clear();
         let _ = std::fs::remove_dir_all(&self.certs);
     }
+}
+
+/// The data of one SSE event; `None` for a comment (keep-alive).
+fn sse_data(event: &str) -> Option<String> {
+    let mut data = None;
+    for line in event.lines() {
+        if line.starts_with(':') || line.is_empty() {
+            continue;
+        }
+        let d = line.strip_prefix("data: ").unwrap_or_else(|| panic!("unexpected SSE line {line:?}"));
+        data = Some(d.to_string());
+    }
+    data
 }
 
 fn golden() -> Vec<Value> {
@@ -403,4 +416,106 @@ fn a_node_with_another_model_is_refused() {
     assert!(err.contains("fingerprint"), "{err}");
     runtime().block_on(async { assert_eq!(c.nodes_state().await.len(), 1) });
     let _ = std::fs::remove_dir_all(&other);
+}
+
+/// The text `cleave generate` (one process, no cluster) produces greedily.
+fn generate_text(model: &Path, prompt: &str, max_tokens: u32) -> String {
+    let out = Command::new(exe())
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompt", prompt, "--ignore-eos"])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = String::from_utf8(out.stdout).unwrap();
+    s.strip_suffix('\n').unwrap_or(&s).to_string()
+}
+
+async fn metric(c: &TestCluster, prefix: &str) -> f64 {
+    let m = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    m.lines().filter(|l| l.starts_with(prefix)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+#[test]
+fn killing_a_decode_node_mid_stream_migrates_the_stream() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let prompt = "Once upon a time, in a land far away, there lived a";
+    let max_tokens = 400;
+    let want = generate_text(&tiny_llama(), prompt, max_tokens);
+    // Two idle decode nodes with equal loads: the registry picks the first registered (node-1).
+    let mut c =
+        TestCluster::start(&tiny_llama(), &["prefill", "decode", "decode"], &["--local-prefill-max-tokens", "0"]);
+    let rt = runtime();
+    rt.block_on(async {
+        c.wait_nodes(3).await;
+        let mut body = greedy(prompt, max_tokens);
+        body["stream"] = json!(true);
+        let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap();
+        let mut bytes = r.bytes_stream();
+        let (mut buf, mut text, mut finish, mut events) = (String::new(), String::new(), String::new(), 0);
+        let mut killed = false;
+        while let Some(chunk) = bytes.next().await {
+            buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+            while let Some(i) = buf.find("\n\n") {
+                let event: String = buf.drain(..i + 2).collect();
+                let Some(data) = sse_data(&event) else { continue };
+                if data == "[DONE]" {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(&data).unwrap();
+                assert!(v.get("error").is_none(), "stream error: {v}");
+                let ch = &v["choices"][0];
+                text.push_str(ch["text"].as_str().unwrap_or(""));
+                if let Some(f) = ch["finish_reason"].as_str() {
+                    finish = f.to_string();
+                }
+                events += 1;
+                if events == 5 && !killed {
+                    killed = true;
+                    let victim = c.nodes.remove(1);
+                    assert_eq!(victim.ready.get("name").map(String::as_str), Some("node-1"));
+                    drop(victim); // SIGKILL
+                }
+            }
+        }
+        assert!(killed, "the stream ended before the kill");
+        assert_eq!(finish, "length");
+        assert_eq!(text, want, "the migrated stream differs from a single process");
+        assert!(metric(&c, "cleave_migrations_total").await >= 1.0, "no migration recorded");
+        c.wait_nodes(2).await;
+        c.wait_blocks_free().await;
+    });
+}
+
+#[test]
+fn killing_a_prefill_node_leaves_no_request_hanging() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "0"]);
+    let rt = runtime();
+    rt.block_on(async {
+        c.wait_nodes(2).await;
+        let cases = golden();
+        let reqs: Vec<_> = (0..12)
+            .map(|i| {
+                let case = cases[i % cases.len()].clone();
+                let client = c.client.clone();
+                let url = format!("{}/v1/completions", c.http);
+                tokio::spawn(async move {
+                    let r = client.post(url).json(&greedy(case["prompt"].as_str().unwrap(), 32)).send().await.unwrap();
+                    let v: Value = r.json().await.unwrap();
+                    (case["text_incremental"].as_str().unwrap().to_string(), v)
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        drop(c.nodes.remove(0)); // SIGKILL the prefill node while requests are in flight
+        for r in reqs {
+            let (want, v) = tokio::time::timeout(Duration::from_secs(60), r).await.expect("a request hung").unwrap();
+            assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "{v}");
+        }
+        // The cluster keeps serving (prefill on the decode node now).
+        c.wait_nodes(1).await;
+        let v = c.complete(greedy("After the prefill node died", 8)).await;
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        c.wait_blocks_free().await;
+    });
 }

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 extern crate alloc;
 
 pub mod control;
-pub mod prefix;
 mod generated;
+pub mod prefix;
 
 pub mod handoff;
 pub use handoff::{HandoffTicket, LeaseId, TransportKind, HANDOFF_VERSION};

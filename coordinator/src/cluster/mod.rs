@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::dispatch::Dispatch;
 use registry::{Assignment, NoRoute, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery, RoutingConfig};
@@ -100,6 +100,8 @@ enum Cmd {
 #[derive(Clone)]
 pub struct ClusterHandle {
     tx: mpsc::Sender<Cmd>,
+    /// Ids of nodes removed from the registry (dead or gone), for requests running on them.
+    deaths: broadcast::Sender<u64>,
 }
 
 impl ClusterHandle {
@@ -132,6 +134,12 @@ impl ClusterHandle {
     /// Returns an attempt's booking (see [`Registry::release`]); never waits.
     pub fn release(&self, a: Assignment) {
         let _ = self.tx.try_send(Cmd::Release(a));
+    }
+
+    /// Ids of nodes as they are removed (a request on a dead node fails over at once instead of
+    /// waiting for its stream to time out).
+    pub fn deaths(&self) -> broadcast::Receiver<u64> {
+        self.deaths.subscribe()
     }
 
     /// Every live node with its last load report.
@@ -171,12 +179,13 @@ impl Cluster {
     ) -> Result<Self, cleave_kv_transfer::KvTransferError> {
         let control_addr = control.local_addr();
         let (tx, rx) = mpsc::channel(1024);
-        let handle = ClusterHandle { tx };
+        let (deaths, _) = broadcast::channel(256);
+        let handle = ClusterHandle { tx, deaths: deaths.clone() };
         let registry = Registry::new(cfg.routing.clone(), fingerprint);
         let connector = Arc::new(Connector::new(&cfg.net)?);
         let cfg = Arc::new(cfg);
         let tasks = vec![
-            tokio::spawn(registry_actor(registry, rx)),
+            tokio::spawn(registry_actor(registry, rx, deaths)),
             tokio::spawn(control_loop(control, handle.clone(), cfg.clone())),
             tokio::spawn(router(dispatches, handle.clone(), connector, cfg)),
         ];
@@ -193,7 +202,7 @@ impl Cluster {
     }
 }
 
-async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>) {
+async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>, deaths: broadcast::Sender<u64>) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -217,6 +226,7 @@ async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>) {
                     Cmd::Gone(id) => {
                         if let Some(n) = reg.remove(id) {
                             tracing::warn!(node_id = id, name = %n.name, "node left (control stream ended); removed from routing");
+                            let _ = deaths.send(id);
                         }
                     }
                     Cmd::Plan(q, reply) => {
@@ -234,6 +244,7 @@ async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>) {
             _ = tick.tick() => {
                 for n in reg.expire(Instant::now()) {
                     tracing::warn!(node_id = n.id, name = %n.name, "node stopped reporting; marked dead");
+                    let _ = deaths.send(n.id);
                 }
                 record_pools(&reg.pools());
             }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use cleave_kv_transfer::net::{Connector, DuplexStream};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, HandoffDone, PrefillRequest, Work};
 use cleave_protocol::{FinishReason, TokenEvent};
+use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::registry::{NodeRef, Plan, RouteQuery};
@@ -101,18 +102,19 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                 return;
             }
         };
+        let deaths = cluster.deaths();
         let outcome = match plan {
             Plan::Remote { prefill, decode } => {
                 metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "remote", "reason" => "long_prompt")
                     .increment(1);
                 tracing::debug!(prefill = %prefill.name, decode = %decode.name, "remote prefill");
-                remote(&d, &mut p, &connector, &cfg, prefill, decode).await
+                remote(&d, &mut p, &connector, &cfg, deaths, prefill, decode).await
             }
             Plan::Local { decode, reason } => {
                 metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "local", "reason" => reason.as_str())
                     .increment(1);
                 tracing::debug!(decode = %decode.name, reason = reason.as_str(), "local prefill");
-                local(&d, &mut p, &connector, &cfg, decode).await
+                local(&d, &mut p, &connector, &cfg, deaths, decode).await
             }
         };
         cluster.release(booking);
@@ -226,7 +228,25 @@ fn node_error(ev: &TokenEvent) -> Option<String> {
     (ev.finish_reason == Some(FinishReason::Error)).then(|| ev.error.clone().unwrap_or_else(|| "node error".into()))
 }
 
-async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &ClusterConfig, node: NodeRef) -> Outcome {
+/// Resolves when `node` is removed from the registry.
+async fn died(deaths: &mut broadcast::Receiver<u64>, node: u64) {
+    loop {
+        match deaths.recv().await {
+            Ok(id) if id == node => return,
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+async fn local(
+    d: &Dispatch,
+    p: &mut Progress,
+    connector: &Connector,
+    cfg: &ClusterConfig,
+    mut deaths: broadcast::Receiver<u64>,
+    node: NodeRef,
+) -> Outcome {
     let msg =
         ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: true, generated: p.generated.clone() });
     let mut s = match open(connector, &node, &msg).await {
@@ -238,6 +258,9 @@ async fn local(d: &Dispatch, p: &mut Progress, connector: &Connector, cfg: &Clus
             () = d.cancel.cancelled() => {
                 let _ = write_msg(&mut s.send, &ControlMsg::Cancel(d.id)).await;
                 return Outcome::Finished;
+            }
+            () = died(&mut deaths, node.id) => {
+                return Outcome::DecodeFailed { node, error: "the node died".into(), alive: false };
             }
             r = next(&mut s, cfg.node_silence_timeout) => match r {
                 Read::Msg(ControlMsg::Token(ev)) => {
@@ -261,9 +284,11 @@ async fn remote(
     p: &mut Progress,
     connector: &Connector,
     cfg: &ClusterConfig,
+    mut deaths: broadcast::Receiver<u64>,
     pnode: NodeRef,
     dnode: NodeRef,
 ) -> Outcome {
+    let mut pdeaths = deaths.resubscribe();
     let t0 = Instant::now();
     let dmsg = ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: false, generated: Vec::new() });
     let pmsg = ControlMsg::PrefillRequest(PrefillRequest { work: work(d), ticket: None });
@@ -291,6 +316,12 @@ async fn remote(
                     let _ = write_msg(&mut ps.send, &ControlMsg::Cancel(d.id)).await;
                 }
                 return Outcome::Finished;
+            }
+            () = died(&mut deaths, dnode.id) => {
+                return Outcome::DecodeFailed { node: dnode, error: "the node died".into(), alive: false };
+            }
+            () = died(&mut pdeaths, pnode.id), if prefill_open && first_at.is_none() => {
+                return Outcome::PrefillFailed { node: pnode, error: "the node died".into() };
             }
             r = next(&mut ds, cfg.node_silence_timeout) => match r {
                 Read::Msg(ControlMsg::Ticket(t)) => {

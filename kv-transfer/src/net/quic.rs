@@ -84,8 +84,10 @@ impl Default for QuicTuning {
             socket_buffer: 8 << 20,
             congestion: Congestion::Cubic,
             initial_window: None,
-            idle_timeout: Duration::from_secs(30),
-            keep_alive: Some(Duration::from_secs(10)),
+            // A peer that dies without closing (SIGKILL, power loss) is noticed within 5 s;
+            // keep-alives every second keep idle but live connections open.
+            idle_timeout: Duration::from_secs(5),
+            keep_alive: Some(Duration::from_secs(1)),
             max_concurrent_streams: 1024,
         }
     }
