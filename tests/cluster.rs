@@ -519,3 +519,29 @@ fn killing_a_prefill_node_leaves_no_request_hanging() {
         c.wait_blocks_free().await;
     });
 }
+
+#[test]
+fn the_official_openai_client_streams_completions_and_chat() {
+    let has_openai = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if !has_openai {
+        assert!(std::env::var_os("CLEAVE_REQUIRE_OPENAI").is_none(), "CLEAVE_REQUIRE_OPENAI is set but `import openai` fails");
+        eprintln!("SKIPPED the_official_openai_client_streams_completions_and_chat: python3 cannot import openai (pip install openai)");
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "0"]);
+    runtime().block_on(c.wait_nodes(2));
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(format!("{}/v1", c.http))
+        .arg("tiny-llama")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
