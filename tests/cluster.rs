@@ -109,7 +109,8 @@ struct TestCluster {
     cluster: String,
     certs: PathBuf,
     model: PathBuf,
-    coordinator: Proc,
+    /// Held so that the process lives as long as the cluster (killed on drop).
+    _coordinator: Proc,
     nodes: Vec<Proc>,
     client: reqwest::Client,
 }
@@ -162,7 +163,7 @@ impl TestCluster {
             cluster,
             certs,
             model: model.to_path_buf(),
-            coordinator,
+            _coordinator: coordinator,
             nodes: Vec::new(),
             client: reqwest::Client::builder().timeout(WAIT).build().unwrap(),
         };
@@ -524,7 +525,10 @@ fn killing_a_prefill_node_leaves_no_request_hanging() {
 fn the_official_openai_client_streams_completions_and_chat() {
     let has_openai = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
     if !has_openai {
-        assert!(std::env::var_os("CLEAVE_REQUIRE_OPENAI").is_none(), "CLEAVE_REQUIRE_OPENAI is set but `import openai` fails");
+        assert!(
+            std::env::var_os("CLEAVE_REQUIRE_OPENAI").is_none(),
+            "CLEAVE_REQUIRE_OPENAI is set but `import openai` fails"
+        );
         eprintln!("SKIPPED the_official_openai_client_streams_completions_and_chat: python3 cannot import openai (pip install openai)");
         return;
     }
@@ -532,12 +536,7 @@ fn the_official_openai_client_streams_completions_and_chat() {
     let c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "0"]);
     runtime().block_on(c.wait_nodes(2));
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(format!("{}/v1", c.http))
-        .arg("tiny-llama")
-        .output()
-        .unwrap();
+    let out = Command::new("python3").arg(script).arg(format!("{}/v1", c.http)).arg("tiny-llama").output().unwrap();
     assert!(
         out.status.success(),
         "openai client failed:\n{}\n{}",
