@@ -188,11 +188,24 @@ fn model_name(path: &Path, given: Option<&String>) -> String {
 }
 
 pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
-    let model = ModelInfo::from_args(&cmd.http).context("loading the model's tokenizer and config")?;
-    let fingerprint = match (&cmd.http.model, cmd.no_fingerprint) {
-        (Some(dir), false) => Some(fingerprint_of(dir)?),
-        _ => None,
+    let path = cmd.http.model.clone().context("--model is required")?;
+    let model = if path.is_file() {
+        // A GGUF file: the engine's reader gives the tokenizer and the config facts.
+        let files = ModelFiles::open(&path).with_context(|| format!("opening model {}", path.display()))?;
+        let mut eos = files.config.eos_token_ids.clone();
+        eos.extend(files.tokenizer.eos_token_id());
+        eos.dedup();
+        ModelInfo {
+            name: model_name(&path, cmd.http.served_model_name.as_ref()),
+            context_len: cmd.http.max_model_len.unwrap_or(files.config.max_position_embeddings as u32).max(1),
+            eos_token_ids: eos,
+            tokenizer: files.tokenizer,
+            defaults: Default::default(),
+        }
+    } else {
+        ModelInfo::from_args(&cmd.http).context("loading the model's tokenizer and config")?
     };
+    let fingerprint = if cmd.no_fingerprint { None } else { Some(fingerprint_of(&path)?) };
     let (net, _name) = cmd.net.net_config("coordinator")?;
     let rt = runtime()?;
     rt.block_on(async move {
@@ -211,7 +224,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         };
         cfg.max_migrations = cmd.max_migrations;
         let cluster = Cluster::start(cfg, fingerprint, control, dispatches)?;
-        let state = AppState::new(&cmd.http, model, dispatch);
+        let state = AppState::new(&cmd.http, model, dispatch).with_readiness(cluster.readiness());
         let http_addr = http.local_addr()?;
         println!("READY coordinator http={http_addr} cluster={}", cluster.control_addr());
         cleave_coordinator::cluster::serve_with_cluster(

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::dispatch::Dispatch;
 use registry::{Assignment, NoRoute, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery, RoutingConfig};
@@ -156,6 +156,7 @@ impl ClusterHandle {
 /// The running cluster side; dropping it stops its tasks.
 pub struct Cluster {
     handle: ClusterHandle,
+    ready: watch::Receiver<crate::server::Readiness>,
     control_addr: std::net::SocketAddr,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -180,20 +181,26 @@ impl Cluster {
         let control_addr = control.local_addr();
         let (tx, rx) = mpsc::channel(1024);
         let (deaths, _) = broadcast::channel(256);
+        let (ready_tx, ready) = watch::channel(Err("no decode node has registered yet".to_string()));
         let handle = ClusterHandle { tx, deaths: deaths.clone() };
         let registry = Registry::new(cfg.routing.clone(), fingerprint);
         let connector = Arc::new(Connector::new(&cfg.net)?);
         let cfg = Arc::new(cfg);
         let tasks = vec![
-            tokio::spawn(registry_actor(registry, rx, deaths)),
+            tokio::spawn(registry_actor(registry, rx, deaths, ready_tx)),
             tokio::spawn(control_loop(control, handle.clone(), cfg.clone())),
             tokio::spawn(router(dispatches, handle.clone(), connector, cfg)),
         ];
-        Ok(Self { handle, control_addr, tasks })
+        Ok(Self { handle, ready, control_addr, tasks })
     }
 
     pub fn handle(&self) -> &ClusterHandle {
         &self.handle
+    }
+
+    /// Ok while at least one node can decode (what `/health` reports).
+    pub fn readiness(&self) -> watch::Receiver<crate::server::Readiness> {
+        self.ready.clone()
     }
 
     /// Where nodes register.
@@ -202,7 +209,12 @@ impl Cluster {
     }
 }
 
-async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>, deaths: broadcast::Sender<u64>) {
+async fn registry_actor(
+    mut reg: Registry,
+    mut rx: mpsc::Receiver<Cmd>,
+    deaths: broadcast::Sender<u64>,
+    ready: watch::Sender<crate::server::Readiness>,
+) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -246,7 +258,18 @@ async fn registry_actor(mut reg: Registry, mut rx: mpsc::Receiver<Cmd>, deaths: 
                     tracing::warn!(node_id = n.id, name = %n.name, "node stopped reporting; marked dead");
                     let _ = deaths.send(n.id);
                 }
-                record_pools(&reg.pools());
+                let pools = reg.pools();
+                record_pools(&pools);
+                let now_ready = if pools.decode.nodes + pools.colocated.nodes > 0 {
+                    Ok(())
+                } else {
+                    Err("no live decode node".to_string())
+                };
+                ready.send_if_modified(|r| {
+                    let changed = *r != now_ready;
+                    *r = now_ready;
+                    changed
+                });
             }
         }
     }
