@@ -1,0 +1,77 @@
+//! `cleave up`, the README's first command, as a user runs it: it starts the whole system, serves
+//! the same greedy text as `cleave generate`, and stops every process on SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn shared_dir() -> PathBuf {
+    std::env::var_os("CLEAVE_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+}
+
+#[test]
+fn up_serves_generate_s_text_and_stops_cleanly() {
+    let model = shared_dir().join("models/tiny-llama");
+    let exe = env!("CARGO_BIN_EXE_cleave");
+    let prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find";
+    let out = Command::new(exe)
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let want = String::from_utf8(out.stdout).unwrap().trim_end_matches('\n').to_string();
+
+    let mut up = Command::new(exe)
+        .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
+        .args(["--kv-cache-memory", "64m", "--threads", "1", "--coordinator-arg=--local-prefill-max-tokens=0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = up.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split(" at http://").nth(1) {
+                let _ = tx.send(rest.split("/v1").next().unwrap().to_string());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let body = serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let v: serde_json::Value = rt.block_on(async {
+        client.post(format!("http://{addr}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
+    });
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "{v}");
+    let health = rt.block_on(async { client.get(format!("http://{addr}/health")).send().await.unwrap().status() });
+    assert!(health.is_success(), "{health}");
+
+    // SIGTERM: every process stops, the API goes away, `up` exits cleanly.
+    let ok = Command::new("kill").args(["-TERM", &up.id().to_string()]).status().unwrap().success();
+    assert!(ok);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "cleave up did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    let gone = rt.block_on(async { client.get(format!("http://{addr}/health")).send().await.is_err() });
+    assert!(gone, "the coordinator still answers after cleave up stopped");
+}
