@@ -341,6 +341,16 @@ fn one_prefill_one_decode_matches_transformers() {
         assert!(m.contains("cleave_route_decisions_total{path=\"remote\""), "no remote prefill recorded:\n{m}");
         assert!(!m.contains("path=\"local\""), "a request was prefilled locally:\n{m}");
         assert!(m.contains("cleave_handoff_transfer_bytes"), "{m}");
+        // Each node serves its own metrics: load gauges, and its side of the handoffs.
+        for (node, want) in
+            [(&c.nodes[0], "cleave_node_handoff_transfer_seconds"), (&c.nodes[1], "cleave_node_kv_wait_seconds")]
+        {
+            let url = format!("http://{}/metrics", node.ready["metrics"]);
+            let m = c.client.get(url).send().await.unwrap().text().await.unwrap();
+            for name in ["cleave_node_kv_blocks", "cleave_kv_transfer_handoffs_total", want] {
+                assert!(m.contains(name), "{} lacks {name}:\n{m}", node.name);
+            }
+        }
     });
 }
 

@@ -27,9 +27,22 @@ use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
 use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, LoadReport, NodeRole, Register};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, NodeRole, Register};
 use cleave_protocol::{FinishReason, RequestId, TokenEvent, TransportKind};
 use tokio::sync::oneshot;
+
+/// Metric names of a decode node (on its own /metrics).
+pub mod metric {
+    /// Requests, labelled `path` (`local` prefill here, `remote` KV from a prefill node,
+    /// `resumed` after a migration).
+    pub const REQUESTS_TOTAL: &str = "cleave_node_decode_requests_total";
+    /// Granting a lease (reserving blocks in the engine).
+    pub const RESERVATION_SECONDS: &str = "cleave_node_reservation_seconds";
+    /// Ticket sent to every layer of the KV received.
+    pub const KV_WAIT_SECONDS: &str = "cleave_node_kv_wait_seconds";
+    /// Handoffs whose KV never completed.
+    pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_node_handoff_failures_total";
+}
 
 /// Errors of a decode node.
 #[derive(Debug, thiserror::Error)]
@@ -161,8 +174,18 @@ impl DecodeNode {
         let task = tokio::spawn(async move {
             let accept = tokio::spawn(accept_loop(rpc, shared));
             let load_engine = engine.clone();
-            let r =
-                run_control_link(connector, link_cfg, reg, move || load(load_engine.clone()), reg_tx, shutdown).await;
+            let r = run_control_link(
+                connector,
+                link_cfg,
+                reg,
+                move || {
+                    let e = load_engine.clone();
+                    async move { e.load_report(MAX_REPORTED_HASHES).await }
+                },
+                reg_tx,
+                shutdown,
+            )
+            .await;
             accept.abort();
             drop(receiver);
             r.map_err(NodeError::from)
@@ -176,25 +199,7 @@ impl DecodeNode {
     }
 }
 
-/// The load report of an engine, or `None` once it stopped.
-pub async fn load(engine: EngineHandle) -> Option<LoadReport> {
-    let snap = engine.snapshot().ok()?.await.ok()?;
-    let hashes = match engine.prefix_hashes() {
-        Ok(rx) => rx.await.unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
-    Some(LoadReport {
-        queued_prefill_tokens: snap.queued_prefill_tokens as u64,
-        waiting_seqs: snap.waiting as u32,
-        running_seqs: snap.running as u32,
-        free_blocks: snap.kv_blocks_free as u32,
-        cached_blocks: snap.kv_blocks_cached as u32,
-        total_blocks: snap.kv_blocks_total as u32,
-        prefix_hashes: hashes.into_iter().take(MAX_REPORTED_HASHES).collect(),
-    })
-}
-
-/// Cap on prefix hashes per load report (4096 × 8 bytes = 32 KiB every report interval).
+/// Cap on prefix hashes per load report (4096 x 8 bytes = 32 KiB per report interval).
 pub const MAX_REPORTED_HASHES: usize = 4096;
 
 struct Shared {
@@ -269,6 +274,8 @@ fn engine_request(w: cleave_protocol::control::Work) -> EngineRequest {
 fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, String> {
     let generated = req.generated;
     let ereq = engine_request(req.work);
+    let path = if generated.is_empty() { "local" } else { "resumed" };
+    metrics::counter!(metric::REQUESTS_TOTAL, "path" => path).increment(1);
     let ts = if generated.is_empty() {
         shared.engine.submit(ereq)
     } else {
@@ -283,7 +290,10 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
     let started = Instant::now();
     let num_tokens = req.work.prompt.len() as u32;
     let res = shared.receiver.reserve(id, num_tokens, Some(shared.cfg.lease_ttl)).await.map_err(|e| e.to_string())?;
+    metrics::counter!(metric::REQUESTS_TOTAL, "path" => "remote").increment(1);
+    metrics::histogram!(metric::RESERVATION_SECONDS).record(started.elapsed().as_secs_f64());
     tracing::debug!(lease = %res.ticket.lease_id, reserve_us = started.elapsed().as_micros() as u64, "leased");
+    let ticket_sent = Instant::now();
     let lease = res.ticket.lease_id;
     if write_msg(&mut s.send, &ControlMsg::Ticket(res.ticket)).await.is_err() {
         let _ = shared.receiver.cancel(lease).await;
@@ -308,7 +318,11 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
             },
         }
     };
-    let completed = done.map_err(|e| format!("kv handoff failed: {e}"))?;
+    let completed = done.map_err(|e| {
+        metrics::counter!(metric::HANDOFF_FAILURES_TOTAL).increment(1);
+        format!("kv handoff failed: {e}")
+    })?;
+    metrics::histogram!(metric::KV_WAIT_SECONDS).record(ticket_sent.elapsed().as_secs_f64());
     tracing::debug!(wait_us = started.elapsed().as_micros() as u64, "kv complete");
     let start = ImportStart { first_token: completed.first_token, sampler_seed: None, cached_tokens: 0 };
     // On Err the command never reached the engine: give the blocks back ourselves.

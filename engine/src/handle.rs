@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_kernels::Backend;
+use cleave_protocol::control::LoadReport;
 use cleave_protocol::{KvLayout, RequestId, TokenEvent};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
@@ -255,6 +256,26 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Control(Control::Snapshot(tx)))?;
         Ok(rx)
+    }
+
+    /// The load a node reports to the coordinator: the snapshot plus at most `max_hashes`
+    /// prefix-cache keys. `None` once the engine has stopped.
+    pub async fn load_report(&self, max_hashes: usize) -> Option<LoadReport> {
+        let snap = self.snapshot().ok()?.await.ok()?;
+        let hashes = match self.prefix_hashes() {
+            Ok(rx) => rx.await.unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        Some(LoadReport {
+            queued_prefill_tokens: snap.queued_prefill_tokens as u64,
+            waiting_seqs: n(snap.waiting),
+            running_seqs: n(snap.running),
+            free_blocks: n(snap.kv_blocks_free),
+            cached_blocks: n(snap.kv_blocks_cached),
+            total_blocks: n(snap.kv_blocks_total),
+            prefix_hashes: hashes.into_iter().take(max_hashes).collect(),
+        })
     }
 }
 

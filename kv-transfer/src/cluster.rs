@@ -107,6 +107,7 @@ where
                             // marks it dead.
                             return Ok(());
                         };
+                        record_load(&report);
                         let sent = tokio::time::timeout(
                             cfg.register_timeout,
                             write_msg(&mut s.send, &ControlMsg::LoadReport(report)),
@@ -138,4 +139,29 @@ where
         r = link => r,
         () = shutdown => Ok(()),
     }
+}
+
+/// Gauges of the node's load, refreshed with every report (on the node's own /metrics).
+pub mod metric {
+    /// Prompt tokens waiting for prefill.
+    pub const NODE_QUEUED_PREFILL_TOKENS: &str = "cleave_node_queued_prefill_tokens";
+    /// Sequences waiting / running.
+    pub const NODE_WAITING_SEQS: &str = "cleave_node_waiting_seqs";
+    pub const NODE_RUNNING_SEQS: &str = "cleave_node_running_seqs";
+    /// KV blocks by state (`free`, `cached`, `used`).
+    pub const NODE_KV_BLOCKS: &str = "cleave_node_kv_blocks";
+    /// Share of KV blocks in use (0..1).
+    pub const NODE_KV_USAGE_RATIO: &str = "cleave_node_kv_usage_ratio";
+}
+
+fn record_load(r: &LoadReport) {
+    let used = r.total_blocks.saturating_sub(r.free_blocks + r.cached_blocks);
+    metrics::gauge!(metric::NODE_QUEUED_PREFILL_TOKENS).set(r.queued_prefill_tokens as f64);
+    metrics::gauge!(metric::NODE_WAITING_SEQS).set(f64::from(r.waiting_seqs));
+    metrics::gauge!(metric::NODE_RUNNING_SEQS).set(f64::from(r.running_seqs));
+    metrics::gauge!(metric::NODE_KV_BLOCKS, "state" => "free").set(f64::from(r.free_blocks));
+    metrics::gauge!(metric::NODE_KV_BLOCKS, "state" => "cached").set(f64::from(r.cached_blocks));
+    metrics::gauge!(metric::NODE_KV_BLOCKS, "state" => "used").set(f64::from(used));
+    let ratio = if r.total_blocks == 0 { 0.0 } else { f64::from(used) / f64::from(r.total_blocks) };
+    metrics::gauge!(metric::NODE_KV_USAGE_RATIO).set(ratio);
 }

@@ -23,11 +23,22 @@ use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent};
 use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig};
-use cleave_protocol::control::{
-    read_msg, write_msg, ControlMsg, HandoffDone, LoadReport, NodeRole, PrefillRequest, Register,
-};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, NodeRole, PrefillRequest, Register};
 use cleave_protocol::{FinishReason, HandoffTicket, KvLayout, RequestId, TokenEvent};
 use tokio::sync::{mpsc, oneshot};
+
+/// Metric names of a prefill node (on its own /metrics).
+pub mod metric {
+    /// Request arrival to first token sampled (queue wait plus prefill).
+    pub const PREFILL_SECONDS: &str = "cleave_node_prefill_seconds";
+    /// Time the KV waited for the decode node's ticket.
+    pub const TICKET_WAIT_SECONDS: &str = "cleave_node_handoff_ticket_wait_seconds";
+    /// Ticket to the receiver's acknowledgement of the last layer.
+    pub const TRANSFER_SECONDS: &str = "cleave_node_handoff_transfer_seconds";
+    pub const TRANSFER_BYTES_TOTAL: &str = "cleave_node_handoff_transfer_bytes_total";
+    /// Handoffs, labelled `outcome` (`ok`, `failed`, `not_needed`).
+    pub const HANDOFFS_TOTAL: &str = "cleave_node_handoffs_total";
+}
 
 /// Errors of a prefill node.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +73,9 @@ pub struct PrefillNode {
     pub registered: Option<oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
     task: tokio::task::JoinHandle<Result<(), NodeError>>,
 }
+
+/// Cap on prefix hashes per load report (4096 x 8 bytes = 32 KiB per report interval).
+const MAX_REPORTED_HASHES: usize = 4096;
 
 struct Shared {
     engine: EngineHandle,
@@ -102,8 +116,18 @@ impl PrefillNode {
         let task = tokio::spawn(async move {
             let accept = tokio::spawn(accept_loop(rpc, shared));
             let load_engine = engine.clone();
-            let r =
-                run_control_link(connector, link_cfg, reg, move || load(load_engine.clone()), reg_tx, shutdown).await;
+            let r = run_control_link(
+                connector,
+                link_cfg,
+                reg,
+                move || {
+                    let e = load_engine.clone();
+                    async move { e.load_report(MAX_REPORTED_HASHES).await }
+                },
+                reg_tx,
+                shutdown,
+            )
+            .await;
             accept.abort();
             r.map_err(NodeError::from)
         });
@@ -113,23 +137,6 @@ impl PrefillNode {
     pub async fn wait(self) -> Result<(), NodeError> {
         self.task.await.map_err(|e| NodeError::Task(e.to_string()))?
     }
-}
-
-async fn load(engine: EngineHandle) -> Option<LoadReport> {
-    let snap = engine.snapshot().ok()?.await.ok()?;
-    let hashes = match engine.prefix_hashes() {
-        Ok(rx) => rx.await.unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
-    Some(LoadReport {
-        queued_prefill_tokens: snap.queued_prefill_tokens as u64,
-        waiting_seqs: snap.waiting as u32,
-        running_seqs: snap.running as u32,
-        free_blocks: snap.kv_blocks_free as u32,
-        cached_blocks: snap.kv_blocks_cached as u32,
-        total_blocks: snap.kv_blocks_total as u32,
-        prefix_hashes: hashes.into_iter().take(4096).collect(),
-    })
 }
 
 async fn accept_loop(mut rpc: Listener, shared: Arc<Shared>) {
@@ -209,6 +216,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
                 }
                 if ends {
                     // Nothing to hand off (the first token ended it, or it failed).
+                    metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => "not_needed").increment(1);
                     return;
                 }
                 handed_off = Some(true);
@@ -229,6 +237,14 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
         if handed_off == Some(true) && shipped.is_some() {
             let Some(r) = shipped.take() else { return };
             let prefill = first_at.unwrap_or_default();
+            metrics::histogram!(metric::PREFILL_SECONDS).record(prefill.as_secs_f64());
+            let outcome = if r.is_ok() { "ok" } else { "failed" };
+            metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => outcome).increment(1);
+            if let Ok(sh) = &r {
+                metrics::histogram!(metric::TICKET_WAIT_SECONDS).record(sh.ticket_wait.as_secs_f64());
+                metrics::histogram!(metric::TRANSFER_SECONDS).record(sh.transfer.as_secs_f64());
+                metrics::counter!(metric::TRANSFER_BYTES_TOTAL).increment(sh.bytes);
+            }
             let done = match r {
                 Ok(sh) => HandoffDone {
                     request_id: id,

@@ -120,6 +120,9 @@ pub struct NodeCmd {
     /// Name of the served model (must match the coordinator's).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Where this node serves its Prometheus metrics (`GET /metrics`).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub metrics_listen: SocketAddr,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
@@ -264,6 +267,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let handle = engine.handle();
     let res = rt.block_on(async move {
         let shutdown = shutdown_signal(cmd.net.exit_with_parent);
+        let metrics_addr = serve_metrics(cmd.metrics_listen).await?;
         match role {
             RoleArg::Prefill => {
                 let cfg = PrefillNodeConfig {
@@ -278,7 +282,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
                 };
                 let mut node = PrefillNode::start(handle, cfg, shutdown).await?;
                 let id = registered(node.registered.take()).await?;
-                println!("READY prefill name={name} id={id} rpc={}", node.rpc_addr);
+                println!("READY prefill name={name} id={id} rpc={} metrics={metrics_addr}", node.rpc_addr);
                 node.wait().await?;
             }
             RoleArg::Decode | RoleArg::Both => {
@@ -296,7 +300,12 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
                 };
                 let mut node = DecodeNode::start(handle, cfg, shutdown).await?;
                 let id = registered(node.registered.take()).await?;
-                println!("READY {} name={name} id={id} rpc={} kv={}", role_str(role), node.rpc_addr, node.kv_addr);
+                println!(
+                    "READY {} name={name} id={id} rpc={} kv={} metrics={metrics_addr}",
+                    role_str(role),
+                    node.rpc_addr,
+                    node.kv_addr
+                );
                 node.wait().await?;
             }
         }
@@ -304,6 +313,21 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     });
     engine.shutdown()?;
     res
+}
+
+/// Serves this process's Prometheus metrics (the same recorder and buckets as the coordinator's).
+async fn serve_metrics(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    let handle = cleave_coordinator::metrics::prometheus_handle().context("installing the metrics recorder")?;
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics address {addr}"))?;
+    let local = listener.local_addr()?;
+    let app = axum::Router::new().route("/metrics", axum::routing::get(move || std::future::ready(handle.render())));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "metrics server stopped");
+        }
+    });
+    Ok(local)
 }
 
 fn role_str(role: RoleArg) -> &'static str {
