@@ -19,7 +19,7 @@ use super::EngineArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchEngineArgs {
-    /// Model: a Hugging Face folder or a .gguf file.
+    /// Model: a Hugging Face folder, a .gguf file, or a hub id (owner/name[@revision]).
     #[arg(long, env = "CLEAVE_MODEL")]
     model: PathBuf,
     /// Prompt lengths to measure prefill at.
@@ -67,7 +67,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     eprintln!("measuring machine limits ({threads} threads)...");
     let dram_bandwidth = measure::memory_bandwidth_gbps_on(&backend, measure::BANDWIDTH_BYTES);
     let gemm_peak = measure::gemm_peak_gflops(&backend, 1024, 1024, 1024);
-    let files = ModelFiles::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?).with_context(|| format!("opening model {}", args.model.display()))?;
     let cfg = files.config.clone();
     let params = cfg.num_parameters();
     // What one forward pass really touches. The embedding table is gathered (a row per token), not

@@ -15,7 +15,8 @@ use super::EngineArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
-    /// Model: a Hugging Face folder (config.json, safetensors, tokenizer.json) or a .gguf file.
+    /// Model: a Hugging Face folder (config.json, safetensors, tokenizer.json), a .gguf file, or
+    /// a hub id (owner/name[@revision]).
     #[arg(long, env = "CLEAVE_MODEL")]
     model: PathBuf,
     /// The prompt text.
@@ -51,7 +52,7 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let t_load = Instant::now();
-    let files = ModelFiles::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?).with_context(|| format!("opening model {}", args.model.display()))?;
     let tokenizer = files.tokenizer.clone();
     let prompt = if args.chat {
         let text = tokenizer.render_chat(&[ChatMessage::new("user", &args.prompt)], true)?;

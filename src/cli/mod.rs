@@ -6,6 +6,7 @@ mod bench_transfer;
 mod certs;
 mod generate;
 mod make_model;
+mod model_source;
 mod serve;
 mod up;
 
@@ -61,11 +62,31 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
         Command::Certs(args) => certs::run(args),
-        Command::Up(args) => up::run(args),
-        Command::Coordinator(args) => serve::run_coordinator(args),
-        Command::Prefill(args) => serve::run_node(serve::RoleArg::Prefill, args),
-        Command::Decode(args) => serve::run_node(serve::RoleArg::Decode, args),
-        Command::Node(args) => serve::run_node(args.role, args.node),
+        // A hub id is fetched once here; the children find it in the cache and keep its name.
+        Command::Up(args) => {
+            if let Some(model) = &args.model {
+                model_source::resolve_model(model)?;
+            }
+            up::run(args)
+        }
+        Command::Coordinator(mut args) => {
+            if let Some(model) = args.http.model.as_mut() {
+                model_source::resolve_named(model, &mut args.http.served_model_name)?;
+            }
+            serve::run_coordinator(args)
+        }
+        Command::Prefill(mut args) => {
+            model_source::resolve_named(&mut args.model, &mut args.served_model_name)?;
+            serve::run_node(serve::RoleArg::Prefill, args)
+        }
+        Command::Decode(mut args) => {
+            model_source::resolve_named(&mut args.model, &mut args.served_model_name)?;
+            serve::run_node(serve::RoleArg::Decode, args)
+        }
+        Command::Node(mut args) => {
+            model_source::resolve_named(&mut args.node.model, &mut args.node.served_model_name)?;
+            serve::run_node(args.role, args.node)
+        }
     }
 }
 

@@ -20,9 +20,10 @@ use super::serve::TransportArg;
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
-    /// Model folder (Hugging Face layout) or .gguf file. Default: a built-in random-weight
-    /// model (preset `small`), written once into the cache folder, so that the first run needs
-    /// no download (its text is meaningless; use a real model for real answers).
+    /// Model folder (Hugging Face layout), .gguf file or hub id (owner/name[@revision]).
+    /// Default: a built-in random-weight model (preset `small`), written once into the cache
+    /// folder, so that the first run needs no download (its text is meaningless; use a real
+    /// model for real answers).
     #[arg(long, env = "CLEAVE_MODEL")]
     pub model: Option<PathBuf>,
     /// HTTP port of the OpenAI-compatible API.
