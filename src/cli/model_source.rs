@@ -484,6 +484,97 @@ mod tests {
         std::fs::remove_dir_all(&cache).unwrap();
     }
 
+    /// A minimal hub for `owner/name` at commit [`COMMIT`] serving `files`: the repo info API, and
+    /// `resolve/main/<file>` with the headers hf-hub reads (etag, x-repo-commit, content-range).
+    /// Answers at most `n` requests, each on its own connection.
+    fn fake_hub(files: Vec<(&'static str, Vec<u8>)>, n: usize) -> String {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().take(n) {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let (mut first, mut range, mut line) = (String::new(), None, String::new());
+                reader.read_line(&mut first).unwrap();
+                while reader.read_line(&mut line).map(|k| k > 2).unwrap_or(false) {
+                    if let Some(r) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                        let (a, b) = r.trim().split_once('-').unwrap();
+                        range = Some((a.parse::<usize>().unwrap(), b.parse::<usize>().ok()));
+                    }
+                    line.clear();
+                }
+                let path = first.split(' ').nth(1).unwrap_or("");
+                let (status, headers, body) = if path.starts_with("/api/models/owner/name") {
+                    let siblings: Vec<_> = files.iter().map(|(f, _)| serde_json::json!({ "rfilename": f })).collect();
+                    let info = serde_json::json!({ "sha": COMMIT, "siblings": siblings });
+                    ("200 OK", String::new(), info.to_string().into_bytes())
+                } else if let Some((name, data)) =
+                    files.iter().find(|(f, _)| path == format!("/owner/name/resolve/main/{f}"))
+                {
+                    let (a, b) = range.unwrap_or((0, None));
+                    let b = b.unwrap_or(data.len() - 1).min(data.len() - 1);
+                    let headers = format!(
+                        "ETag: \"etag-{name}\"\r\nX-Repo-Commit: {COMMIT}\r\nContent-Range: bytes {a}-{b}/{}\r\n",
+                        data.len()
+                    );
+                    ("206 Partial Content", headers, data[a..=b].to_vec())
+                } else {
+                    ("404 Not Found", String::new(), Vec::new())
+                };
+                let head = format!(
+                    "HTTP/1.1 {status}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(&body));
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[test]
+    fn online_misses_download_every_needed_file_then_work_offline() {
+        let cache = temp_dir("download");
+        let index =
+            r#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#;
+        let files: Vec<(&str, Vec<u8>)> = vec![
+            ("config.json", b"{\"hidden_size\": 8}".to_vec()),
+            ("tokenizer.json", b"{\"model\": {}}".to_vec()),
+            ("tokenizer_config.json", b"{}".to_vec()),
+            ("README.md", b"not fetched".to_vec()),
+            (WEIGHT_INDEX, index.as_bytes().to_vec()),
+            ("model-00001-of-00002.safetensors", vec![1u8; 300]),
+            ("model-00002-of-00002.safetensors", vec![2u8; 7]),
+        ];
+        let endpoint = fake_hub(files.clone(), 64);
+        let env = HubEnv { cache: cache.clone(), offline: false, endpoint, token: None };
+        let snap = resolve_with(Path::new("owner/name"), &env).unwrap();
+        assert_eq!(snap, cache.join("models--owner--name/snapshots").join(COMMIT));
+        for (name, data) in &files {
+            if *name == "README.md" {
+                assert!(!snap.join(name).exists());
+            } else {
+                assert_eq!(&std::fs::read(snap.join(name)).unwrap(), data, "{name}");
+            }
+        }
+        assert_eq!(std::fs::read_to_string(cache.join("models--owner--name/refs/main")).unwrap(), COMMIT);
+        assert_eq!(resolve_with(Path::new("owner/name"), &offline(&cache)).unwrap(), snap);
+        std::fs::remove_dir_all(&cache).unwrap();
+    }
+
+    #[test]
+    fn a_repo_without_weights_is_named_as_such() {
+        let cache = temp_dir("noweights");
+        let files = vec![("config.json", b"{}".to_vec()), ("tokenizer.json", b"{}".to_vec())];
+        let env = HubEnv { cache: cache.clone(), offline: false, endpoint: fake_hub(files, 16), token: None };
+        let err = resolve_with(Path::new("owner/name"), &env).unwrap_err();
+        assert!(
+            matches!(&err, ModelSourceError::MissingInRepo { file, .. } if file.starts_with(SINGLE_WEIGHTS)),
+            "{err:?}"
+        );
+        std::fs::remove_dir_all(&cache).unwrap();
+    }
+
     #[test]
     fn endpoint_host_for_messages() {
         let mut env = offline(Path::new("/x"));
