@@ -67,7 +67,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     eprintln!("measuring machine limits ({threads} threads)...");
     let dram_bandwidth = measure::memory_bandwidth_gbps_on(&backend, measure::BANDWIDTH_BYTES);
     let gemm_peak = measure::gemm_peak_gflops(&backend, 1024, 1024, 1024);
-    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?).with_context(|| format!("opening model {}", args.model.display()))?;
+    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?)
+        .with_context(|| format!("opening model {}", args.model.display()))?;
     let cfg = files.config.clone();
     let params = cfg.num_parameters();
     // What one forward pass really touches. The embedding table is gathered (a row per token), not

@@ -52,7 +52,8 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let t_load = Instant::now();
-    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?).with_context(|| format!("opening model {}", args.model.display()))?;
+    let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?)
+        .with_context(|| format!("opening model {}", args.model.display()))?;
     let tokenizer = files.tokenizer.clone();
     let prompt = if args.chat {
         let text = tokenizer.render_chat(&[ChatMessage::new("user", &args.prompt)], true)?;
