@@ -105,7 +105,7 @@ pub struct CoordinatorCmd {
 /// `cleave prefill`, `cleave decode`, `cleave node`.
 #[derive(clap::Args, Debug)]
 pub struct NodeCmd {
-    /// Model folder (Hugging Face layout) or .gguf file.
+    /// Model folder (Hugging Face layout), .gguf file or hub id (owner/name[@revision]).
     #[arg(long, env = "CLEAVE_MODEL")]
     pub model: PathBuf,
     /// The coordinator's cluster address (its --cluster-listen).
