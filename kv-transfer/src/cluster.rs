@@ -89,6 +89,21 @@ where
 {
     let mut registered = Some(registered);
     let mut backoff = Duration::from_millis(50);
+    // Load is sampled by its own loop: an engine busy with a long step answers late, but the
+    // reports (the node's heartbeat) must keep their pace, so the link sends the latest sample
+    // every interval, stale or not. `None` in the channel: the engine stopped.
+    let (latest_tx, latest) = tokio::sync::watch::channel(Some(LoadReport::default()));
+    let interval = cfg.report_interval;
+    let sampler = async move {
+        loop {
+            let r = load().await;
+            let stopped = r.is_none();
+            if latest_tx.send(r).is_err() || stopped {
+                return std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(interval).await;
+        }
+    };
     let link = async {
         loop {
             match register(&connector, &cfg, &reg).await {
@@ -102,7 +117,7 @@ where
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     loop {
                         tick.tick().await;
-                        let Some(report) = load().await else {
+                        let Some(report) = latest.borrow().clone() else {
                             // The node's engine is gone: stop reporting so the coordinator
                             // marks it dead.
                             return Ok(());
@@ -137,6 +152,7 @@ where
     };
     tokio::select! {
         r = link => r,
+        () = sampler => Ok(()),
         () = shutdown => Ok(()),
     }
 }

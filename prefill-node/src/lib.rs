@@ -36,6 +36,8 @@ pub mod metric {
     /// Ticket to the receiver's acknowledgement of the last layer.
     pub const TRANSFER_SECONDS: &str = "cleave_node_handoff_transfer_seconds";
     pub const TRANSFER_BYTES_TOTAL: &str = "cleave_node_handoff_transfer_bytes_total";
+    /// First token sampled to the receiver's Ack: what the transfer adds after the prefill.
+    pub const TRANSFER_TAIL_SECONDS: &str = "cleave_node_handoff_transfer_tail_seconds";
     /// Handoffs, labelled `outcome` (`ok`, `failed`, `not_needed`).
     pub const HANDOFFS_TOTAL: &str = "cleave_node_handoffs_total";
 }
@@ -175,6 +177,8 @@ struct Shipped {
     ticket_wait: Duration,
     bytes: u64,
     transfer: Duration,
+    /// First token sampled (every chunk computed) to the receiver's Ack.
+    tail: Duration,
 }
 
 async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
@@ -243,6 +247,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
             if let Ok(sh) = &r {
                 metrics::histogram!(metric::TICKET_WAIT_SECONDS).record(sh.ticket_wait.as_secs_f64());
                 metrics::histogram!(metric::TRANSFER_SECONDS).record(sh.transfer.as_secs_f64());
+                metrics::histogram!(metric::TRANSFER_TAIL_SECONDS).record(sh.tail.as_secs_f64());
                 metrics::counter!(metric::TRANSFER_BYTES_TOTAL).increment(sh.bytes);
             }
             let done = match r {
@@ -254,6 +259,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
                     ticket_wait_us: sh.ticket_wait.as_micros() as u64,
                     transfer_bytes: sh.bytes,
                     transfer_us: sh.transfer.as_micros() as u64,
+                    tail_us: sh.tail.as_micros() as u64,
                 },
                 Err(e) => HandoffDone { request_id: id, error: Some(e), ..Default::default() },
             };
@@ -293,11 +299,17 @@ async fn ship(
                 sender.send(c).await.map_err(|e| format!("sending kv: {e}"))?;
             }
             KvExportEvent::Done(d) => {
+                let done_at = Instant::now();
                 if d.finish.is_some() {
                     return Err("the request ended at its first token".into());
                 }
                 let report = sender.finish(d.first_token).await.map_err(|e| format!("completing the handoff: {e}"))?;
-                return Ok(Shipped { ticket_wait, bytes: report.bytes, transfer: started.elapsed() });
+                return Ok(Shipped {
+                    ticket_wait,
+                    bytes: report.bytes,
+                    transfer: started.elapsed(),
+                    tail: done_at.elapsed(),
+                });
             }
         }
     }

@@ -137,6 +137,8 @@ pub struct HandoffDone {
     pub ticket_wait_us: u64,
     pub transfer_bytes: u64,
     pub transfer_us: u64,
+    /// First token sampled to the receiver's Ack (what the transfer adds after the prefill).
+    pub tail_us: u64,
 }
 
 /// One control-plane message.
@@ -252,6 +254,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             ticket_wait_us: h.ticket_wait_us,
             transfer_bytes: h.transfer_bytes,
             transfer_us: h.transfer_us,
+            tail_us: h.tail_us,
         })),
     };
     let env = fb::EnvelopeT { version: CONTROL_VERSION, body };
@@ -423,6 +426,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             ticket_wait_us: h.ticket_wait_us,
             transfer_bytes: h.transfer_bytes,
             transfer_us: h.transfer_us,
+            tail_us: h.tail_us,
         })),
     }
 }

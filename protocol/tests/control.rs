@@ -108,6 +108,7 @@ fn samples() -> Vec<ControlMsg> {
             ticket_wait_us: 3,
             transfer_bytes: 4,
             transfer_us: 5,
+            tail_us: 6,
         }),
     ]
 }

@@ -50,7 +50,10 @@ pub mod metric {
     pub const HANDOFF_PREFILL_SECONDS: &str = "cleave_handoff_prefill_seconds";
     pub const HANDOFF_RESERVATION_SECONDS: &str = "cleave_handoff_reservation_seconds";
     pub const HANDOFF_TICKET_WAIT_SECONDS: &str = "cleave_handoff_ticket_wait_seconds";
+    /// Ticket to the receiver's Ack (overlaps the prefill layer by layer).
     pub const HANDOFF_TRANSFER_SECONDS: &str = "cleave_handoff_transfer_seconds";
+    /// First token sampled to the receiver's Ack: what the transfer adds after the prefill.
+    pub const HANDOFF_TRANSFER_TAIL_SECONDS: &str = "cleave_handoff_transfer_tail_seconds";
     pub const HANDOFF_TRANSFER_BYTES: &str = "cleave_handoff_transfer_bytes";
     pub const HANDOFF_DECODE_FIRST_STEP_SECONDS: &str = "cleave_handoff_decode_first_step_seconds";
     /// Handoffs that failed, labelled `node`.

@@ -417,6 +417,7 @@ fn record_handoff(h: &HandoffDone, node: &NodeRef, dispatched: Duration, labels:
     metrics::histogram!(metric::HANDOFF_PREFILL_SECONDS, &labels).record(s(h.prefill_us));
     metrics::histogram!(metric::HANDOFF_TICKET_WAIT_SECONDS, &labels).record(s(h.ticket_wait_us));
     metrics::histogram!(metric::HANDOFF_TRANSFER_SECONDS, &labels).record(s(h.transfer_us));
+    metrics::histogram!(metric::HANDOFF_TRANSFER_TAIL_SECONDS, &labels).record(s(h.tail_us));
     metrics::histogram!(metric::HANDOFF_TRANSFER_BYTES, &labels).record(h.transfer_bytes as f64);
     tracing::debug!(
         prefill_us = h.prefill_us,

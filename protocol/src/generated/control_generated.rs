@@ -3507,6 +3507,7 @@ impl<'a> HandoffDone<'a> {
   pub const VT_TICKET_WAIT_US: ::flatbuffers::VOffsetT = 14;
   pub const VT_TRANSFER_BYTES: ::flatbuffers::VOffsetT = 16;
   pub const VT_TRANSFER_US: ::flatbuffers::VOffsetT = 18;
+  pub const VT_TAIL_US: ::flatbuffers::VOffsetT = 20;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -3518,6 +3519,7 @@ impl<'a> HandoffDone<'a> {
     args: &'args HandoffDoneArgs<'args>
   ) -> ::flatbuffers::WIPOffset<HandoffDone<'bldr>> {
     let mut builder = HandoffDoneBuilder::new(_fbb);
+    builder.add_tail_us(args.tail_us);
     builder.add_transfer_us(args.transfer_us);
     builder.add_transfer_bytes(args.transfer_bytes);
     builder.add_ticket_wait_us(args.ticket_wait_us);
@@ -3540,6 +3542,7 @@ impl<'a> HandoffDone<'a> {
     let ticket_wait_us = self.ticket_wait_us();
     let transfer_bytes = self.transfer_bytes();
     let transfer_us = self.transfer_us();
+    let tail_us = self.tail_us();
     HandoffDoneT {
       request_id,
       ok,
@@ -3549,6 +3552,7 @@ impl<'a> HandoffDone<'a> {
       ticket_wait_us,
       transfer_bytes,
       transfer_us,
+      tail_us,
     }
   }
 
@@ -3608,6 +3612,15 @@ impl<'a> HandoffDone<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u64>(HandoffDone::VT_TRANSFER_US, Some(0)).unwrap()}
   }
+  /// First token sampled (all KV computed) to the receiver's acknowledgement: what the
+  /// transfer adds after the prefill, the rest having overlapped it layer by layer.
+  #[inline]
+  pub fn tail_us(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(HandoffDone::VT_TAIL_US, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for HandoffDone<'_> {
@@ -3624,6 +3637,7 @@ impl ::flatbuffers::Verifiable for HandoffDone<'_> {
      .visit_field::<u64>("ticket_wait_us", Self::VT_TICKET_WAIT_US, false)?
      .visit_field::<u64>("transfer_bytes", Self::VT_TRANSFER_BYTES, false)?
      .visit_field::<u64>("transfer_us", Self::VT_TRANSFER_US, false)?
+     .visit_field::<u64>("tail_us", Self::VT_TAIL_US, false)?
      .finish();
     Ok(())
   }
@@ -3637,6 +3651,7 @@ pub struct HandoffDoneArgs<'a> {
     pub ticket_wait_us: u64,
     pub transfer_bytes: u64,
     pub transfer_us: u64,
+    pub tail_us: u64,
 }
 impl<'a> Default for HandoffDoneArgs<'a> {
   #[inline]
@@ -3650,6 +3665,7 @@ impl<'a> Default for HandoffDoneArgs<'a> {
       ticket_wait_us: 0,
       transfer_bytes: 0,
       transfer_us: 0,
+      tail_us: 0,
     }
   }
 }
@@ -3692,6 +3708,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> HandoffDoneBuilder<'a, 'b, A>
     self.fbb_.push_slot::<u64>(HandoffDone::VT_TRANSFER_US, transfer_us, 0);
   }
   #[inline]
+  pub fn add_tail_us(&mut self, tail_us: u64) {
+    self.fbb_.push_slot::<u64>(HandoffDone::VT_TAIL_US, tail_us, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> HandoffDoneBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     HandoffDoneBuilder {
@@ -3717,6 +3737,7 @@ impl ::core::fmt::Debug for HandoffDone<'_> {
       ds.field("ticket_wait_us", &self.ticket_wait_us());
       ds.field("transfer_bytes", &self.transfer_bytes());
       ds.field("transfer_us", &self.transfer_us());
+      ds.field("tail_us", &self.tail_us());
       ds.finish()
   }
 }
@@ -3731,6 +3752,7 @@ pub struct HandoffDoneT {
   pub ticket_wait_us: u64,
   pub transfer_bytes: u64,
   pub transfer_us: u64,
+  pub tail_us: u64,
 }
 impl Default for HandoffDoneT {
   fn default() -> Self {
@@ -3743,6 +3765,7 @@ impl Default for HandoffDoneT {
       ticket_wait_us: 0,
       transfer_bytes: 0,
       transfer_us: 0,
+      tail_us: 0,
     }
   }
 }
@@ -3761,6 +3784,7 @@ impl HandoffDoneT {
     let ticket_wait_us = self.ticket_wait_us;
     let transfer_bytes = self.transfer_bytes;
     let transfer_us = self.transfer_us;
+    let tail_us = self.tail_us;
     HandoffDone::create(_fbb, &HandoffDoneArgs{
       request_id,
       ok,
@@ -3770,6 +3794,7 @@ impl HandoffDoneT {
       ticket_wait_us,
       transfer_bytes,
       transfer_us,
+      tail_us,
     })
   }
 }
