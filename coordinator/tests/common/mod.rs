@@ -10,12 +10,18 @@ use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, Dispatch, 
 use cleave_protocol::{FinishReason, Logprobs, RequestId, SamplingParams, StopConditions, TokenEvent, TokenLogprob};
 use tokio::sync::mpsc;
 
-pub const TINY_LLAMA: &str = "/work/shared/models/tiny-llama";
+/// The tiny reference model in `shared/` (beside the repository, or `CLEAVE_SHARED_DIR`).
+pub fn tiny_llama() -> PathBuf {
+    std::env::var_os("CLEAVE_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
+        .join("models/tiny-llama")
+}
 /// Bound on every wait in the tests (never reached when things work).
 pub const WAIT: Duration = Duration::from_secs(20);
 
 pub fn args() -> CoordinatorArgs {
-    CoordinatorArgs { model: Some(PathBuf::from(TINY_LLAMA)), ..CoordinatorArgs::default() }
+    CoordinatorArgs { model: Some(tiny_llama()), ..CoordinatorArgs::default() }
 }
 
 /// How the scripted backend answers each dispatch.
