@@ -28,7 +28,7 @@ use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, NodeRole, Register};
-use cleave_protocol::{FinishReason, RequestId, TokenEvent, TransportKind};
+use cleave_protocol::{RequestId, TokenEvent, TransportKind};
 use tokio::sync::oneshot;
 
 /// Metric names of a decode node (on its own /metrics).
@@ -172,7 +172,7 @@ impl DecodeNode {
         let (reg_tx, reg_rx) = oneshot::channel();
         let shared = Arc::new(Shared { engine: engine.clone(), receiver: receiver.handle().clone(), cfg: cfg.clone() });
         let task = tokio::spawn(async move {
-            let accept = tokio::spawn(accept_loop(rpc, shared));
+            let accept = tokio::spawn(rpc.serve(move |s, _peer| serve_stream(s, shared.clone())));
             let load_engine = engine.clone();
             let r = run_control_link(
                 connector,
@@ -208,18 +208,6 @@ struct Shared {
     cfg: DecodeNodeConfig,
 }
 
-async fn accept_loop(mut rpc: Listener, shared: Arc<Shared>) {
-    while let Some(r) = rpc.accept().await {
-        match r {
-            Ok((stream, _peer)) => {
-                let shared = shared.clone();
-                tokio::spawn(async move { serve_stream(stream, shared).await });
-            }
-            Err(e) => tracing::warn!(error = %e, "rpc accept failed"),
-        }
-    }
-}
-
 async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
     let first = tokio::time::timeout(shared.cfg.request_timeout, read_msg(&mut s.recv)).await;
     let req = match first {
@@ -244,23 +232,9 @@ async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
         Ok(Some(ts)) => forward(ts, &mut s).await,
         Ok(None) => {}
         Err(msg) => {
-            let ev = error_event(id, prompt_tokens, msg);
+            let ev = TokenEvent::failed(id, prompt_tokens, 0, msg);
             let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
         }
-    }
-}
-
-fn error_event(id: RequestId, prompt_tokens: u32, msg: String) -> TokenEvent {
-    TokenEvent {
-        request_id: id,
-        token_id: None,
-        text: String::new(),
-        logprobs: None,
-        finish_reason: Some(FinishReason::Error),
-        prompt_tokens,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        error: Some(msg),
     }
 }
 

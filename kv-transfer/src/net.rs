@@ -220,6 +220,23 @@ impl Listener {
         }
     }
 
+    /// Accepts streams until the listener closes, running `handler` on its own task for each
+    /// (a failed accept is logged and skipped).
+    pub async fn serve<F, Fut>(mut self, handler: F)
+    where
+        F: Fn(DuplexStream, PeerInfo) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        while let Some(r) = self.accept().await {
+            match r {
+                Ok((stream, peer)) => {
+                    tokio::spawn(handler(stream, peer));
+                }
+                Err(e) => tracing::warn!(local = %self.local_addr(), error = %e, "accept failed"),
+            }
+        }
+    }
+
     /// Stops accepting, closes every connection and waits (bounded) until the peers were told,
     /// then releases the address so a new listener can bind it.
     pub async fn shutdown(self) {

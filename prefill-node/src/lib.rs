@@ -24,7 +24,7 @@ use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, NodeRole, PrefillRequest, Register};
-use cleave_protocol::{FinishReason, HandoffTicket, KvLayout, RequestId, TokenEvent};
+use cleave_protocol::{HandoffTicket, KvLayout, TokenEvent};
 use tokio::sync::{mpsc, oneshot};
 
 /// Metric names of a prefill node (on its own /metrics).
@@ -116,7 +116,7 @@ impl PrefillNode {
         });
         let (reg_tx, reg_rx) = oneshot::channel();
         let task = tokio::spawn(async move {
-            let accept = tokio::spawn(accept_loop(rpc, shared));
+            let accept = tokio::spawn(rpc.serve(move |s, _peer| serve_stream(s, shared.clone())));
             let load_engine = engine.clone();
             let r = run_control_link(
                 connector,
@@ -138,18 +138,6 @@ impl PrefillNode {
 
     pub async fn wait(self) -> Result<(), NodeError> {
         self.task.await.map_err(|e| NodeError::Task(e.to_string()))?
-    }
-}
-
-async fn accept_loop(mut rpc: Listener, shared: Arc<Shared>) {
-    while let Some(r) = rpc.accept().await {
-        match r {
-            Ok((stream, _peer)) => {
-                let shared = shared.clone();
-                tokio::spawn(async move { serve_stream(stream, shared).await });
-            }
-            Err(e) => tracing::warn!(error = %e, "rpc accept failed"),
-        }
     }
 }
 
@@ -191,7 +179,8 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
     let mut ts = match shared.engine.submit_prefill_only(ereq, KvExport::unbounded(xtx)) {
         Ok(ts) => ts,
         Err(e) => {
-            let _ = write_msg(&mut s.send, &ControlMsg::Token(error_event(id, prompt_tokens, e.to_string()))).await;
+            let _ = write_msg(&mut s.send, &ControlMsg::Token(TokenEvent::failed(id, prompt_tokens, 0, e.to_string())))
+                .await;
             return;
         }
     };
@@ -209,7 +198,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
         tokio::select! {
             ev = ts.next(), if handed_off.is_none() => {
                 let Some(ev) = ev else {
-                    let ev = error_event(id, prompt_tokens, "engine stopped".into());
+                    let ev = TokenEvent::failed(id, prompt_tokens, 0, "engine stopped".into());
                     let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
                     return;
                 };
@@ -314,18 +303,4 @@ async fn ship(
         }
     }
     Err("the engine dropped the request before its kv was out".into())
-}
-
-fn error_event(id: RequestId, prompt_tokens: u32, msg: String) -> TokenEvent {
-    TokenEvent {
-        request_id: id,
-        token_id: None,
-        text: String::new(),
-        logprobs: None,
-        finish_reason: Some(FinishReason::Error),
-        prompt_tokens,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        error: Some(msg),
-    }
 }

@@ -187,6 +187,32 @@ pub struct TokenEvent {
     pub error: Option<String>,
 }
 
+impl TokenEvent {
+    /// The final event of a request that ended without a token: `reason` (an error carries
+    /// `error`), with the counts so far.
+    pub fn last(request_id: RequestId, reason: FinishReason, prompt_tokens: u32, completion_tokens: u32) -> Self {
+        TokenEvent {
+            request_id,
+            token_id: None,
+            text: String::new(),
+            logprobs: None,
+            finish_reason: Some(reason),
+            prompt_tokens,
+            cached_tokens: 0,
+            completion_tokens,
+            error: None,
+        }
+    }
+
+    /// The final event of a request that failed.
+    pub fn failed(request_id: RequestId, prompt_tokens: u32, completion_tokens: u32, error: String) -> Self {
+        TokenEvent {
+            error: Some(error),
+            ..Self::last(request_id, FinishReason::Error, prompt_tokens, completion_tokens)
+        }
+    }
+}
+
 /// Describes the bytes of a KV cache block so that two processes can check they agree before
 /// moving any. Blocks are laid out per layer as `[block_size, num_kv_heads, head_dim]` for K and
 /// the same for V.

@@ -289,19 +289,12 @@ fn record_pools(s: &PoolSummary) {
     }
 }
 
-async fn control_loop(mut l: Listener, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
-    while let Some(r) = l.accept().await {
-        match r {
-            Ok((s, peer)) => {
-                let (cluster, cfg) = (cluster.clone(), cfg.clone());
-                tokio::spawn(async move {
-                    tracing::debug!(peer = %peer.addr, name = ?peer.name, "control stream");
-                    control_stream(s, cluster, cfg).await
-                });
-            }
-            Err(e) => tracing::warn!(error = %e, "control accept failed"),
-        }
-    }
+async fn control_loop(l: Listener, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
+    l.serve(move |s, peer| {
+        tracing::debug!(peer = %peer.addr, name = ?peer.name, "control stream");
+        control_stream(s, cluster.clone(), cfg.clone())
+    })
+    .await
 }
 
 /// One node's control stream: register, then reports until it ends.

@@ -71,15 +71,8 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
         if p.generated.len() >= d.stop.max_tokens as usize {
             // Every token was sent but the node died before saying so: end it here.
             let ev = TokenEvent {
-                request_id: d.id,
-                token_id: None,
-                text: String::new(),
-                logprobs: None,
-                finish_reason: Some(FinishReason::Length),
-                prompt_tokens: p.prompt_tokens,
                 cached_tokens: p.cached_tokens,
-                completion_tokens: p.generated.len() as u32,
-                error: None,
+                ..TokenEvent::last(d.id, FinishReason::Length, p.prompt_tokens, p.generated.len() as u32)
             };
             let _ = d.events.send(DispatchEvent::Token(ev)).await;
             return;
@@ -178,15 +171,8 @@ async fn open(connector: &Connector, node: &NodeRef, msg: &ControlMsg) -> Result
 async fn finish_with_error(d: &Dispatch, p: &Progress, error: String) {
     tracing::warn!(%error, "request failed");
     let ev = TokenEvent {
-        request_id: d.id,
-        token_id: None,
-        text: String::new(),
-        logprobs: None,
-        finish_reason: Some(FinishReason::Error),
-        prompt_tokens: p.prompt_tokens,
         cached_tokens: p.cached_tokens,
-        completion_tokens: p.generated.len() as u32,
-        error: Some(error),
+        ..TokenEvent::failed(d.id, p.prompt_tokens, p.generated.len() as u32, error)
     };
     let _ = d.events.send(DispatchEvent::Token(ev)).await;
 }

@@ -323,17 +323,7 @@ impl<B: Backend> EngineCore<B> {
 
     /// The final event of a request that failed.
     pub fn error_event(&self, id: RequestId, err: &EngineError) -> TokenEvent {
-        TokenEvent {
-            request_id: id,
-            token_id: None,
-            text: String::new(),
-            logprobs: None,
-            finish_reason: Some(FinishReason::Error),
-            prompt_tokens: 0,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            error: Some(err.to_string()),
-        }
+        TokenEvent::failed(id, 0, 0, err.to_string())
     }
 
     /// Runs one iteration: schedule, forward, sample, commit. Returns the events it produced.
