@@ -12,8 +12,10 @@ use clap::Parser;
 /// How the coordinator serves the OpenAI-compatible API.
 #[derive(Debug, Clone, clap::Args, serde::Deserialize)]
 pub struct CoordinatorArgs {
-    /// Model folder (Hugging Face layout: tokenizer.json, tokenizer_config.json, config.json,
-    /// generation_config.json). The coordinator reads only the tokenizer and config-level facts.
+    /// Model: a Hugging Face folder (tokenizer.json, tokenizer_config.json, config.json,
+    /// generation_config.json), a .gguf file, or a hub id (`owner/name`, from the Hugging Face
+    /// cache). The coordinator reads the tokenizer and config-level facts, and the weights once
+    /// to learn the model's fingerprint (which every node must match).
     #[arg(long, env = "CLEAVE_MODEL")]
     pub model: Option<PathBuf>,
 
