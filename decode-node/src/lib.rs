@@ -101,16 +101,11 @@ impl KvSink for EngineSink {
     }
 
     fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
-        let rx =
+        // Applied on the engine thread in order, before the request is submitted. The reply is
+        // not awaited (no task per chunk): a failed write leaves rows uncovered, which
+        // `submit_imported` refuses with an error event naming them.
+        let _ =
             self.engine.import_kv(w.request_id, w.layer, w.token_start, w.k.clone(), w.v.clone()).map_err(sink_err)?;
-        let (id, layer) = (w.request_id, w.layer);
-        // The write is applied in order before the request is submitted; a failed write
-        // leaves rows uncovered, which `submit_imported` refuses with an error event.
-        tokio::spawn(async move {
-            if let Ok(Err(e)) = rx.await {
-                tracing::warn!(request_id = %id, layer, error = %e, "kv import write failed");
-            }
-        });
         Ok(())
     }
 

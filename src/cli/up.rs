@@ -43,7 +43,8 @@ pub struct UpArgs {
     pub colocated: Option<usize>,
     /// KV cache per node (suffixes k, m, g).
     #[arg(long, default_value = "512m")]
-    pub kv_cache_memory: String,
+    #[arg(value_parser = super::parse_bytes)]
+    pub kv_cache_memory: usize,
     /// Compute threads per node (default: the cores divided among the nodes).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -192,7 +193,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 "--coordinator".into(),
                 cluster.clone(),
                 "--kv-cache-memory".into(),
-                args.kv_cache_memory.clone(),
+                args.kv_cache_memory.to_string(),
                 "--threads".into(),
                 threads.to_string(),
             ];
@@ -278,9 +279,8 @@ async fn spawn(
 async fn supervise(procs: &mut [Proc]) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut alive: Vec<bool> = vec![true; procs.len()];
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
-        tick.tick().await;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = term.recv() => return Ok(()),
