@@ -1,1 +1,25 @@
-//! bench: filled by a later issue. Dependency direction is fixed now (see STYLE.md).
+//! cleave's load-test harness for SLO tuning (`cleave bench serve|sweep|simulate`).
+//!
+//! - [`serve`]: an open- or closed-loop load generator for any OpenAI-compatible streaming server
+//!   ([`dataset`] builds the requests, [`schedule`] their arrival times, [`client`] sends them and
+//!   timestamps every streamed chunk, [`metrics`] turns records into TTFT/TPOT/ITL/E2EL summaries
+//!   and goodput, [`result`] writes vLLM-compatible result files).
+//! - [`sweep`]: `serve` over request rates for several system configurations, each started as its
+//!   own `cleave up`.
+//! - [`sim`]: a discrete-event simulator of a cleave cluster driven by a measured cost profile.
+//! - [`plot`]: PNG and SVG plots of latency CDFs and sweep curves.
+//!
+//! Dependencies: HTTP and the shared tokenizer only; never the engine or kernels.
+
+pub mod client;
+pub mod dataset;
+pub mod error;
+pub mod metrics;
+pub mod plot;
+pub mod result;
+pub mod schedule;
+pub mod serve;
+pub mod sim;
+pub mod sweep;
+
+pub use error::{BenchError, Result};

@@ -1,0 +1,35 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can stop a benchmark. Per-request failures are not errors of the run: they are
+/// recorded in the request's record and counted by kind.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("invalid argument: {0}")]
+    InvalidArg(String),
+    #[error("dataset {path}: {msg}")]
+    Dataset { path: PathBuf, msg: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] cleave_tokenizer::TokenizerError),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("http: {0}")]
+    Http(String),
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("plot {path}: {msg}")]
+    Plot { path: PathBuf, msg: String },
+    #[error("server: {0}")]
+    Server(String),
+    #[error("profile: {0}")]
+    Profile(String),
+}
+
+pub type Result<T> = std::result::Result<T, BenchError>;
+
+impl BenchError {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io { path: path.into(), source }
+    }
+}
