@@ -1,1 +1,5 @@
 //! (being written)
+
+/// `cleave bench serve` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {}

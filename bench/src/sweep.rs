@@ -1,1 +1,5 @@
 //! (being written)
+
+/// `cleave bench sweep` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SweepArgs {}

@@ -2,6 +2,10 @@
 //! dispatch to each subcommand's module.
 
 mod bench_engine;
+mod bench_profile;
+mod bench_serve;
+mod bench_simulate;
+mod bench_sweep;
 mod bench_transfer;
 mod certs;
 mod generate;
@@ -53,6 +57,18 @@ enum BenchCommand {
     Engine(bench_engine::BenchEngineArgs),
     /// KV-cache transfer throughput over QUIC, TCP+TLS and plain TCP, beside raw TCP and memcpy.
     Transfer(bench_transfer::BenchTransferArgs),
+    /// Load-test an OpenAI-compatible streaming server (cleave, vLLM, SGLang, llama.cpp):
+    /// TTFT, TPOT, ITL, E2EL, throughput and goodput under SLOs.
+    Serve(cleave_bench::serve::ServeArgs),
+    /// Run `bench serve` over request rates for several `cleave up` configurations and compare
+    /// their goodput.
+    Sweep(cleave_bench::sweep::SweepArgs),
+    /// Simulate a cleave cluster (xPyD or colocated) from a measured profile: predicted
+    /// TTFT/TPOT, goodput, and the configuration with the most goodput per node.
+    Simulate(cleave_bench::sim::SimulateArgs),
+    /// Measure this machine's engine cost profile (prefill time against tokens, decode step time
+    /// against batch and context) for `bench simulate`.
+    Profile(bench_profile::BenchProfileArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -61,6 +77,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::MakeModel(args) => make_model::run(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
+        Command::Bench(BenchCommand::Sweep(args)) => bench_sweep::run(args),
+        Command::Bench(BenchCommand::Simulate(args)) => bench_simulate::run(args),
+        Command::Bench(BenchCommand::Profile(args)) => bench_profile::run(args),
         Command::Certs(args) => certs::run(args),
         // A hub id is fetched once here; the children find it in the cache and keep its name.
         Command::Up(args) => {

@@ -1,1 +1,5 @@
 //! (being written)
+
+/// `cleave bench simulate` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimulateArgs {}
