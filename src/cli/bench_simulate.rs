@@ -1,5 +1,7 @@
-//! `cleave bench simulate`: the discrete-event cluster simulator.
+//! `cleave bench simulate`: the discrete-event cluster simulator (all logic in
+//! `cleave_bench::sim`).
 
-pub fn run(_args: cleave_bench::sim::SimulateArgs) -> anyhow::Result<()> {
-    anyhow::bail!("cleave bench simulate: not built yet")
+pub fn run(args: cleave_bench::sim::SimulateArgs) -> anyhow::Result<()> {
+    cleave_bench::sim::cli::run(&args)?;
+    Ok(())
 }

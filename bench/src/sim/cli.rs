@@ -1,0 +1,263 @@
+//! `cleave bench simulate`'s flags, and the run behind them: predict each configuration at a
+//! given rate, or search each one's goodput and recommend the best per node.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::cluster::{NodeLimits, Topology};
+use super::cost::{CostModel, HandoffCost};
+use super::profile::Profile;
+use super::search::{predict, recommend, search_space, Goodput, PredictSummary, SearchSpec, Slo};
+use super::workload::WorkloadSpec;
+use super::ClusterConfig;
+use crate::error::{BenchError, Result};
+
+/// `cleave bench simulate` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// Profile JSON written by `cleave bench profile`.
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Configurations: `XpYd` (disaggregated) or `Kc` (colocated), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub config: Vec<String>,
+    /// Add the search space for this many nodes: every XpYd and Kc up to it when ≤ 8, else Nc and
+    /// up to 24 prefill:decode splits of exactly N nodes.
+    #[arg(long)]
+    pub max_nodes: Option<usize>,
+    /// Predict at this request rate (req/s) instead of searching for goodput.
+    #[arg(long, conflicts_with = "search")]
+    pub rate: Option<f64>,
+    /// Search each configuration's goodput (the default without --rate; needs --goodput).
+    #[arg(long)]
+    pub search: bool,
+    /// Prompt tokens: `N` or an inclusive range `MIN..MAX` (uniform).
+    #[arg(long, default_value = "512", value_parser = parse_range)]
+    pub input_len: (usize, usize),
+    /// Output tokens, first included: `N` or `MIN..MAX`.
+    #[arg(long, default_value = "128", value_parser = parse_range)]
+    pub output_len: (usize, usize),
+    /// SLOs in milliseconds: `ttft:MS tpot:MS [e2el:MS]`.
+    #[arg(long, num_args = 1..)]
+    pub goodput: Vec<String>,
+    /// Fraction of requests that must meet the SLOs.
+    #[arg(long, default_value_t = 0.9)]
+    pub attainment: f64,
+    /// Requests per simulation (default: max(1000, 50 × nodes of the largest configuration)).
+    #[arg(long)]
+    pub num_requests: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Gamma shape of inter-arrival times (1: Poisson; below 1: burstier).
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// KV handoff bandwidth, GB/s (BENCHMARKS.md: QUIC ≈ 1 GB/s on loopback).
+    #[arg(long, default_value_t = 1.0)]
+    pub handoff_bandwidth_gbps: f64,
+    /// Fixed handoff latency, ms (BENCHMARKS.md: 0.7 ms tail).
+    #[arg(long, default_value_t = 0.7)]
+    pub handoff_latency_ms: f64,
+    /// Conditional disaggregation: prompts shorter than this are prefilled on the decode node.
+    #[arg(long, default_value_t = 0)]
+    pub local_prefill_below: usize,
+    /// Override the profile's per-node max_num_seqs.
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Override the profile's per-node max_num_batched_tokens.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Override the profile's per-node KV capacity, tokens.
+    #[arg(long)]
+    pub kv_capacity_tokens: Option<usize>,
+    /// Highest rate the search tries, req/s.
+    #[arg(long, default_value_t = 1e5)]
+    pub max_rate: f64,
+    /// Bisection stops when the bracket is narrower than this fraction of the rate.
+    #[arg(long, default_value_t = 0.01)]
+    pub tolerance: f64,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}
+
+/// Parses `N` or `MIN..MAX` (also `MIN..=MAX`).
+pub fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
+    let num = |x: &str| x.trim().parse::<usize>().map_err(|_| format!("`{s}`: expected N or MIN..MAX"));
+    match s.split_once("..") {
+        Some((a, b)) => {
+            let (a, b) = (num(a)?, num(b.trim_start_matches('='))?);
+            if a == 0 || a > b {
+                return Err(format!("`{s}`: need 0 < MIN ≤ MAX"));
+            }
+            Ok((a, b))
+        }
+        None => {
+            let n = num(s)?;
+            if n == 0 {
+                return Err(format!("`{s}`: must be positive"));
+            }
+            Ok((n, n))
+        }
+    }
+}
+
+/// What `--output` gets.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimulateReport {
+    pub model: String,
+    pub profile_threads: usize,
+    pub limits: NodeLimits,
+    pub handoff: HandoffCost,
+    pub workload: WorkloadSpec,
+    pub slo: Slo,
+    pub attainment_target: f64,
+    /// Set when predicting at one rate.
+    pub rate: Option<f64>,
+    /// Per configuration, at `rate` (predict mode).
+    pub predictions: Vec<(String, PredictSummary)>,
+    /// Per configuration, best goodput per node first (search mode).
+    pub goodput: Vec<Goodput>,
+    /// The configuration with the most goodput per node (search mode).
+    pub recommended: Option<String>,
+}
+
+/// Runs the subcommand: prints a table and writes `--output`.
+pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
+    let profile = Profile::load(&args.profile)?;
+    let handoff = HandoffCost {
+        bandwidth_bytes_per_s: args.handoff_bandwidth_gbps * 1e9,
+        latency_s: args.handoff_latency_ms / 1e3,
+    };
+    let cost = CostModel::from_profile(&profile, handoff)?;
+    let mut limits = NodeLimits::from_cost(&cost);
+    if let Some(x) = args.max_num_seqs {
+        limits.max_num_seqs = x;
+    }
+    if let Some(x) = args.max_num_batched_tokens {
+        limits.max_num_batched_tokens = x;
+    }
+    if let Some(x) = args.kv_capacity_tokens {
+        limits.kv_capacity_tokens = x;
+    }
+    let mut topologies = args.config.iter().map(|s| s.parse()).collect::<Result<Vec<Topology>>>()?;
+    if let Some(n) = args.max_nodes {
+        if n == 0 {
+            return Err(BenchError::InvalidArg("--max-nodes must be positive".into()));
+        }
+        topologies.extend(search_space(n));
+    }
+    let mut seen = std::collections::HashSet::new();
+    topologies.retain(|t| seen.insert(*t));
+    if topologies.is_empty() {
+        return Err(BenchError::InvalidArg("give --config and/or --max-nodes".into()));
+    }
+    let largest = topologies.iter().map(Topology::nodes).max().unwrap_or(1);
+    let workload = WorkloadSpec {
+        num_requests: args.num_requests.unwrap_or(1000.max(50 * largest)),
+        input_len: args.input_len,
+        output_len: args.output_len,
+        burstiness: args.burstiness,
+        seed: args.seed,
+    };
+    let slo = Slo::parse_ms(&args.goodput)?;
+    let mut report = SimulateReport {
+        model: profile.model.clone(),
+        profile_threads: profile.threads,
+        limits,
+        handoff,
+        workload,
+        slo,
+        attainment_target: args.attainment,
+        rate: args.rate,
+        predictions: Vec::new(),
+        goodput: Vec::new(),
+        recommended: None,
+    };
+    println!(
+        "profile: {} ({} threads); {} requests, input {:?}, output {:?}, seed {}",
+        profile.model, profile.threads, workload.num_requests, workload.input_len, workload.output_len, workload.seed
+    );
+    match args.rate {
+        Some(rate) => {
+            let reqs = workload.generate(rate)?;
+            let slo_opt = (!args.goodput.is_empty()).then_some(&slo);
+            println!(
+                "{:<10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
+                "config", "ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99", "attain", "goodput"
+            );
+            for t in &topologies {
+                let mut cfg = ClusterConfig::new(*t, limits);
+                if matches!(t, Topology::Disaggregated { .. }) {
+                    cfg.local_prefill_below = args.local_prefill_below;
+                }
+                let s = predict(&cfg, &cost, &reqs, slo_opt)?;
+                println!(
+                    "{:<10} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>8.3} {:>9.2}",
+                    t.to_string(),
+                    s.ttft.mean * 1e3,
+                    s.ttft.median * 1e3,
+                    s.ttft.p99 * 1e3,
+                    s.tpot.mean * 1e3,
+                    s.tpot.median * 1e3,
+                    s.tpot.p99 * 1e3,
+                    s.attainment,
+                    s.goodput
+                );
+                report.predictions.push((t.to_string(), s));
+            }
+            println!("(latencies in ms at {rate} req/s)");
+        }
+        None => {
+            if args.goodput.is_empty() {
+                return Err(BenchError::InvalidArg(
+                    "goodput search needs --goodput ttft:MS tpot:MS (or give --rate)".into(),
+                ));
+            }
+            let spec = SearchSpec {
+                slo,
+                attainment: args.attainment,
+                workload,
+                rel_tolerance: args.tolerance,
+                max_rate: args.max_rate,
+            };
+            let results = recommend(&topologies, limits, args.local_prefill_below, &cost, &spec)?;
+            print_goodput(&results);
+            report.recommended = results.first().filter(|g| g.max_rate > 0.0).map(|g| g.config.clone());
+            match &report.recommended {
+                Some(c) => println!("recommended: {c} (most goodput per node)"),
+                None => println!("no configuration meets the SLOs even when idle"),
+            }
+            report.goodput = results;
+        }
+    }
+    if let Some(path) = &args.output {
+        write_json(path, &report)?;
+    }
+    Ok(report)
+}
+
+fn print_goodput(results: &[Goodput]) {
+    println!(
+        "{:<10} {:>5} {:>10} {:>10} {:>8} {:>9} {:>9}",
+        "config", "nodes", "rate", "per_node", "attain", "ttft_p90", "tpot_p90"
+    );
+    for g in results {
+        println!(
+            "{:<10} {:>5} {:>10.3} {:>10.4} {:>8.3} {:>9.1} {:>9.2}",
+            g.config,
+            g.nodes,
+            g.max_rate,
+            g.per_node,
+            g.at_max.attainment,
+            g.at_max.ttft.p90 * 1e3,
+            g.at_max.tpot.p90 * 1e3
+        );
+    }
+    println!("(rate: req/s at the attainment target; latencies in ms at that rate)");
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").map_err(|e| BenchError::io(path, e))
+}
