@@ -5,11 +5,12 @@
 //! - A prefill node runs a step whenever it has queued prompts: FIFO chunks up to
 //!   `max_num_batched_tokens` tokens, costed by [`CostModel::prefill_step_time`]. A prompt whose
 //!   last chunk ran is handed off at the step's end to the decode node with the fewest
-//!   outstanding requests; the KV lands `handoff_time(input_len)` later, and that is when the
-//!   first token reaches the client (TTFT = queueing + prefill steps + handoff).
-//! - A decode or colocated node runs a step whenever it has admitted work. At the step's start it
-//!   admits waiting requests in FIFO order while a seat (`max_num_seqs`) and KV (prompt + output
-//!   reserved) are free, then plans every running sequence's decode token first and fills the
+//!   outstanding requests; the KV lands `handoff_time(input_len)` later. The first token reaches
+//!   the client when the decode node admits the request (a seat and KV reserved): at landing on
+//!   a node with room (TTFT = queueing + prefill steps + handoff), else when room frees up.
+//! - A decode or colocated node admits waiting requests in FIFO order while a seat
+//!   (`max_num_seqs`) and KV (prompt + output reserved) are free: on a handoff's landing and at
+//!   each step's start. It runs a step whenever it has admitted work: it plans every running sequence's decode token first and fills the
 //!   rest of the token budget with prefill chunks (vLLM's chunked prefill). The step costs
 //!   [`CostModel::mixed_step_time`]. At its end every decode emits a token, and a prompt whose
 //!   last chunk ran emits its first token (TTFT on a colocated node: no handoff) and decodes from
@@ -112,6 +113,8 @@ struct Node {
     busy: bool,
     /// Not yet admitted (FIFO).
     waiting: VecDeque<usize>,
+    /// Admitted with its KV landed, joins `running` at the next step's start.
+    ready: Vec<usize>,
     /// Admitted, prompt not fully computed (FIFO).
     prefilling: VecDeque<usize>,
     /// Decoding.
@@ -194,8 +197,8 @@ pub fn simulate(cfg: &ClusterConfig, cost: &CostModel, requests: &[SimRequest]) 
             Event::StepDone(n) => sim.step_done(n, t),
             Event::HandoffDone(r) => {
                 let node = sim.state[r].decode_node;
-                sim.state[r].first_token_s = t;
                 sim.nodes[node].waiting.push_back(r);
+                sim.admit(node, t);
                 sim.try_start(node, t);
             }
         }
@@ -239,7 +242,7 @@ impl Sim<'_> {
         if self.nodes[n].busy {
             return;
         }
-        let dur = if self.nodes[n].prefill_only { self.plan_prefill(n) } else { self.plan_mixed(n) };
+        let dur = if self.nodes[n].prefill_only { self.plan_prefill(n) } else { self.plan_mixed(n, now) };
         if let Some(d) = dur {
             self.nodes[n].busy = true;
             self.push(now + d.max(MIN_STEP_S), Event::StepDone(n));
@@ -268,12 +271,14 @@ impl Sim<'_> {
         Some(self.cost.prefill_step_time(node.chunks.iter().map(|&(r, k)| (k, st[r].prefilled))))
     }
 
-    /// Admission, then decodes first and prefill chunks in the remaining budget; None when idle.
-    fn plan_mixed(&mut self, n: usize) -> Option<f64> {
+    /// Admits waiting requests in FIFO order while a seat and KV are free (an empty node admits
+    /// its head regardless of KV). A request that arrives prefilled (a handoff) gets its first
+    /// token now, and joins `running` at the next step's start.
+    fn admit(&mut self, n: usize, now: f64) {
         let l = self.cfg.limits;
         let node = &mut self.nodes[n];
         while let Some(&r) = node.waiting.front() {
-            let admitted = node.prefilling.len() + node.running.len();
+            let admitted = node.prefilling.len() + node.running.len() + node.ready.len();
             let need = self.reqs[r].input_len + self.reqs[r].output_len;
             let fits = node.reserved.saturating_add(need) <= l.kv_capacity_tokens;
             if admitted >= l.max_num_seqs || (!fits && admitted > 0) {
@@ -284,9 +289,20 @@ impl Sim<'_> {
             if self.state[r].prefilled < self.reqs[r].input_len {
                 node.prefilling.push_back(r);
             } else {
-                node.context += self.reqs[r].input_len + self.state[r].generated;
-                node.running.push(r);
+                self.state[r].first_token_s = now;
+                node.ready.push(r);
             }
+        }
+    }
+
+    /// Admission, then decodes first and prefill chunks in the remaining budget; None when idle.
+    fn plan_mixed(&mut self, n: usize, now: f64) -> Option<f64> {
+        self.admit(n, now);
+        let l = self.cfg.limits;
+        let node = &mut self.nodes[n];
+        for r in node.ready.drain(..) {
+            node.context += self.reqs[r].input_len + self.state[r].generated;
+            node.running.push(r);
         }
         node.decodes = node.running.len();
         node.chunks.clear();
