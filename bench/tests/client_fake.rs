@@ -1,0 +1,174 @@
+//! `run_benchmark` end to end against a scripted OpenAI-style server on port 0: the request body,
+//! usage-based token counts, ITLs, and every error kind counted without aborting the run.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cleave_bench::metrics::ErrorKind;
+use cleave_bench::serve::{run_benchmark, DatasetName, ServeArgs};
+use cleave_tokenizer::Tokenizer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+fn shared_dir() -> PathBuf {
+    std::env::var_os("CLEAVE_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
+}
+
+type Seen = Arc<Mutex<Vec<(String, serde_json::Value)>>>;
+
+/// Reads one HTTP/1.1 request: (request line, headers lowercased, body).
+async fn read_request(s: &mut TcpStream) -> Option<(String, String, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 4096];
+    let head_end = loop {
+        let n = s.read(&mut tmp).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let len: usize =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap_or(0));
+    while buf.len() < head_end + len {
+        let n = s.read(&mut tmp).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    let line = head.lines().next().unwrap_or_default().to_string();
+    Some((line, head, buf[head_end..head_end + len].to_vec()))
+}
+
+fn chunk(text: &str, finish: Option<&str>) -> String {
+    let v = serde_json::json!({"choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+    format!("data: {v}\n\n")
+}
+
+async fn serve_one(mut s: TcpStream, seen: Seen) {
+    let Some((line, head, body)) = read_request(&mut s).await else { return };
+    if line.starts_with("get /v1/models") {
+        let b = r#"{"object":"list","data":[{"id":"fake-model","object":"model"}]}"#;
+        let r = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{b}",
+            b.len()
+        );
+        let _ = s.write_all(r.as_bytes()).await;
+        return;
+    }
+    let req: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let auth = head.lines().find_map(|l| l.strip_prefix("authorization:")).unwrap_or("").trim().to_string();
+    seen.lock().unwrap().push((auth, req.clone()));
+    let prompt = req["prompt"].as_str().unwrap_or_default();
+    let sse_head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    if prompt.contains("servererror") {
+        let _ = s
+            .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\nconnection: close\r\n\r\noops")
+            .await;
+    } else if prompt.contains("cutshort") {
+        let _ = s.write_all(format!("{sse_head}{}", chunk("a", None)).as_bytes()).await;
+    } else if prompt.contains("hangforever") {
+        let _ = s.write_all(sse_head.as_bytes()).await;
+        // Holds the connection open; the client's --request-timeout ends the request.
+        std::future::pending::<()>().await;
+    } else {
+        // Three text chunks, written separately, then usage (7 tokens: the server's count wins).
+        let _ = s.write_all(sse_head.as_bytes()).await;
+        for part in [chunk("Hello", None), chunk(" wor", None), chunk("ld", Some("length"))] {
+            let _ = s.write_all(part.as_bytes()).await;
+            let _ = s.flush().await;
+        }
+        let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":7,"total_tokens":16}}"#;
+        let _ = s.write_all(format!("{usage}\n\ndata: [DONE]\n\n").as_bytes()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_counted_by_kind_and_usage_counts_tokens() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Seen = Arc::default();
+    let seen2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            tokio::spawn(serve_one(s, seen2.clone()));
+        }
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let answer = "a fairly long answer with more than four tokens in it";
+    let convs: Vec<serde_json::Value> = [
+        "okay please answer",
+        "servererror please answer",
+        "cutshort please answer",
+        "hangforever please answer",
+    ]
+    .iter()
+    .map(|p| serde_json::json!({"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": answer}]}))
+    .collect();
+    let data = dir.path().join("sg.json");
+    std::fs::write(&data, serde_json::to_string(&convs).unwrap()).unwrap();
+
+    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let mut args = ServeArgs::default();
+    args.base_url = Some(format!("http://{addr}/"));
+    args.dataset_name = DatasetName::Sharegpt;
+    args.dataset_path = Some(data);
+    args.sharegpt_output_len = Some(5);
+    args.num_prompts = Some(4);
+    args.max_concurrency = Some(2);
+    args.api_key = Some("sekrit".into());
+    args.request_timeout = 0.5;
+    args.goodput = vec!["e2el:100000".into()];
+    args.disable_tqdm = true;
+    let out = run_benchmark(&args, &tok).await.unwrap();
+
+    let s = &out.summary;
+    assert_eq!((s.completed, s.failed), (1, 3), "{:?}", out.records);
+    assert_eq!(s.errors_by_kind, vec![(ErrorKind::Http5xx, 1), (ErrorKind::Timeout, 1), (ErrorKind::Truncated, 1)]);
+    let ok = out.records.iter().find(|r| r.success).unwrap();
+    assert_eq!(ok.generated_text, "Hello world");
+    assert_eq!(ok.output_tokens, 7);
+    assert_eq!(ok.itls_s.len(), 2);
+    let (ttft, e2el) = (ok.ttft_s.unwrap(), ok.e2el_s.unwrap());
+    assert!(ttft <= e2el);
+    assert!((ok.tpot_s.unwrap() - (e2el - ttft) / 6.0).abs() < 1e-12);
+    assert_eq!(s.request_goodput, Some(1.0 / s.duration_s));
+    assert_eq!(s.slo_attainment, Some(0.25));
+    assert_eq!(out.info.model_id, "fake-model", "the model comes from /v1/models");
+
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 4);
+    for (auth, body) in seen.iter() {
+        assert_eq!(auth, "bearer sekrit");
+        assert_eq!(body["model"], "fake-model");
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["max_tokens"], 5);
+        assert_eq!(body["ignore_eos"], true);
+        assert_eq!(body["temperature"], 0.0);
+    }
+}
+
+#[tokio::test]
+async fn connection_refused_is_a_connection_error() {
+    // Bind then drop: nothing listens on this port during the run.
+    let addr = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let mut args = ServeArgs::default();
+    args.base_url = Some(format!("http://{addr}"));
+    args.model = Some("m".into());
+    args.num_prompts = Some(2);
+    args.random_input_len = 8;
+    args.random_output_len = 2;
+    args.disable_tqdm = true;
+    let out = run_benchmark(&args, &tok).await.unwrap();
+    assert_eq!(out.summary.failed, 2);
+    assert_eq!(out.summary.errors_by_kind, vec![(ErrorKind::Connection, 2)]);
+}

@@ -1,0 +1,250 @@
+//! The simulator against hand-computed timelines, queueing laws and the goodput search.
+
+use cleave_bench::sim::profile::PROFILE_VERSION;
+use cleave_bench::sim::*;
+
+/// Prefill costs `prefill_per_token · n` (linear, so interpolation is exact); a decode step costs
+/// `decode_s` at batch 1, twice that at batch 64, linear between, whatever the context.
+fn profile(prefill_per_token: f64, decode_s: f64) -> Profile {
+    Profile {
+        version: PROFILE_VERSION,
+        model: "synthetic".into(),
+        date: String::new(),
+        threads: 1,
+        block_size: 16,
+        max_num_batched_tokens: 2048,
+        max_num_seqs: 64,
+        kv_bytes_per_token: 1000,
+        kv_capacity_tokens: 1 << 20,
+        prefill: [8usize, 64, 256, 1024, 4096]
+            .iter()
+            .map(|&n| PrefillPoint { tokens: n, cached_prefix: 0, seconds: prefill_per_token * n as f64 })
+            .collect(),
+        decode: [1usize, 64]
+            .iter()
+            .flat_map(|&b| {
+                [128usize, 8192].map(|c| DecodePoint { batch: b, context: c, seconds: decode_at(decode_s, b) })
+            })
+            .collect(),
+        mixed: vec![],
+    }
+}
+
+fn decode_at(decode_s: f64, batch: usize) -> f64 {
+    decode_s * (1.0 + (batch - 1) as f64 / 63.0)
+}
+
+const HANDOFF: HandoffCost = HandoffCost { bandwidth_bytes_per_s: 1e9, latency_s: 1e-3 };
+
+fn cost(prefill_per_token: f64, decode_s: f64) -> CostModel {
+    CostModel::from_profile(&profile(prefill_per_token, decode_s), HANDOFF).unwrap()
+}
+
+fn cluster(s: &str, cost: &CostModel) -> ClusterConfig {
+    ClusterConfig::new(s.parse().unwrap(), NodeLimits::from_cost(cost))
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn idle_1p1d_request_pays_prefill_plus_handoff_then_batch_one_steps() {
+    let c = cost(1e-4, 0.01);
+    let req = SimRequest { arrival_s: 2.0, input_len: 512, output_len: 11 };
+    let r = simulate(&cluster("1p1d", &c), &c, &[req]).unwrap()[0];
+    // Prefill 512 × 0.1 ms, then 1 ms + 512 tokens × 1000 B at 1 GB/s.
+    let ttft = 0.0512 + 0.001 + 0.000512;
+    assert!(close(r.ttft_s, ttft), "{}", r.ttft_s);
+    // Ten decode steps at batch 1.
+    assert!(close(r.tpot_s, 0.01), "{}", r.tpot_s);
+    assert!(close(r.e2el_s, ttft + 0.1), "{}", r.e2el_s);
+    assert_eq!((r.prefill_node, r.decode_node), (Some(0), 1));
+}
+
+#[test]
+fn colocated_prefill_stalls_the_running_decode_and_disaggregated_does_not() {
+    let c = cost(1e-4, 0.01);
+    // A: prefill 16 tokens (1.6 ms), then 100 decode steps of 10 ms. B arrives halfway through
+    // A's sixth decode step and is prefilled (1024 × 0.1 ms) in the seventh, beside A's decode.
+    let a = SimRequest { arrival_s: 0.0, input_len: 16, output_len: 101 };
+    let t6 = 0.0016 + 6.0 * 0.01;
+    let b = SimRequest { arrival_s: t6 - 0.005, input_len: 1024, output_len: 2 };
+    // Then one step at batch 2 (B's only decode), and A's remaining 92 at batch 1.
+    let d2 = decode_at(0.01, 2);
+    let co = simulate(&cluster("1c", &c), &c, &[a, b]).unwrap();
+    assert!(close(co[0].ttft_s, 0.0016));
+    assert!(close(co[0].tpot_s, (98.0 * 0.01 + 0.1024 + 0.01 + d2) / 100.0), "{}", co[0].tpot_s);
+    assert!(close(co[1].ttft_s, t6 + 0.1024 + 0.01 - b.arrival_s), "{}", co[1].ttft_s);
+    assert!(close(co[1].tpot_s, d2));
+    // Disaggregated: B's prefill runs elsewhere, A only shares one batch-2 step with B.
+    let dis = simulate(&cluster("1p1d", &c), &c, &[a, b]).unwrap();
+    assert!(close(dis[0].tpot_s, (99.0 * 0.01 + d2) / 100.0), "{}", dis[0].tpot_s);
+    // Conditional disaggregation with a threshold above B's prompt: B stays local, A stalls again.
+    let mut cond = cluster("1p1d", &c);
+    cond.local_prefill_below = 2048;
+    let local = simulate(&cond, &c, &[a, b]).unwrap();
+    assert_eq!(local[1].prefill_node, None);
+    assert!(close(local[0].tpot_s, co[0].tpot_s));
+}
+
+#[test]
+fn a_full_node_queues_and_prompts_chunk_across_steps() {
+    let c = cost(1e-4, 0.01);
+    let mut cfg = cluster("1c", &c);
+    cfg.limits.max_num_seqs = 1;
+    cfg.limits.max_num_batched_tokens = 1000;
+    let reqs = [
+        SimRequest { arrival_s: 0.0, input_len: 2500, output_len: 3 },
+        SimRequest { arrival_s: 0.0, input_len: 10, output_len: 2 },
+    ];
+    let r = simulate(&cfg, &c, &reqs).unwrap();
+    // 2500 tokens in chunks 1000, 1000, 500: 0.1 + 0.1 + 0.05 (no cached-prefix term fitted).
+    assert!(close(r[0].ttft_s, 0.25), "{}", r[0].ttft_s);
+    assert!(close(r[0].e2el_s, 0.27));
+    // The second waits for the only seat.
+    assert!(close(r[1].ttft_s, 0.27 + 0.001), "{}", r[1].ttft_s);
+}
+
+#[test]
+fn littles_law_holds_under_steady_load() {
+    let c = cost(2e-5, 0.008);
+    let w = WorkloadSpec { num_requests: 6000, input_len: (64, 512), output_len: (16, 64), burstiness: 1.0, seed: 7 };
+    let rate = 20.0;
+    let reqs = w.generate(rate).unwrap();
+    let recs = simulate(&cluster("2p2d", &c), &c, &reqs).unwrap();
+    // Window over the middle of the arrivals: time-average number in system against λ·W.
+    let (t0, t1) = (reqs[1000].arrival_s, reqs[5000].arrival_s);
+    let busy: f64 = recs.iter().map(|r| ((r.arrival_s + r.e2el_s).min(t1) - r.arrival_s.max(t0)).max(0.0)).sum();
+    let in_system = busy / (t1 - t0);
+    let inside: Vec<_> = recs.iter().filter(|r| r.arrival_s >= t0 && r.arrival_s < t1).collect();
+    let w_mean = inside.iter().map(|r| r.e2el_s).sum::<f64>() / inside.len() as f64;
+    let lambda = inside.len() as f64 / (t1 - t0);
+    assert!((lambda - rate).abs() / rate < 0.05, "arrival rate {lambda}");
+    let ratio = in_system / (lambda * w_mean);
+    assert!((ratio - 1.0).abs() < 0.05, "L {in_system} vs λW {}", lambda * w_mean);
+    // Sanity: nothing finishes before it starts.
+    assert!(recs.iter().all(|r| r.ttft_s > 0.0 && r.e2el_s >= r.ttft_s && r.tpot_s >= 0.0));
+}
+
+#[test]
+fn same_seed_same_records() {
+    let c = cost(5e-5, 0.01);
+    let w = WorkloadSpec { num_requests: 500, input_len: (16, 2048), output_len: (1, 64), burstiness: 0.5, seed: 3 };
+    let run = |w: &WorkloadSpec| simulate(&cluster("3p5d", &c), &c, &w.generate(30.0).unwrap()).unwrap();
+    assert_eq!(run(&w), run(&w));
+    assert_ne!(run(&w), run(&WorkloadSpec { seed: 4, ..w }));
+}
+
+#[test]
+fn hundred_nodes_ten_thousand_requests() {
+    let c = cost(2e-5, 0.01);
+    let w =
+        WorkloadSpec { num_requests: 10_000, input_len: (128, 2048), output_len: (16, 256), burstiness: 1.0, seed: 1 };
+    let reqs = w.generate(400.0).unwrap();
+    let start = std::time::Instant::now();
+    let recs = simulate(&cluster("30p70d", &c), &c, &reqs).unwrap();
+    assert_eq!(recs.len(), 10_000);
+    assert!(recs.iter().all(|r| r.e2el_s.is_finite() && r.e2el_s >= r.ttft_s));
+    // Every node did some work.
+    let mut used = [false; 100];
+    for r in &recs {
+        used[r.prefill_node.unwrap()] = true;
+        used[r.decode_node] = true;
+    }
+    assert!(used.iter().all(|&u| u));
+    assert!(start.elapsed().as_secs_f64() < 20.0, "took {:?}", start.elapsed());
+}
+
+fn spec(slo: Slo, input: (usize, usize), output: (usize, usize)) -> SearchSpec {
+    SearchSpec {
+        slo,
+        attainment: 0.9,
+        workload: WorkloadSpec { num_requests: 600, input_len: input, output_len: output, burstiness: 1.0, seed: 11 },
+        rel_tolerance: 0.01,
+        max_rate: 1e4,
+    }
+}
+
+#[test]
+fn goodput_search_brackets_the_attainment_target() {
+    let c = cost(5e-5, 0.01);
+    let s = spec(Slo { ttft_s: Some(0.2), tpot_s: Some(0.02), e2el_s: None }, (256, 1024), (32, 64));
+    let one = max_goodput(&cluster("1c", &c), &c, &s).unwrap();
+    assert!(one.max_rate > 0.0 && one.max_rate < s.max_rate);
+    let at = |cfg: &str, rate: f64| {
+        predict(&cluster(cfg, &c), &c, &s.workload.generate(rate).unwrap(), Some(&s.slo)).unwrap()
+    };
+    assert!(at("1c", one.max_rate).attainment >= 0.9);
+    assert!(at("1c", one.max_rate * 1.02).attainment < 0.9, "not the largest rate");
+    assert_eq!(one.at_max, at("1c", one.max_rate));
+    // More of the same node sustains more.
+    let two = max_goodput(&cluster("2c", &c), &c, &s).unwrap();
+    assert!(two.max_rate > 1.5 * one.max_rate, "{} vs {}", two.max_rate, one.max_rate);
+    // An SLO nobody meets even when idle gives 0.
+    let strict = spec(Slo { ttft_s: Some(1e-3), ..Slo::default() }, (256, 1024), (32, 64));
+    assert_eq!(max_goodput(&cluster("1c", &c), &c, &strict).unwrap().max_rate, 0.0);
+}
+
+#[test]
+fn recommends_disaggregation_when_prefill_is_expensive_and_tpot_tight() {
+    // 1024-token prompts cost 0.3 s; a decode step 10 ms; TPOT must stay under 15 ms.
+    let c = cost(3e-4, 0.01);
+    let s = spec(Slo { ttft_s: Some(2.0), tpot_s: Some(0.015), e2el_s: None }, (1024, 1024), (64, 64));
+    let space = search_space(4);
+    let ranked = recommend(&space, NodeLimits::from_cost(&c), 0, &c, &s).unwrap();
+    assert_eq!(ranked.len(), space.len());
+    assert!(matches!(ranked[0].topology, Topology::Disaggregated { .. }), "{:?}", ranked[0]);
+    assert!(ranked.windows(2).all(|w| w[0].per_node >= w[1].per_node));
+}
+
+#[test]
+fn recommends_colocation_when_prompts_are_tiny() {
+    let c = cost(1e-5, 0.01);
+    let s = spec(Slo { ttft_s: Some(0.5), tpot_s: Some(0.05), e2el_s: None }, (8, 16), (64, 64));
+    let ranked = recommend(&search_space(4), NodeLimits::from_cost(&c), 0, &c, &s).unwrap();
+    assert!(matches!(ranked[0].topology, Topology::Colocated { .. }), "{:?}", ranked[0]);
+}
+
+#[test]
+fn cli_predicts_and_searches_from_a_profile_file() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SimulateArgs,
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let prof = dir.path().join("p.json");
+    profile(5e-5, 0.01).save(&prof).unwrap();
+    let out = dir.path().join("r.json");
+    let p = prof.to_str().unwrap();
+    let o = out.to_str().unwrap();
+    let predict_args = ["x", "--profile", p, "--config", "1p1d,2c", "--rate", "5", "--num-requests", "200"];
+    let report = cli::run(&Cli::parse_from(predict_args).args).unwrap();
+    assert_eq!(report.predictions.len(), 2);
+    let search_args = [
+        "x",
+        "--profile",
+        p,
+        "--max-nodes",
+        "2",
+        "--goodput",
+        "ttft:500",
+        "tpot:30",
+        "--num-requests",
+        "300",
+        "--input-len",
+        "64..512",
+        "--output",
+        o,
+    ];
+    let report = cli::run(&Cli::parse_from(search_args).args).unwrap();
+    assert_eq!(report.goodput.len(), 3); // 1c, 2c, 1p1d
+    assert!(report.recommended.is_some());
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(json["recommended"].as_str(), report.recommended.as_deref());
+    // Bad input is an error, not a panic.
+    assert!(cli::run(&Cli::parse_from(["x", "--profile", p, "--config", "0p1d", "--rate", "1"]).args).is_err());
+    assert!(cli::run(&Cli::parse_from(["x", "--profile", p, "--config", "1c"]).args).is_err());
+}
