@@ -83,26 +83,34 @@ impl Ord for Timed {
     }
 }
 
-/// Nodes of one role, ordered by load. Invariant: `set` holds `(load[i], i)` for every node.
+/// Nodes of one role, ordered by load, then by least recent assignment (round robin among
+/// equals). Invariant: `set` holds `(load[i], stamp[i], i)` for every node.
 struct Pool {
     first: usize,
     load: Vec<u64>,
-    set: BTreeSet<(u64, usize)>,
+    stamp: Vec<u64>,
+    clock: u64,
+    set: BTreeSet<(u64, u64, usize)>,
 }
 
 impl Pool {
     fn new(first: usize, n: usize) -> Self {
-        Self { first, load: vec![0; n], set: (0..n).map(|i| (0, i)).collect() }
+        Self { first, load: vec![0; n], stamp: vec![0; n], clock: 0, set: (0..n).map(|i| (0, 0, i)).collect() }
     }
-    /// The least-loaded node's global id (ties: lowest id).
+    /// The least-loaded node's global id.
     fn pick(&self) -> usize {
-        self.first + self.set.first().map_or(0, |&(_, i)| i)
+        self.first + self.set.first().map_or(0, |&(_, _, i)| i)
     }
-    fn adjust(&mut self, node: usize, delta: i64) {
+    /// Adds `delta` to a node's load; `assigned` marks it as the most recently chosen.
+    fn adjust(&mut self, node: usize, delta: i64, assigned: bool) {
         let i = node - self.first;
-        self.set.remove(&(self.load[i], i));
+        self.set.remove(&(self.load[i], self.stamp[i], i));
         self.load[i] = self.load[i].saturating_add_signed(delta);
-        self.set.insert((self.load[i], i));
+        if assigned {
+            self.clock += 1;
+            self.stamp[i] = self.clock;
+        }
+        self.set.insert((self.load[i], self.stamp[i], i));
     }
 }
 
@@ -218,7 +226,7 @@ impl Sim<'_> {
         match self.prefill_pool.as_mut() {
             Some(pool) if !local => {
                 let node = pool.pick();
-                pool.adjust(node, len as i64);
+                pool.adjust(node, len as i64, true);
                 self.state[r].prefill_node = Some(node);
                 self.nodes[node].waiting.push_back(r);
                 self.try_start(node, t);
@@ -233,7 +241,7 @@ impl Sim<'_> {
 
     fn assign_decode(&mut self, r: usize) -> usize {
         let node = self.decode_pool.pick();
-        self.decode_pool.adjust(node, 1);
+        self.decode_pool.adjust(node, 1, true);
         self.state[r].decode_node = node;
         node
     }
@@ -341,7 +349,7 @@ impl Sim<'_> {
         for &(r, k) in &chunks {
             self.state[r].prefilled += k;
             if let Some(pool) = self.prefill_pool.as_mut() {
-                pool.adjust(n, -(k as i64));
+                pool.adjust(n, -(k as i64), false);
             }
             if self.state[r].prefilled == self.reqs[r].input_len {
                 // Completed chunks are always a prefix of the FIFO queue.
@@ -402,7 +410,7 @@ impl Sim<'_> {
         let state = &self.state;
         node.running.retain(|&r| state[r].generated < reqs[r].output_len);
         for _ in &finished {
-            self.decode_pool.adjust(n, -1);
+            self.decode_pool.adjust(n, -1, false);
         }
     }
 
