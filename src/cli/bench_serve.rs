@@ -20,7 +20,7 @@ pub fn run(args: cleave_bench::serve::ServeArgs) -> anyhow::Result<()> {
 }
 
 /// A tokenizer from an HF folder, a .gguf file, or a hub id (resolved through the HF cache).
-fn load_tokenizer(arg: &Path) -> anyhow::Result<Tokenizer> {
+pub(super) fn load_tokenizer(arg: &Path) -> anyhow::Result<Tokenizer> {
     let path: PathBuf = resolve_model(arg).with_context(|| format!("tokenizer {}", arg.display()))?;
     if path.is_file() {
         let files = ModelFiles::open(&path).with_context(|| format!("opening {}", path.display()))?;

@@ -1,5 +1,21 @@
 //! `cleave bench sweep`: `bench serve` over rates for several `cleave up` configurations.
 
-pub fn run(_args: cleave_bench::sweep::SweepArgs) -> anyhow::Result<()> {
-    anyhow::bail!("cleave bench sweep: not built yet")
+use std::path::Path;
+
+use anyhow::Context;
+
+pub fn run(args: cleave_bench::sweep::SweepArgs) -> anyhow::Result<()> {
+    let source = args
+        .serve
+        .tokenizer
+        .clone()
+        .or_else(|| args.serve.model.clone())
+        .context("cleave bench sweep needs --model (what every `cleave up` serves)")?;
+    let tokenizer = super::bench_serve::load_tokenizer(Path::new(&source))?;
+    let bin = match &args.cleave_bin {
+        Some(b) => b.clone(),
+        None => std::env::current_exe().context("locating the cleave binary")?,
+    };
+    cleave_bench::sweep::run(args, tokenizer, bin)?;
+    Ok(())
 }
