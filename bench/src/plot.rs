@@ -166,7 +166,10 @@ fn draw_lines<DB: DrawingBackend>(
             .map_err(|e| e.to_string())?
             .label(s.label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(|e| e.to_string())?;
+        // Markers only where they say which points were measured (sweeps), not on dense CDFs.
+        if s.points.len() <= 30 {
+            chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(|e| e.to_string())?;
+        }
     }
     if let Some((y, label)) = hline {
         let style = BLACK.mix(0.6).stroke_width(1);
