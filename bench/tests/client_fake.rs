@@ -172,3 +172,59 @@ async fn connection_refused_is_a_connection_error() {
     assert_eq!(out.summary.failed, 2);
     assert_eq!(out.summary.errors_by_kind, vec![(ErrorKind::Connection, 2)]);
 }
+
+/// A server that holds each request until two are in flight or all `total` have arrived (or 2 s
+/// pass), recording the most it ever saw at once.
+async fn gated_server(total: usize) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let inflight = Arc::new(tokio::sync::watch::channel((0usize, 0usize)).0);
+    let max = Arc::new(AtomicUsize::new(0));
+    let max2 = max.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (inflight, max) = (inflight.clone(), max2.clone());
+            tokio::spawn(async move {
+                if read_request(&mut s).await.is_none() {
+                    return;
+                }
+                inflight.send_modify(|(n, seen)| {
+                    *n += 1;
+                    *seen += 1;
+                });
+                max.fetch_max(inflight.borrow().0, Ordering::SeqCst);
+                let mut rx = inflight.subscribe();
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(2),
+                    rx.wait_for(|(n, seen)| *n >= 2 || *seen == total),
+                )
+                .await;
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                let body = format!("{head}{}data: [DONE]\n\n", chunk("x", Some("length")));
+                inflight.send_modify(|(n, _)| *n -= 1);
+                let _ = s.write_all(body.as_bytes()).await;
+            });
+        }
+    });
+    (addr, max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrency_caps_requests_in_flight() {
+    let (addr, max) = gated_server(6).await;
+    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let mut args = ServeArgs::default();
+    args.base_url = Some(format!("http://{addr}"));
+    args.model = Some("m".into());
+    args.num_prompts = Some(6);
+    args.max_concurrency = Some(2);
+    args.random_input_len = 8;
+    args.random_output_len = 1;
+    args.disable_tqdm = true;
+    let out = run_benchmark(&args, &tok).await.unwrap();
+    assert_eq!(out.summary.completed, 6, "{:?}", out.records);
+    // All six arrive at offset 0 (rate inf): only the cap keeps the server at two.
+    assert_eq!(max.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(out.records.iter().all(|r| r.tpot_s.is_none() && r.output_tokens == 1));
+}
