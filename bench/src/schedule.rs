@@ -80,7 +80,7 @@ fn invalid(msg: String) -> BenchError {
 impl Arrivals {
     /// Validates rates and shapes: rates > 0 (the base rate may be infinite), burstiness > 0.
     fn check(&self) -> Result<()> {
-        if !(self.rate > 0.0) {
+        if self.rate.is_nan() || self.rate <= 0.0 {
             return Err(invalid(format!("--request-rate must be > 0, got {}", self.rate)));
         }
         if !(self.burstiness > 0.0 && self.burstiness.is_finite()) {

@@ -104,3 +104,18 @@ fn mooncake_equal_hash_prefixes_give_equal_text_prefixes() {
     }
     assert_eq!(a, dataset::load(&spec, None, 99, &tok).unwrap(), "trace prompts depend on hash ids only");
 }
+
+#[test]
+fn random_prompts_are_adjusted_to_the_exact_target() {
+    let tok = tok();
+    for input_len in [1usize, 7, 64, 300] {
+        let spec = RandomSpec { input_len, output_len: 1, range_ratio: 0.0, prefix_len: 5 };
+        let a = dataset::random(&spec, 20, 11, &tok).unwrap();
+        let exact = a.iter().filter(|r| r.prompt_len == input_len + 5).count();
+        assert!(
+            exact >= 18,
+            "input_len {input_len}: {exact}/20 exact: {:?}",
+            a.iter().map(|r| r.prompt_len).collect::<Vec<_>>()
+        );
+    }
+}
