@@ -248,3 +248,15 @@ fn cli_predicts_and_searches_from_a_profile_file() {
     assert!(cli::run(&Cli::parse_from(["x", "--profile", p, "--config", "0p1d", "--rate", "1"]).args).is_err());
     assert!(cli::run(&Cli::parse_from(["x", "--profile", p, "--config", "1c"]).args).is_err());
 }
+
+#[test]
+fn compare_replays_a_measured_run() {
+    let c = cost(1e-4, 0.01);
+    let cfg = cluster("1p1d", &c);
+    let reqs = [SimRequest { arrival_s: 0.5, input_len: 512, output_len: 11 }];
+    // A "measured" run identical to the prediction compares equal.
+    let measured = simulate(&cfg, &c, &reqs).unwrap();
+    let cmp = compare(&cfg, &c, &measured, None).unwrap();
+    assert_eq!(cmp.predicted, cmp.measured);
+    assert!(close(cmp.predicted.tpot.mean, 0.01));
+}

@@ -48,7 +48,8 @@ pub struct SimRecord {
     pub e2el_s: f64,
     /// The prefill node (None: prefilled where it decoded).
     pub prefill_node: Option<usize>,
-    /// The decode or colocated node. Nodes are numbered prefill first, then decode.
+    /// The decode or colocated node (the prefill node for a one-token output, which never
+    /// reaches a decode node). Nodes are numbered prefill first, then decode.
     pub decode_node: usize,
 }
 

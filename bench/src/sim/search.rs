@@ -289,3 +289,21 @@ pub fn recommend(
     out.sort_by(|a, b| b.per_node.total_cmp(&a.per_node).then(a.nodes.cmp(&b.nodes)));
     Ok(out)
 }
+
+/// Predicted beside measured for one real run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    pub predicted: PredictSummary,
+    pub measured: PredictSummary,
+}
+
+/// Replays a measured run's requests (their arrival times and lengths) through the simulator and
+/// summarizes both sides against the same SLO. `measured` holds the real run's per-request
+/// latencies in [`SimRecord`] form (node fields are ignored).
+pub fn compare(cfg: &ClusterConfig, cost: &CostModel, measured: &[SimRecord], slo: Option<&Slo>) -> Result<Comparison> {
+    let requests: Vec<SimRequest> = measured
+        .iter()
+        .map(|r| SimRequest { arrival_s: r.arrival_s, input_len: r.input_len, output_len: r.output_len })
+        .collect();
+    Ok(Comparison { predicted: predict(cfg, cost, &requests, slo)?, measured: summarize(measured, slo) })
+}
