@@ -4,6 +4,8 @@ use cleave_bench::sim::profile::PROFILE_VERSION;
 use cleave_bench::sim::*;
 use proptest::prelude::*;
 
+/// Prefill linear through the origin (so chunking a prompt costs what the whole does, and an
+/// idle node's prefill time is a true lower bound on TTFT); decode rises with batch and context.
 fn cost() -> CostModel {
     let profile = Profile {
         version: PROFILE_VERSION,
@@ -15,7 +17,7 @@ fn cost() -> CostModel {
         max_num_seqs: 8,
         kv_bytes_per_token: 100,
         kv_capacity_tokens: 4096,
-        prefill: [(16, 0.002), (128, 0.01), (1024, 0.1)]
+        prefill: [(16, 0.0016), (128, 0.0128), (1024, 0.1024)]
             .iter()
             .map(|&(n, t)| PrefillPoint { tokens: n, cached_prefix: 0, seconds: t })
             .collect(),

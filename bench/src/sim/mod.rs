@@ -25,6 +25,7 @@ pub use cost::{CostModel, HandoffCost};
 pub use engine::{simulate, SimRecord};
 pub use profile::{DecodePoint, MixedPoint, PrefillPoint, Profile};
 pub use search::{
-    max_goodput, predict, recommend, search_space, summarize, Dist, Goodput, PredictSummary, SearchSpec, Slo,
+    compare, max_goodput, predict, recommend, search_space, summarize, Comparison, Dist, Goodput, PredictSummary,
+    SearchSpec, Slo,
 };
 pub use workload::{SimRequest, WorkloadSpec};
