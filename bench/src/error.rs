@@ -24,6 +24,8 @@ pub enum BenchError {
     Server(String),
     #[error("profile: {0}")]
     Profile(String),
+    #[error("a request task of the benchmark panicked or was cancelled: {0}")]
+    Task(String),
 }
 
 pub type Result<T> = std::result::Result<T, BenchError>;

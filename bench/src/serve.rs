@@ -30,7 +30,8 @@ pub enum DatasetName {
     Mooncake,
 }
 
-/// `cleave bench serve` flags.
+/// `cleave bench serve` flags. Prompt lengths are counted as a completions prompt; on the chat
+/// endpoint the server's chat template adds its own tokens on top.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Server base URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT).
@@ -308,6 +309,15 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
     let mut tasks = Vec::with_capacity(sched.len());
     for (k, a) in sched.iter().enumerate() {
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(a.offset_s)).into()).await;
+        // The permit is taken here, in schedule order: a request waiting for a slot could not
+        // be sent earlier anyway, and the order stays the schedule's.
+        let permit = match &limit {
+            Some(s) => Some(s.clone().acquire_owned().await.map_err(|e| BenchError::Task(e.to_string()))?),
+            None => None,
+        };
+        if stop_after.is_some_and(|d| t0.elapsed() >= d) {
+            break; // closed loop with --duration: no new sends after the end.
+        }
         let d = &data[a.index];
         let spec = RequestSpec {
             prompt: d.prompt.clone(),
@@ -315,28 +325,17 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
             output_len: d.output_len,
             ..template.clone()
         };
-        let (http, limit, bar, offset) = (http.clone(), limit.clone(), bar.clone(), a.offset_s);
+        let (http, bar, offset) = (http.clone(), bar.clone(), a.offset_s);
         tasks.push(tokio::spawn(async move {
-            // The permit is taken inside the task so a full cap never delays later arrivals.
-            let _permit = match &limit {
-                Some(s) => Some(s.clone().acquire_owned().await.ok()?),
-                None => None,
-            };
-            if stop_after.is_some_and(|d| t0.elapsed() >= d) {
-                return None; // closed loop with --duration: no new sends after the end.
-            }
             let rec = client::send(&http, &spec, k, t0, offset).await;
+            drop(permit);
             bar.inc(1);
-            Some(rec)
+            rec
         }));
     }
     let mut records = Vec::with_capacity(tasks.len());
     for t in tasks {
-        match t.await {
-            Ok(Some(r)) => records.push(r),
-            Ok(None) => {}
-            Err(e) => return Err(BenchError::InvalidArg(format!("a request task failed: {e}"))),
-        }
+        records.push(t.await.map_err(|e| BenchError::Task(e.to_string()))?);
     }
     let duration_s = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();

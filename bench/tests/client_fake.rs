@@ -173,7 +173,7 @@ async fn connection_refused_is_a_connection_error() {
     assert_eq!(out.summary.errors_by_kind, vec![(ErrorKind::Connection, 2)]);
 }
 
-/// A server that holds each request until two are in flight or all `total` have arrived (or 2 s
+/// A server that holds each request until two are in flight or `total` have arrived (or 2 s
 /// pass), recording the most it ever saw at once.
 async fn gated_server(total: usize) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -197,7 +197,7 @@ async fn gated_server(total: usize) -> (std::net::SocketAddr, Arc<std::sync::ato
                 let mut rx = inflight.subscribe();
                 let _ = tokio::time::timeout(
                     std::time::Duration::from_secs(2),
-                    rx.wait_for(|(n, seen)| *n >= 2 || *seen == total),
+                    rx.wait_for(|(n, seen)| *n >= 2 || *seen >= total),
                 )
                 .await;
                 let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
@@ -227,4 +227,78 @@ async fn max_concurrency_caps_requests_in_flight() {
     // All six arrive at offset 0 (rate inf): only the cap keeps the server at two.
     assert_eq!(max.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(out.records.iter().all(|r| r.tpot_s.is_none() && r.output_tokens == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_endpoint_sends_one_user_message_and_reads_deltas() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Seen = Arc::default();
+    let seen2 = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = seen2.clone();
+            tokio::spawn(async move {
+                let Some((line, _, body)) = read_request(&mut s).await else { return };
+                seen.lock().unwrap().push((line, serde_json::from_slice(&body).unwrap_or_default()));
+                let mut out =
+                    String::from("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n");
+                for d in [r#"{"role":"assistant"}"#, r#"{"content":"Hi"}"#, r#"{"content":" there"}"#] {
+                    out.push_str(&format!(
+                        "data: {{\"choices\":[{{\"index\":0,\"delta\":{d},\"finish_reason\":null}}]}}\n\n"
+                    ));
+                }
+                out.push_str(
+                    "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n",
+                );
+                let _ = s.write_all(out.as_bytes()).await;
+            });
+        }
+    });
+    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let mut args = ServeArgs::default();
+    args.base_url = Some(format!("http://{addr}"));
+    args.endpoint = "/v1/chat/completions".into();
+    args.model = Some("m".into());
+    args.num_prompts = Some(1);
+    args.random_input_len = 8;
+    args.random_output_len = 2;
+    args.no_ignore_eos = true;
+    args.disable_tqdm = true;
+    let out = run_benchmark(&args, &tok).await.unwrap();
+    let r = &out.records[0];
+    assert!(r.success, "{r:?}");
+    // No usage chunk: the two content deltas are the tokens (the role-only delta is not).
+    assert_eq!((r.output_tokens, r.generated_text.as_str(), r.itls_s.len()), (2, "Hi there", 1));
+    let seen = seen.lock().unwrap();
+    let (line, body) = &seen[0];
+    assert!(line.starts_with("post /v1/chat/completions"), "{line}");
+    assert_eq!(body["messages"].as_array().unwrap().len(), 1);
+    assert_eq!(body["messages"][0]["role"], "user");
+    assert!(body["messages"][0]["content"].as_str().unwrap().len() > 4);
+    assert!(body.get("prompt").is_none());
+    assert_eq!(body["ignore_eos"], false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_loop_with_duration_stops_sending_at_the_end() {
+    let (addr, _) = gated_server(1).await;
+    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let mut args = ServeArgs::default();
+    args.base_url = Some(format!("http://{addr}"));
+    args.model = Some("m".into());
+    args.max_concurrency = Some(1);
+    args.duration = Some(0.3);
+    args.num_prompts = Some(5_000);
+    args.random_input_len = 4;
+    args.random_output_len = 1;
+    args.disable_tqdm = true;
+    let out = run_benchmark(&args, &tok).await.unwrap();
+    let n = out.records.len();
+    assert!(n >= 1 && n < 5_000, "{n} requests");
+    assert!(out.records.iter().all(|r| r.start_s < 0.3 && r.success));
+    // Sequential: each request starts after the previous one ended.
+    for w in out.records.windows(2) {
+        assert!(w[1].start_s >= w[0].start_s + w[0].e2el_s.unwrap() - 1e-9);
+    }
 }
