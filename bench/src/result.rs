@@ -23,6 +23,9 @@ pub struct RunInfo {
     pub request_rate: Value,
     pub burstiness: f64,
     pub max_concurrency: Option<usize>,
+    pub ramp_up_strategy: Option<crate::schedule::RampStrategy>,
+    pub ramp_up_start_rps: Option<f64>,
+    pub ramp_up_end_rps: Option<f64>,
     pub seed: u64,
     pub slo: Slo,
 }
@@ -177,6 +180,9 @@ mod tests {
             request_rate: "inf".into(),
             burstiness: 1.0,
             max_concurrency: None,
+            ramp_up_strategy: None,
+            ramp_up_start_rps: None,
+            ramp_up_end_rps: None,
             seed: 0,
             slo,
         };

@@ -72,8 +72,9 @@ pub struct ServeArgs {
     /// Number of requests (default 1000; a trace's line count for mooncake).
     #[arg(long)]
     pub num_prompts: Option<usize>,
-    /// Generate arrivals until this many seconds instead of a fixed count (--num-prompts, if
-    /// given, still caps the count).
+    /// Generate arrivals until this many seconds instead of a fixed count. --num-prompts, if
+    /// given, still caps the count; in a closed loop (no --request-rate) it is the cap, 1000 by
+    /// default, and no request starts after the duration.
     #[arg(long)]
     pub duration: Option<f64>,
     #[arg(long, default_value_t = 1024)]
@@ -349,6 +350,9 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
         request_rate: if args.request_rate.is_finite() { args.request_rate.into() } else { "inf".into() },
         burstiness: args.burstiness,
         max_concurrency: args.max_concurrency,
+        ramp_up_strategy: args.ramp_up_strategy,
+        ramp_up_start_rps: args.ramp_up_start_rps,
+        ramp_up_end_rps: args.ramp_up_end_rps,
         seed: args.seed,
         slo,
     };
