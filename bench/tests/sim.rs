@@ -260,3 +260,12 @@ fn compare_replays_a_measured_run() {
     assert_eq!(cmp.predicted, cmp.measured);
     assert!(close(cmp.predicted.tpot.mean, 0.01));
 }
+
+#[test]
+fn simultaneous_arrivals_share_one_step() {
+    let c = cost(1e-4, 0.01);
+    let reqs = [SimRequest { arrival_s: 1.0, input_len: 100, output_len: 1 }; 3];
+    let r = simulate(&cluster("1c", &c), &c, &reqs).unwrap();
+    // One step prefills all three (300 tokens) and emits their only tokens.
+    assert!(r.iter().all(|x| close(x.ttft_s, 0.03) && close(x.e2el_s, 0.03)), "{r:?}");
+}

@@ -14,7 +14,8 @@
 //!   rest of the token budget with prefill chunks (vLLM's chunked prefill). The step costs
 //!   [`CostModel::mixed_step_time`]. At its end every decode emits a token, and a prompt whose
 //!   last chunk ran emits its first token (TTFT on a colocated node: no handoff) and decodes from
-//!   the next step on. Requests that arrive mid-step wait for the step's end.
+//!   the next step on. Requests that arrive mid-step wait for the step's end; requests that
+//!   arrive at the same instant on an idle node share its next step.
 //! - Conditional disaggregation: a prompt shorter than `local_prefill_below` goes straight to a
 //!   decode node and is prefilled there as above.
 //! - TPOT = (finish − first token) / (output_len − 1), 0 for one-token outputs.
@@ -58,6 +59,8 @@ enum Event {
     Arrival(usize),
     StepDone(usize),
     HandoffDone(usize),
+    /// Start a step on an idle node, after everything else due at the same instant.
+    Kick(usize),
 }
 
 struct Timed {
@@ -120,6 +123,8 @@ struct Node {
     /// Prefill-only node (hands off) or decode/colocated (keeps decoding).
     prefill_only: bool,
     busy: bool,
+    /// A `Kick` is queued.
+    kicked: bool,
     /// Not yet admitted (FIFO).
     waiting: VecDeque<usize>,
     /// Admitted with its KV landed, joins `running` at the next step's start.
@@ -208,7 +213,11 @@ pub fn simulate(cfg: &ClusterConfig, cost: &CostModel, requests: &[SimRequest]) 
                 let node = sim.state[r].decode_node;
                 sim.nodes[node].waiting.push_back(r);
                 sim.admit(node, t);
-                sim.try_start(node, t);
+                sim.kick(node, t);
+            }
+            Event::Kick(n) => {
+                sim.nodes[n].kicked = false;
+                sim.try_start(n, t);
             }
         }
     }
@@ -230,12 +239,12 @@ impl Sim<'_> {
                 pool.adjust(node, len as i64, true);
                 self.state[r].prefill_node = Some(node);
                 self.nodes[node].waiting.push_back(r);
-                self.try_start(node, t);
+                self.kick(node, t);
             }
             _ => {
                 let node = self.assign_decode(r);
                 self.nodes[node].waiting.push_back(r);
-                self.try_start(node, t);
+                self.kick(node, t);
             }
         }
     }
@@ -245,6 +254,15 @@ impl Sim<'_> {
         self.decode_pool.adjust(node, 1, true);
         self.state[r].decode_node = node;
         node
+    }
+
+    /// Schedules a step start on an idle node once every event due now has run, so that requests
+    /// arriving at the same instant share the step.
+    fn kick(&mut self, n: usize, now: f64) {
+        if !self.nodes[n].busy && !self.nodes[n].kicked {
+            self.nodes[n].kicked = true;
+            self.push(now, Event::Kick(n));
+        }
     }
 
     fn try_start(&mut self, n: usize, now: f64) {
