@@ -233,6 +233,9 @@ async fn registry_actor(
                             Ok(id) => tracing::info!(node_id = id, %name, role = role.as_str(), "node registered"),
                             Err(e) => tracing::error!(%name, reason = %e, "node refused"),
                         }
+                        // Ready before the node hears it is registered: a node that prints READY
+                        // (and `cleave up`, which then prints the URL) is routable at once.
+                        publish_pools(&reg, &ready);
                         let _ = reply.send(res);
                     }
                     Cmd::Report(id, load) => {
@@ -242,6 +245,7 @@ async fn registry_actor(
                         if let Some(n) = reg.remove(id) {
                             tracing::warn!(node_id = id, name = %n.name, "node left (control stream ended); removed from routing");
                             let _ = deaths.send(id);
+                            publish_pools(&reg, &ready);
                         }
                     }
                     Cmd::Plan(q, reply) => {
@@ -261,21 +265,23 @@ async fn registry_actor(
                     tracing::warn!(node_id = n.id, name = %n.name, "node stopped reporting; marked dead");
                     let _ = deaths.send(n.id);
                 }
-                let pools = reg.pools();
-                record_pools(&pools);
-                let now_ready = if pools.decode.nodes + pools.colocated.nodes > 0 {
-                    Ok(())
-                } else {
-                    Err("no live decode node".to_string())
-                };
-                ready.send_if_modified(|r| {
-                    let changed = *r != now_ready;
-                    *r = now_ready;
-                    changed
-                });
+                publish_pools(&reg, &ready);
             }
         }
     }
+}
+
+/// Records the pool gauges and publishes readiness (ready while any node can decode).
+fn publish_pools(reg: &Registry, ready: &watch::Sender<crate::server::Readiness>) {
+    let pools = reg.pools();
+    record_pools(&pools);
+    let now_ready =
+        if pools.decode.nodes + pools.colocated.nodes > 0 { Ok(()) } else { Err("no live decode node".to_string()) };
+    ready.send_if_modified(|r| {
+        let changed = *r != now_ready;
+        *r = now_ready;
+        changed
+    });
 }
 
 fn record_pools(s: &PoolSummary) {
