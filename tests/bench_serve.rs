@@ -108,7 +108,17 @@ fn bench_serve_against_a_real_cluster() {
     let open = ["--num-prompts", "4", "--request-rate", "20", "--goodput", "ttft:1000", "tpot:200"];
     let a = bench(&url, &model, &r("a.json"), &[&common[..], &open, &["--seed", "3"]].concat());
     let b = bench(&url, &model, &r("b.json"), &[&common[..], &open, &["--seed", "3"]].concat());
-    let c = bench(&url, &model, &r("c.json"), &[&common[..], &open, &["--seed", "4"]].concat());
+    let plot = r("cdf");
+    let c = bench(
+        &url,
+        &model,
+        &r("c.json"),
+        &[&common[..], &open, &["--seed", "4", "--plot", plot.to_str().unwrap()]].concat(),
+    );
+    for ext in ["png", "svg"] {
+        let f = plot.with_extension(ext);
+        assert!(std::fs::metadata(&f).map(|m| m.len() > 1000).unwrap_or(false), "{} was not plotted", f.display());
+    }
     assert_eq!(a["scheduled_offsets"], b["scheduled_offsets"]);
     assert_eq!(a["input_lens"], b["input_lens"]);
     assert_ne!(a["scheduled_offsets"], c["scheduled_offsets"]);

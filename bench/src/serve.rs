@@ -143,6 +143,10 @@ pub struct ServeArgs {
     /// Write the result JSON here (implies --save-result).
     #[arg(long)]
     pub result_file: Option<PathBuf>,
+    /// Plot the latency CDFs (TTFT, TPOT, ITL, E2EL, with the --goodput SLOs marked) to
+    /// STEM.png and STEM.svg.
+    #[arg(long, value_name = "STEM")]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Parser)]
@@ -389,7 +393,34 @@ pub fn run(args: ServeArgs, tokenizer: Tokenizer) -> Result<BenchOutcome> {
         result::save(&path, &json)?;
         eprintln!("result written to {}", path.display());
     }
+    if let Some(stem) = &args.plot {
+        let files = plot_cdfs(stem, &outcome.info.model_id, &outcome)?;
+        eprintln!("plots written to {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+    }
     Ok(outcome)
+}
+
+/// The run's latency CDFs, one panel per metric, SLOs marked.
+pub fn plot_cdfs(stem: &std::path::Path, label: &str, o: &BenchOutcome) -> Result<Vec<PathBuf>> {
+    let ok: Vec<&RequestRecord> = o.records.iter().filter(|r| r.success).collect();
+    let ms = |v: Vec<f64>| v.into_iter().map(|s| s * 1e3).collect::<Vec<f64>>();
+    let panel = |metric: &str, v: Vec<f64>| crate::plot::CdfPanel {
+        metric: metric.into(),
+        runs: vec![(label.to_string(), ms(v))],
+    };
+    let panels = vec![
+        panel("TTFT", ok.iter().filter_map(|r| r.ttft_s).collect()),
+        panel("TPOT", ok.iter().filter_map(|r| r.tpot_s).collect()),
+        panel("ITL", ok.iter().flat_map(|r| r.itls_s.iter().copied()).collect()),
+        panel("E2EL", ok.iter().filter_map(|r| r.e2el_s).collect()),
+    ];
+    let slos: Vec<(String, f64)> =
+        [("TTFT", o.info.slo.ttft_ms), ("TPOT", o.info.slo.tpot_ms), ("E2EL", o.info.slo.e2el_ms)]
+            .into_iter()
+            .filter_map(|(m, v)| v.map(|v| (m.to_string(), v)))
+            .collect();
+    let title = format!("Latency CDFs, {} requests", ok.len());
+    crate::plot::latency_cdfs(stem, &title, &panels, &slos)
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC (vLLM's result date format).
