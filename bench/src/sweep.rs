@@ -21,10 +21,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::error::{BenchError, Result};
-use crate::metrics::Slo;
+use crate::metrics::{self, RequestRecord, Slo};
 use crate::plot::{self, CdfPanel, Series};
 use crate::result;
-use crate::serve::{self, BenchOutcome, ServeArgs};
+use crate::serve::{self, ServeArgs};
 
 /// `cleave bench sweep` flags. The `serve` flags (dataset, SLOs via `--goodput`, seed, ...) apply to
 /// every point; `--model` is also what each `cleave up` serves.
@@ -67,6 +67,10 @@ pub struct SweepArgs {
     /// Folder for sweep.json, each point's result file and the plots.
     #[arg(long, default_value = "sweep-results")]
     pub output_dir: PathBuf,
+    /// Measure nothing: re-read the sweep in this folder (its sweep.json and result files) and
+    /// report it under the --goodput SLOs and --attainment given now, into --output-dir.
+    #[arg(long, value_name = "DIR")]
+    pub reanalyze: Option<PathBuf>,
     /// The `cleave` binary to start (default: this one).
     #[arg(long)]
     pub cleave_bin: Option<PathBuf>,
@@ -188,8 +192,7 @@ impl UpServer {
     }
 }
 
-fn point_of(config: &str, rate: f64, o: &BenchOutcome, result_file: PathBuf) -> SweepPoint {
-    let s = &o.summary;
+fn point_of(config: &str, rate: f64, s: &metrics::Summary, result_file: PathBuf) -> SweepPoint {
     let pct = |l: &crate::metrics::LatencyStats, p: f64| {
         l.percentiles_ms.iter().find(|(q, _)| (*q - p).abs() < 1e-9).map_or(f64::NAN, |x| x.1)
     };
@@ -271,7 +274,7 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
     if slo.is_empty() {
         return Err(BenchError::InvalidArg("a sweep needs SLOs: --goodput ttft:MS tpot:MS [e2el:MS]".into()));
     }
-    if args.request_rates.is_empty() && !args.search {
+    if args.request_rates.is_empty() && !args.search && args.reanalyze.is_none() {
         return Err(BenchError::InvalidArg("give --request-rates R1,R2,... or --search".into()));
     }
     if let Some(r) = args.request_rates.iter().find(|r| !(r.is_finite() && **r > 0.0)) {
@@ -282,6 +285,9 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
     }
     if args.search && !(args.search_min_rate > 0.0 && args.search_min_rate < args.search_max_rate) {
         return Err(BenchError::InvalidArg("--search needs 0 < --search-min-rate < --search-max-rate".into()));
+    }
+    if let Some(dir) = &args.reanalyze {
+        return reanalyze(args, dir, slo);
     }
     let model = args
         .serve
@@ -296,7 +302,7 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
     let ready = Duration::from_secs(args.ready_timeout);
 
     let mut points = Vec::new();
-    let mut outcomes: Vec<(String, f64, BenchOutcome)> = Vec::new();
+    let mut outcomes: Vec<(String, f64, Vec<RequestRecord>)> = Vec::new();
     for cfg in &configs {
         let flags: Vec<String> = args.up_args.iter().chain(&cfg.flags).cloned().collect();
         let mut server: Option<UpServer> = None;
@@ -319,7 +325,7 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
             let outcome = serve::run_benchmark(&serve, tokenizer).await?;
             let file = args.output_dir.join(format!("{}-rate{}.json", cfg.name, rate_tag(rate)));
             result::save(&file, &result::result_json(&outcome.info, &outcome.summary, &outcome.records)?)?;
-            let point = point_of(&cfg.name, rate, &outcome, file);
+            let point = point_of(&cfg.name, rate, &outcome.summary, file);
             eprintln!(
                 "sweep: {} at {} req/s: attainment {:.3}, goodput {:.3} req/s, median TTFT {:.0} ms, median TPOT {:.1} ms",
                 cfg.name,
@@ -331,7 +337,7 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
             );
             measured.push((rate, point.slo_attainment));
             points.push(point);
-            outcomes.push((cfg.name.clone(), rate, outcome));
+            outcomes.push((cfg.name.clone(), rate, outcome.records));
             if !args.reuse_server {
                 if let Some(s) = server.take() {
                     s.stop(Duration::from_secs(30)).await;
@@ -345,6 +351,49 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
     let results = verdicts(&points, &configs, args.attainment, &baseline);
     let outcome = SweepOutcome { slo, attainment_target: args.attainment, baseline, configs, points, results };
     write_outputs(args, &outcome, &outcomes)?;
+    print!("{}", table(&outcome));
+    Ok(outcome)
+}
+
+/// `--reanalyze`: the points of an earlier sweep under new SLOs.
+fn reanalyze(args: &SweepArgs, dir: &Path, slo: Slo) -> Result<SweepOutcome> {
+    let path = dir.join("sweep.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| BenchError::io(&path, e))?;
+    let old: serde_json::Value = serde_json::from_str(&text)?;
+    let configs: Vec<SystemConfig> = old["configs"]
+        .as_array()
+        .ok_or_else(|| BenchError::InvalidArg(format!("{}: no configs", path.display())))?
+        .iter()
+        .map(|c| SystemConfig {
+            name: c["name"].as_str().unwrap_or_default().to_string(),
+            flags: c["flags"]
+                .as_array()
+                .map(|f| f.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+                .unwrap_or_default(),
+        })
+        .collect();
+    let percentiles = metrics::parse_percentiles(&args.serve.metric_percentiles)?;
+    let mut points = Vec::new();
+    let mut runs = Vec::new();
+    for p in old["points"].as_array().into_iter().flatten() {
+        let name = p["config"].as_str().unwrap_or_default().to_string();
+        let rate = p["request_rate"].as_f64().unwrap_or(0.0);
+        // Result files are named relative to where the sweep ran; look beside sweep.json too.
+        let file = PathBuf::from(p["result_file"].as_str().unwrap_or_default());
+        let file = if file.exists() { file } else { dir.join(file.file_name().unwrap_or_default()) };
+        let text = std::fs::read_to_string(&file).map_err(|e| BenchError::io(&file, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        let records = result::records_from_json(&v)?;
+        let duration = v["duration"].as_f64().unwrap_or(0.0);
+        let summary = metrics::summarize(&records, duration, &slo, &percentiles);
+        points.push(point_of(&name, rate, &summary, file));
+        runs.push((name, rate, records));
+    }
+    let baseline = args.baseline.clone().or_else(|| old["baseline"].as_str().map(str::to_string)).unwrap_or_default();
+    let results = verdicts(&points, &configs, args.attainment, &baseline);
+    let outcome = SweepOutcome { slo, attainment_target: args.attainment, baseline, configs, points, results };
+    std::fs::create_dir_all(&args.output_dir).map_err(|e| BenchError::io(&args.output_dir, e))?;
+    write_outputs(args, &outcome, &runs)?;
     print!("{}", table(&outcome));
     Ok(outcome)
 }
@@ -394,7 +443,7 @@ pub fn table(o: &SweepOutcome) -> String {
     s
 }
 
-fn write_outputs(args: &SweepArgs, o: &SweepOutcome, runs: &[(String, f64, BenchOutcome)]) -> Result<()> {
+fn write_outputs(args: &SweepArgs, o: &SweepOutcome, runs: &[(String, f64, Vec<RequestRecord>)]) -> Result<()> {
     let dir = &args.output_dir;
     let json = serde_json::to_value(o)?;
     result::save(&dir.join("sweep.json"), &json)?;
@@ -435,13 +484,13 @@ fn write_outputs(args: &SweepArgs, o: &SweepOutcome, runs: &[(String, f64, Bench
         .filter_map(|(m, v)| v.map(|v| (m.to_string(), v)))
         .collect();
     for rate in rates {
-        let at: Vec<&(String, f64, BenchOutcome)> = runs.iter().filter(|r| r.1 == rate).collect();
+        let at: Vec<&(String, f64, Vec<RequestRecord>)> = runs.iter().filter(|r| r.1 == rate).collect();
         let panel = |metric: &str, f: fn(&crate::metrics::RequestRecord) -> Vec<f64>| CdfPanel {
             metric: metric.to_string(),
             runs: at
                 .iter()
-                .map(|(name, _, o)| {
-                    (name.clone(), o.records.iter().filter(|r| r.success).flat_map(f).map(|s| s * 1e3).collect())
+                .map(|(name, _, records)| {
+                    (name.clone(), records.iter().filter(|r| r.success).flat_map(f).map(|s| s * 1e3).collect())
                 })
                 .collect(),
         };
