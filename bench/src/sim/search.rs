@@ -163,7 +163,9 @@ pub fn attainment_at(cfg: &ClusterConfig, cost: &CostModel, spec: &SearchSpec, r
 /// bracket, then bisection. Assumes attainment falls with rate, which common random numbers
 /// make true in practice (see [`super::workload`]).
 pub fn max_goodput(cfg: &ClusterConfig, cost: &CostModel, spec: &SearchSpec) -> Result<Goodput> {
-    if !(spec.attainment > 0.0 && spec.attainment <= 1.0) || !(spec.rel_tolerance > 0.0) || !(spec.max_rate > 0.0) {
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    let attainment_ok = spec.attainment > 0.0 && spec.attainment <= 1.0;
+    if !attainment_ok || !positive(spec.rel_tolerance) || !positive(spec.max_rate) {
         return Err(BenchError::InvalidArg(format!(
             "attainment {} must be in (0, 1], tolerance {} and max rate {} positive",
             spec.attainment, spec.rel_tolerance, spec.max_rate

@@ -43,7 +43,9 @@ impl WorkloadSpec {
                 "length ranges must be non-empty and positive: input {i0}..={i1}, output {o0}..={o1}"
             )));
         }
-        if !(self.burstiness > 0.0 && self.burstiness.is_finite()) || !(rate > 0.0) {
+        // NaN fails both checks; an infinite rate puts every arrival at 0.
+        let burst_ok = self.burstiness.is_finite() && self.burstiness > 0.0;
+        if !burst_ok || rate.is_nan() || rate <= 0.0 {
             return Err(BenchError::InvalidArg(format!(
                 "burstiness {} and rate {rate} must be positive",
                 self.burstiness
