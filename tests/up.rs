@@ -12,6 +12,19 @@ fn shared_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
 }
 
+/// Kills `cleave up` if the test panics first, so a failing assertion never leaves a cluster
+/// running (its nodes exit with it: they watch its stdin).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn up_serves_generate_s_text_and_stops_cleanly() {
     let model = shared_dir().join("models/tiny-llama");
@@ -40,6 +53,8 @@ fn up_serves_generate_s_text_and_stops_cleanly() {
         .spawn()
         .unwrap();
     let stdout = up.stdout.take().unwrap();
+    let mut up = KillOnDrop(up);
+    let up = &mut up.0;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
