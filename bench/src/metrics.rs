@@ -76,7 +76,7 @@ pub fn tpot(ttft_s: f64, e2el_s: f64, output_tokens: usize) -> Option<f64> {
 }
 
 /// Service-level objectives in milliseconds; any subset may be given.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct Slo {
     pub ttft_ms: Option<f64>,
     pub tpot_ms: Option<f64>,

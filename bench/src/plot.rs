@@ -74,8 +74,14 @@ fn write_both(stem: &Path, size: (u32, u32), fig: &impl Figure) -> Result<Vec<Pa
     if let Some(dir) = stem.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
     }
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
+    // Appended, not `with_extension`: a stem like `cdf-rate0.15` has a dot that is not an extension.
+    let with = |ext: &str| {
+        let mut p = stem.as_os_str().to_owned();
+        p.push(".");
+        p.push(ext);
+        PathBuf::from(p)
+    };
+    let (png, svg) = (with("png"), with("svg"));
     {
         let root = BitMapBackend::new(&png, size).into_drawing_area();
         fig.draw(&root).map_err(|e| plot_err(&png, e))?;
@@ -290,5 +296,7 @@ mod tests {
         let svg = std::fs::read_to_string(dir.path().join("cdf.svg")).unwrap();
         assert!(svg.contains("TTFT") && svg.contains("<svg"), "the SVG names its panel");
         assert_eq!(&std::fs::read(dir.path().join("cdf.png")).unwrap()[1..4], b"PNG");
+        let dotted = lines(&dir.path().join("rate0.15"), "t", "x", "y", &series, None).unwrap();
+        assert_eq!(dotted[0], dir.path().join("rate0.15.png"), "a dot in the stem is kept");
     }
 }

@@ -32,7 +32,7 @@ use crate::serve::{self, ServeArgs};
 pub struct SweepArgs {
     /// A system configuration, `NAME=FLAGS`: FLAGS are given to `cleave up` (split on
     /// whitespace), e.g. `--config "1p1d=--prefill 1 --decode 1 --pin"`. Repeat for each.
-    #[arg(long = "config", required = true)]
+    #[arg(long = "config", required_unless_present = "reanalyze")]
     pub configs: Vec<String>,
     /// Request rates (req/s) to measure each configuration at, comma-separated.
     #[arg(long, value_delimiter = ',')]
@@ -67,6 +67,10 @@ pub struct SweepArgs {
     /// Folder for sweep.json, each point's result file and the plots.
     #[arg(long, default_value = "sweep-results")]
     pub output_dir: PathBuf,
+    /// Add this sweep's points to the sweep already in --output-dir (same configuration names),
+    /// so more rates can be measured later; a point measured again replaces the old one.
+    #[arg(long)]
+    pub append: bool,
     /// Measure nothing: re-read the sweep in this folder (its sweep.json and result files) and
     /// report it under the --goodput SLOs and --attainment given now, into --output-dir.
     #[arg(long, value_name = "DIR")]
@@ -268,7 +272,7 @@ fn rate_tag(rate: f64) -> String {
 
 /// Runs the sweep: prints progress to stderr and the table to stdout; writes sweep.json, each
 /// point's result file, and the plots into `--output-dir`.
-pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Path) -> Result<SweepOutcome> {
+pub async fn run_sweep(args: &SweepArgs, tokenizer: Option<&Tokenizer>, cleave_bin: &Path) -> Result<SweepOutcome> {
     let configs: Vec<SystemConfig> = args.configs.iter().map(|c| SystemConfig::parse(c)).collect::<Result<_>>()?;
     let slo = Slo::parse(&args.serve.goodput)?;
     if slo.is_empty() {
@@ -289,21 +293,47 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
     if let Some(dir) = &args.reanalyze {
         return reanalyze(args, dir, slo);
     }
+    let tokenizer = tokenizer.ok_or_else(|| BenchError::InvalidArg("measuring needs the model's tokenizer".into()))?;
     let model = args
         .serve
         .model
         .clone()
         .ok_or_else(|| BenchError::InvalidArg("--model: the model every `cleave up` serves".into()))?;
-    let baseline = args.baseline.clone().unwrap_or_else(|| configs.last().map(|c| c.name.clone()).unwrap_or_default());
-    if !configs.iter().any(|c| c.name == baseline) {
-        return Err(BenchError::InvalidArg(format!("--baseline {baseline}: no --config has that name")));
-    }
     std::fs::create_dir_all(&args.output_dir).map_err(|e| BenchError::io(&args.output_dir, e))?;
     let ready = Duration::from_secs(args.ready_timeout);
 
     let mut points = Vec::new();
     let mut outcomes: Vec<(String, f64, Vec<RequestRecord>)> = Vec::new();
-    for cfg in &configs {
+    // The configurations measured now come first; an appended sweep's others follow.
+    let to_measure = configs.clone();
+    let mut configs = configs;
+    let mut old_baseline = None;
+    if args.append && args.output_dir.join("sweep.json").exists() {
+        let old = load_sweep(&args.output_dir, &slo, &args.serve.metric_percentiles)?;
+        let fresh: Vec<(String, f64)> =
+            configs.iter().flat_map(|c| args.request_rates.iter().map(move |r| (c.name.clone(), *r))).collect();
+        for (p, run) in old.points.into_iter().zip(old.runs) {
+            if !fresh.iter().any(|(c, r)| *c == p.config && *r == p.request_rate) || args.search {
+                points.push(p);
+                outcomes.push(run);
+            }
+        }
+        for c in old.configs {
+            if !configs.iter().any(|x| x.name == c.name) {
+                configs.push(c);
+            }
+        }
+        old_baseline = old.baseline;
+    }
+    let baseline = args
+        .baseline
+        .clone()
+        .or(old_baseline)
+        .unwrap_or_else(|| configs.last().map(|c| c.name.clone()).unwrap_or_default());
+    if !configs.iter().any(|c| c.name == baseline) {
+        return Err(BenchError::InvalidArg(format!("--baseline {baseline}: no --config has that name")));
+    }
+    for cfg in &to_measure {
         let flags: Vec<String> = args.up_args.iter().chain(&cfg.flags).cloned().collect();
         let mut server: Option<UpServer> = None;
         let mut measured: Vec<(f64, f64)> = Vec::new();
@@ -348,6 +378,7 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
             s.stop(Duration::from_secs(30)).await;
         }
     }
+    sort_points(&mut points, &configs);
     let results = verdicts(&points, &configs, args.attainment, &baseline);
     let outcome = SweepOutcome { slo, attainment_target: args.attainment, baseline, configs, points, results };
     write_outputs(args, &outcome, &outcomes)?;
@@ -357,6 +388,34 @@ pub async fn run_sweep(args: &SweepArgs, tokenizer: &Tokenizer, cleave_bin: &Pat
 
 /// `--reanalyze`: the points of an earlier sweep under new SLOs.
 fn reanalyze(args: &SweepArgs, dir: &Path, slo: Slo) -> Result<SweepOutcome> {
+    let old = load_sweep(dir, &slo, &args.serve.metric_percentiles)?;
+    let baseline = args.baseline.clone().or(old.baseline).unwrap_or_default();
+    let mut points = old.points;
+    sort_points(&mut points, &old.configs);
+    let results = verdicts(&points, &old.configs, args.attainment, &baseline);
+    let outcome =
+        SweepOutcome { slo, attainment_target: args.attainment, baseline, configs: old.configs, points, results };
+    std::fs::create_dir_all(&args.output_dir).map_err(|e| BenchError::io(&args.output_dir, e))?;
+    write_outputs(args, &outcome, &old.runs)?;
+    print!("{}", table(&outcome));
+    Ok(outcome)
+}
+
+/// Configuration order, then rate (appended points land among their own configuration's).
+fn sort_points(points: &mut [SweepPoint], configs: &[SystemConfig]) {
+    let pos = |name: &str| configs.iter().position(|c| c.name == name).unwrap_or(usize::MAX);
+    points.sort_by(|a, b| pos(&a.config).cmp(&pos(&b.config)).then(a.request_rate.total_cmp(&b.request_rate)));
+}
+
+/// An earlier sweep read back from its folder, its points judged by `slo`.
+struct LoadedSweep {
+    configs: Vec<SystemConfig>,
+    baseline: Option<String>,
+    points: Vec<SweepPoint>,
+    runs: Vec<(String, f64, Vec<RequestRecord>)>,
+}
+
+fn load_sweep(dir: &Path, slo: &Slo, percentiles: &str) -> Result<LoadedSweep> {
     let path = dir.join("sweep.json");
     let text = std::fs::read_to_string(&path).map_err(|e| BenchError::io(&path, e))?;
     let old: serde_json::Value = serde_json::from_str(&text)?;
@@ -372,7 +431,7 @@ fn reanalyze(args: &SweepArgs, dir: &Path, slo: Slo) -> Result<SweepOutcome> {
                 .unwrap_or_default(),
         })
         .collect();
-    let percentiles = metrics::parse_percentiles(&args.serve.metric_percentiles)?;
+    let percentiles = metrics::parse_percentiles(percentiles)?;
     let mut points = Vec::new();
     let mut runs = Vec::new();
     for p in old["points"].as_array().into_iter().flatten() {
@@ -385,17 +444,11 @@ fn reanalyze(args: &SweepArgs, dir: &Path, slo: Slo) -> Result<SweepOutcome> {
         let v: serde_json::Value = serde_json::from_str(&text)?;
         let records = result::records_from_json(&v)?;
         let duration = v["duration"].as_f64().unwrap_or(0.0);
-        let summary = metrics::summarize(&records, duration, &slo, &percentiles);
+        let summary = metrics::summarize(&records, duration, slo, &percentiles);
         points.push(point_of(&name, rate, &summary, file));
         runs.push((name, rate, records));
     }
-    let baseline = args.baseline.clone().or_else(|| old["baseline"].as_str().map(str::to_string)).unwrap_or_default();
-    let results = verdicts(&points, &configs, args.attainment, &baseline);
-    let outcome = SweepOutcome { slo, attainment_target: args.attainment, baseline, configs, points, results };
-    std::fs::create_dir_all(&args.output_dir).map_err(|e| BenchError::io(&args.output_dir, e))?;
-    write_outputs(args, &outcome, &runs)?;
-    print!("{}", table(&outcome));
-    Ok(outcome)
+    Ok(LoadedSweep { configs, baseline: old["baseline"].as_str().map(str::to_string), points, runs })
 }
 
 /// The sweep table: one row per point, then each configuration's verdict.
@@ -510,13 +563,13 @@ fn write_outputs(args: &SweepArgs, o: &SweepOutcome, runs: &[(String, f64, Vec<R
     Ok(())
 }
 
-/// Builds a runtime and runs the sweep.
-pub fn run(args: SweepArgs, tokenizer: Tokenizer, cleave_bin: PathBuf) -> Result<SweepOutcome> {
+/// Builds a runtime and runs the sweep (`tokenizer` may be `None` with `--reanalyze`).
+pub fn run(args: SweepArgs, tokenizer: Option<Tokenizer>, cleave_bin: PathBuf) -> Result<SweepOutcome> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| BenchError::io("tokio runtime", e))?;
-    rt.block_on(run_sweep(&args, &tokenizer, &cleave_bin))
+    rt.block_on(run_sweep(&args, tokenizer.as_ref(), &cleave_bin))
 }
 
 #[cfg(test)]

@@ -169,7 +169,7 @@ fn spec(slo: Slo, input: (usize, usize), output: (usize, usize)) -> SearchSpec {
 #[test]
 fn goodput_search_brackets_the_attainment_target() {
     let c = cost(5e-5, 0.01);
-    let s = spec(Slo { ttft_s: Some(0.2), tpot_s: Some(0.02), e2el_s: None }, (256, 1024), (32, 64));
+    let s = spec(Slo { ttft_ms: Some(200.0), tpot_ms: Some(20.0), e2el_ms: None }, (256, 1024), (32, 64));
     let one = max_goodput(&cluster("1c", &c), &c, &s).unwrap();
     assert!(one.max_rate > 0.0 && one.max_rate < s.max_rate);
     let at = |cfg: &str, rate: f64| {
@@ -182,7 +182,7 @@ fn goodput_search_brackets_the_attainment_target() {
     let two = max_goodput(&cluster("2c", &c), &c, &s).unwrap();
     assert!(two.max_rate > 1.5 * one.max_rate, "{} vs {}", two.max_rate, one.max_rate);
     // An SLO nobody meets even when idle gives 0.
-    let strict = spec(Slo { ttft_s: Some(1e-3), ..Slo::default() }, (256, 1024), (32, 64));
+    let strict = spec(Slo { ttft_ms: Some(1.0), ..Slo::default() }, (256, 1024), (32, 64));
     assert_eq!(max_goodput(&cluster("1c", &c), &c, &strict).unwrap().max_rate, 0.0);
 }
 
@@ -190,7 +190,7 @@ fn goodput_search_brackets_the_attainment_target() {
 fn recommends_disaggregation_when_prefill_is_expensive_and_tpot_tight() {
     // 1024-token prompts cost 0.3 s; a decode step 10 ms; TPOT must stay under 15 ms.
     let c = cost(3e-4, 0.01);
-    let s = spec(Slo { ttft_s: Some(2.0), tpot_s: Some(0.015), e2el_s: None }, (1024, 1024), (64, 64));
+    let s = spec(Slo { ttft_ms: Some(2000.0), tpot_ms: Some(15.0), e2el_ms: None }, (1024, 1024), (64, 64));
     let space = search_space(4);
     let ranked = recommend(&space, NodeLimits::from_cost(&c), 0, &c, &s).unwrap();
     assert_eq!(ranked.len(), space.len());
@@ -201,7 +201,7 @@ fn recommends_disaggregation_when_prefill_is_expensive_and_tpot_tight() {
 #[test]
 fn recommends_colocation_when_prompts_are_tiny() {
     let c = cost(1e-5, 0.01);
-    let s = spec(Slo { ttft_s: Some(0.5), tpot_s: Some(0.05), e2el_s: None }, (8, 16), (64, 64));
+    let s = spec(Slo { ttft_ms: Some(500.0), tpot_ms: Some(50.0), e2el_ms: None }, (8, 16), (64, 64));
     let ranked = recommend(&search_space(4), NodeLimits::from_cost(&c), 0, &c, &s).unwrap();
     assert!(matches!(ranked[0].topology, Topology::Colocated { .. }), "{:?}", ranked[0]);
 }
@@ -268,4 +268,71 @@ fn simultaneous_arrivals_share_one_step() {
     let r = simulate(&cluster("1c", &c), &c, &reqs).unwrap();
     // One step prefills all three (300 tokens) and emits their only tokens.
     assert!(r.iter().all(|x| close(x.ttft_s, 0.03) && close(x.e2el_s, 0.03)), "{r:?}");
+}
+
+/// Predicted against measured on a "measured" run that is itself simulated: written as `bench
+/// sweep` writes a real one (sweep.json plus a result file), replayed, and found equal.
+#[test]
+fn compare_sweep_replays_a_recorded_run() {
+    use cleave_bench::metrics::{summarize, RequestRecord};
+    use cleave_bench::result::{result_json, save, RunInfo};
+
+    let cost = cost(1e-3, 0.01);
+    let limits = NodeLimits::from_cost(&cost);
+    let cfg = ClusterConfig::new("1p1d".parse().unwrap(), limits);
+    let wl = WorkloadSpec { num_requests: 40, input_len: (100, 400), output_len: (8, 32), burstiness: 1.0, seed: 7 };
+    let reqs = wl.generate(3.0).unwrap();
+    let sim = simulate(&cfg, &cost, &reqs).unwrap();
+    let records: Vec<RequestRecord> = sim
+        .iter()
+        .map(|r| RequestRecord {
+            index: r.id,
+            success: true,
+            prompt_len: r.input_len,
+            output_tokens: r.output_len,
+            scheduled_s: r.arrival_s,
+            start_s: r.arrival_s,
+            ttft_s: Some(r.ttft_s),
+            tpot_s: cleave_bench::metrics::tpot(r.ttft_s, r.e2el_s, r.output_len),
+            e2el_s: Some(r.e2el_s),
+            ..Default::default()
+        })
+        .collect();
+    let slo = Slo { ttft_ms: Some(500.0), tpot_ms: Some(15.0), e2el_ms: None };
+    let summary = summarize(&records, 10.0, &slo, &[90.0]);
+    let info = RunInfo {
+        date: String::new(),
+        backend: "openai".into(),
+        model_id: "m".into(),
+        tokenizer_id: "t".into(),
+        num_prompts: records.len(),
+        request_rate: 3.0.into(),
+        burstiness: 1.0,
+        max_concurrency: None,
+        ramp_up_strategy: None,
+        ramp_up_start_rps: None,
+        ramp_up_end_rps: None,
+        seed: 7,
+        slo,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    save(&dir.path().join("1p1d-rate3.json"), &result_json(&info, &summary, &records).unwrap()).unwrap();
+    let sweep = serde_json::json!({
+        "points": [
+            {"config": "1p1d", "request_rate": 3.0, "result_file": "elsewhere/1p1d-rate3.json"},
+            {"config": "custom-name", "request_rate": 3.0, "result_file": "x.json"}
+        ]
+    });
+    save(&dir.path().join("sweep.json"), &sweep).unwrap();
+
+    let rows = validate::compare_sweep(dir.path(), &cost, limits, &slo).unwrap();
+    assert_eq!(rows.len(), 1, "a name that is no topology is skipped");
+    let (m, p) = (&rows[0].comparison.measured, &rows[0].comparison.predicted);
+    assert_eq!(rows[0].failed, 0);
+    assert!((m.attainment - p.attainment).abs() < 1e-12, "{} vs {}", m.attainment, p.attainment);
+    for (a, b) in [(m.ttft.median, p.ttft.median), (m.ttft.p90, p.ttft.p90), (m.tpot.p90, p.tpot.p90)] {
+        assert!((a - b).abs() < 1e-9, "measured {a} vs predicted {b}");
+    }
+    assert!(m.attainment > 0.0 && m.attainment < 1.0, "the SLO splits the run: {}", m.attainment);
+    assert!(validate::table(&rows).contains("1p1d"));
 }

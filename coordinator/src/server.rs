@@ -125,7 +125,19 @@ pub async fn bind(args: &CoordinatorArgs) -> Result<TcpListener, CoordinatorErro
 /// Serves `router(state)` on an already-bound listener until the listener fails.
 pub async fn serve(listener: TcpListener, state: AppState) -> Result<(), CoordinatorError> {
     tracing::info!(addr = ?listener.local_addr().ok(), model = %state.inner.model.name, "coordinator HTTP edge listening");
-    axum::serve(listener, router(state)).await.map_err(CoordinatorError::Serve)
+    axum::serve(no_delay(listener), router(state)).await.map_err(CoordinatorError::Serve)
+}
+
+/// Sets TCP_NODELAY on every accepted connection. Without it, Nagle's algorithm holds each small
+/// SSE chunk (one token) until the client acknowledges the previous segment, and the client's
+/// delayed ACK turns that into added milliseconds on time to first token and between tokens.
+fn no_delay(listener: TcpListener) -> impl axum::serve::Listener<Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on an accepted connection");
+        }
+    })
 }
 
 /// Like [`serve`], stopping gracefully (in-flight requests finish) when `shutdown` resolves.
@@ -134,7 +146,10 @@ pub async fn serve_with_shutdown(
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CoordinatorError> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(CoordinatorError::Serve)
+    axum::serve(no_delay(listener), router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(CoordinatorError::Serve)
 }
 
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {

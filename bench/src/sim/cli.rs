@@ -76,6 +76,10 @@ pub struct SimulateArgs {
     /// Bisection stops when the bracket is narrower than this fraction of the rate.
     #[arg(long, default_value_t = 0.01)]
     pub tolerance: f64,
+    /// Predicted against measured: replay every point of the `bench sweep` in this folder (its
+    /// sweep.json and result files) through the simulator and compare, under --goodput.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["rate", "search"])]
+    pub compare_sweep: Option<PathBuf>,
     /// Write the report as JSON here.
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -120,6 +124,8 @@ pub struct SimulateReport {
     pub goodput: Vec<Goodput>,
     /// The configuration with the most goodput per node (search mode).
     pub recommended: Option<String>,
+    /// Predicted against measured, per sweep point (--compare-sweep).
+    pub comparisons: Vec<super::validate::PointComparison>,
 }
 
 /// Runs the subcommand: prints a table and writes `--output`.
@@ -139,6 +145,35 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
     }
     if let Some(x) = args.kv_capacity_tokens {
         limits.kv_capacity_tokens = x;
+    }
+    if let Some(dir) = &args.compare_sweep {
+        let slo = Slo::parse(&args.goodput)?;
+        let rows = super::validate::compare_sweep(dir, &cost, limits, &slo)?;
+        print!("{}", super::validate::table(&rows));
+        let report = SimulateReport {
+            model: profile.model.clone(),
+            profile_threads: profile.threads,
+            limits,
+            handoff,
+            workload: WorkloadSpec {
+                num_requests: 0,
+                input_len: args.input_len,
+                output_len: args.output_len,
+                burstiness: args.burstiness,
+                seed: args.seed,
+            },
+            slo,
+            attainment_target: args.attainment,
+            rate: None,
+            predictions: Vec::new(),
+            goodput: Vec::new(),
+            recommended: None,
+            comparisons: rows,
+        };
+        if let Some(path) = &args.output {
+            write_json(path, &report)?;
+        }
+        return Ok(report);
     }
     let mut topologies = args.config.iter().map(|s| s.parse()).collect::<Result<Vec<Topology>>>()?;
     if let Some(n) = args.max_nodes {
@@ -160,7 +195,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
         burstiness: args.burstiness,
         seed: args.seed,
     };
-    let slo = Slo::parse_ms(&args.goodput)?;
+    let slo = Slo::parse(&args.goodput)?;
     let mut report = SimulateReport {
         model: profile.model.clone(),
         profile_threads: profile.threads,
@@ -173,6 +208,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
         predictions: Vec::new(),
         goodput: Vec::new(),
         recommended: None,
+        comparisons: Vec::new(),
     };
     println!(
         "profile: {} ({} threads); {} requests, input {:?}, output {:?}, seed {}",

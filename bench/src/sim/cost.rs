@@ -5,6 +5,11 @@
 //!   points when it is convex and rising there (attention grows with n²), else the last segment's
 //!   line. A cached prefix `p` adds `k · n · p` seconds (attention over the prefix), with `k`
 //!   fitted as the mean excess per (new × cached) token pair of the profile's cached points.
+//! - `prefill_step_time(chunks)`: one step prefilling several prompts' chunks shares the weight
+//!   reads but not attention, which is per sequence: the cold time of the summed tokens, less the
+//!   cross-sequence part of the quadratic term (`c · (N² − Σ nᵢ²)`, with `c` the leading
+//!   coefficient of the quadratic through the last three grid points), never below the dearest
+//!   chunk alone.
 //! - `decode_step_time(b, total_ctx)`: bilinear over the batch × per-sequence-context grid,
 //!   extrapolated from the edge cells.
 //! - `mixed_step_time`: prefill part plus decode part, times a factor fitted from the mixed
@@ -40,6 +45,9 @@ pub struct CostModel {
     prefill: Vec<(f64, f64)>,
     /// Seconds per (new token × cached token) pair.
     prefix_coef: f64,
+    /// Quadratic (attention) coefficient of cold prefill, seconds per token²; 0 when the grid is
+    /// not convex at its end.
+    attn_coef: f64,
     batches: Vec<f64>,
     contexts: Vec<f64>,
     /// `decode[i][j]`: batch `batches[i]`, context `contexts[j]`.
@@ -78,6 +86,7 @@ impl CostModel {
             })
             .collect();
         let mut model = Self {
+            attn_coef: quadratic_coef(&prefill),
             prefill,
             prefix_coef: 0.0,
             batches: b.iter().map(|&x| x as f64).collect(),
@@ -128,14 +137,19 @@ impl CostModel {
     pub fn prefill_step_time(&self, chunks: impl IntoIterator<Item = (usize, usize)>) -> f64 {
         let mut tokens = 0usize;
         let mut extra = 0.0;
+        let mut squares = 0.0;
+        let mut dearest: f64 = 0.0;
         for (n, p) in chunks {
             tokens += n;
             extra += self.prefix_coef * n as f64 * p as f64;
+            squares += (n as f64).powi(2);
+            dearest = dearest.max(self.cold_prefill(n as f64));
         }
         if tokens == 0 {
             return 0.0;
         }
-        self.cold_prefill(tokens as f64) + extra
+        let n = tokens as f64;
+        (self.cold_prefill(n) - self.attn_coef * (n * n - squares)).max(dearest) + extra
     }
 
     /// Seconds of one decode step of `batch` sequences holding `total_context` tokens together.
@@ -217,6 +231,22 @@ impl CostModel {
     }
 }
 
+/// Leading coefficient of the quadratic through the last three points of a sorted grid, when
+/// positive (the attention term of prefill); else 0.
+fn quadratic_coef(g: &[(f64, f64)]) -> f64 {
+    if g.len() < 3 {
+        return 0.0;
+    }
+    let n = g.len();
+    let ((x0, y0), (x1, y1), (x2, y2)) = (g[n - 3], g[n - 2], g[n - 1]);
+    let a = y0 / ((x0 - x1) * (x0 - x2)) + y1 / ((x1 - x0) * (x1 - x2)) + y2 / ((x2 - x0) * (x2 - x1));
+    if a.is_finite() && a > 0.0 {
+        a
+    } else {
+        0.0
+    }
+}
+
 /// For sorted `axis` and `x`: the segment `(i0, i1)` that holds `x` (the edge segment outside the
 /// axis) and the weight of `i1`, which is outside [0, 1] when extrapolating. A one-point axis
 /// gives `(0, 0, 0)`.
@@ -263,6 +293,24 @@ mod tests {
             decode,
             mixed: vec![],
         }
+    }
+
+    #[test]
+    fn batched_prompts_share_weights_but_not_attention() {
+        let m = CostModel::from_profile(&profile(), HandoffCost::default()).unwrap();
+        let one = m.prefill_time(1024, 0);
+        assert_eq!(m.prefill_step_time([(1024, 0)]), one, "one chunk is the grid's own time");
+        let two = m.prefill_step_time([(1024, 0), (1024, 0)]);
+        let long = m.prefill_time(2048, 0);
+        assert!(two < long, "two 1024-token prompts ({two}) cost less than one 2048-token prompt ({long})");
+        assert!(two >= one, "never below the dearest chunk alone");
+        // Linear grids have no attention term: batching is additive.
+        let mut lin = profile();
+        for x in &mut lin.prefill {
+            x.seconds = 1e-4 * x.tokens as f64;
+        }
+        let m = CostModel::from_profile(&lin, HandoffCost::default()).unwrap();
+        assert!((m.prefill_step_time([(256, 0), (768, 0)]) - m.prefill_time(1024, 0)).abs() < 1e-12);
     }
 
     #[test]

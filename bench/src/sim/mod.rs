@@ -7,6 +7,7 @@
 //! - [`workload`]: seeded arrivals and lengths.
 //! - [`engine`]: the simulator itself, sans-IO and deterministic.
 //! - [`search`]: summaries, goodput search and the recommendation.
+//! - [`validate`]: predicted against measured, replaying a real sweep's arrivals.
 //! - [`cli`]: the subcommand's flags and report.
 //!
 //! Dependencies: nothing of cleave's; this module never touches the engine, HTTP or the clock.
@@ -17,6 +18,7 @@ pub mod cost;
 pub mod engine;
 pub mod profile;
 pub mod search;
+pub mod validate;
 pub mod workload;
 
 pub use cli::SimulateArgs;

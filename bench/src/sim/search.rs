@@ -13,42 +13,14 @@ use super::engine::{simulate, SimRecord};
 use super::workload::{SimRequest, WorkloadSpec};
 use crate::error::{BenchError, Result};
 
-/// Latency objectives, seconds; `None` is not checked.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Slo {
-    pub ttft_s: Option<f64>,
-    pub tpot_s: Option<f64>,
-    pub e2el_s: Option<f64>,
-}
+/// The SLOs are `bench serve`'s (milliseconds; `None` is not checked), so a prediction and a
+/// measured run are judged by one definition.
+pub use crate::metrics::Slo;
 
-impl Slo {
-    /// Whether `r` meets every objective that is set.
-    pub fn met(&self, r: &SimRecord) -> bool {
-        self.ttft_s.is_none_or(|x| r.ttft_s <= x)
-            && self.tpot_s.is_none_or(|x| r.tpot_s <= x)
-            && self.e2el_s.is_none_or(|x| r.e2el_s <= x)
-    }
-
-    /// Parses `ttft:MS tpot:MS e2el:MS` pairs (milliseconds), as `bench serve --goodput` does.
-    pub fn parse_ms(pairs: &[String]) -> Result<Self> {
-        let mut slo = Slo::default();
-        for p in pairs {
-            let (k, v) = p
-                .split_once(':')
-                .ok_or_else(|| BenchError::InvalidArg(format!("goodput `{p}`: expected NAME:MS like ttft:500")))?;
-            let ms: f64 = v.parse().ok().filter(|x: &f64| x.is_finite() && *x > 0.0).ok_or_else(|| {
-                BenchError::InvalidArg(format!("goodput `{p}`: `{v}` is not a positive number of ms"))
-            })?;
-            let slot = match k.to_ascii_lowercase().as_str() {
-                "ttft" => &mut slo.ttft_s,
-                "tpot" => &mut slo.tpot_s,
-                "e2el" => &mut slo.e2el_s,
-                _ => return Err(BenchError::InvalidArg(format!("goodput `{p}`: metric must be ttft, tpot or e2el"))),
-            };
-            *slot = Some(ms / 1e3);
-        }
-        Ok(slo)
-    }
+/// Whether a simulated request meets every objective that is set.
+pub fn meets(slo: &Slo, r: &SimRecord) -> bool {
+    let within = |limit_ms: Option<f64>, v_s: f64| limit_ms.is_none_or(|ms| v_s * 1e3 <= ms);
+    within(slo.ttft_ms, r.ttft_s) && within(slo.tpot_ms, r.tpot_s) && within(slo.e2el_ms, r.e2el_s)
 }
 
 /// Mean and percentiles of one latency, seconds.
@@ -103,7 +75,7 @@ pub fn summarize(records: &[SimRecord], slo: Option<&Slo>) -> PredictSummary {
     let start = records.iter().map(|r| r.arrival_s).fold(f64::INFINITY, f64::min);
     let end = records.iter().map(|r| r.arrival_s + r.e2el_s).fold(f64::NEG_INFINITY, f64::max);
     let duration_s = (end - start).max(f64::MIN_POSITIVE);
-    let good = records.iter().filter(|r| slo.is_none_or(|s| s.met(r))).count();
+    let good = records.iter().filter(|r| slo.is_none_or(|s| meets(s, r))).count();
     let out: usize = records.iter().map(|r| r.output_len).sum();
     PredictSummary {
         completed: records.len(),
