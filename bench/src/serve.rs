@@ -425,6 +425,18 @@ pub fn plot_cdfs(stem: &std::path::Path, label: &str, o: &BenchOutcome) -> Resul
 
 /// `YYYYMMDD-HHMMSS` in UTC (vLLM's result date format).
 pub fn date_string(t: std::time::SystemTime) -> String {
+    let (y, m, d, h, mi, sec) = utc_parts(t);
+    format!("{y:04}{m:02}{d:02}-{h:02}{mi:02}{sec:02}")
+}
+
+/// RFC 3339 in UTC, `2026-11-30T08:00:00Z` (profile and report dates).
+pub fn rfc3339_utc(t: std::time::SystemTime) -> String {
+    let (y, m, d, h, mi, sec) = utc_parts(t);
+    format!("{y:04}-{m:02}-{d:02}T{h:02}:{mi:02}:{sec:02}Z")
+}
+
+/// Year, month, day, hour, minute, second of `t` in UTC (no date crate for one format).
+fn utc_parts(t: std::time::SystemTime) -> (i64, i64, i64, i64, i64, i64) {
     let secs = t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Howard Hinnant's civil_from_days.
@@ -437,7 +449,7 @@ pub fn date_string(t: std::time::SystemTime) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    (y, m, d, rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 #[cfg(test)]
@@ -452,5 +464,6 @@ mod tests {
         assert_eq!(a.base_url(), "http://127.0.0.1:8000");
         let t = std::time::UNIX_EPOCH + Duration::from_secs(1_709_251_199); // 2024-02-29 23:59:59
         assert_eq!(date_string(t), "20240229-235959");
+        assert_eq!(rfc3339_utc(t), "2024-02-29T23:59:59Z");
     }
 }

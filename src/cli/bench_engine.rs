@@ -40,7 +40,7 @@ pub struct BenchEngineArgs {
 
 /// Deterministic pseudo-random prompt ids (no tokenizer involved; avoid the first 256 ids, which
 /// are often special or byte tokens).
-fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
+pub(super) fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
     let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {

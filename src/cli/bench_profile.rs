@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime};
 
 use anyhow::{bail, Context};
 use cleave_bench::sim::profile::{DecodePoint, MixedPoint, PrefillPoint, Profile, PROFILE_VERSION};
@@ -55,19 +55,6 @@ pub struct BenchProfileArgs {
     engine: EngineArgs,
 }
 
-/// Deterministic pseudo-random prompt ids (as in `bench engine`).
-fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (256 + s % (vocab as u64 - 256).max(1)) as u32
-        })
-        .collect()
-}
-
 struct Bench {
     core: EngineCore<CpuBackend>,
     vocab: usize,
@@ -95,7 +82,7 @@ impl Bench {
     }
 
     fn fresh(&mut self, len: usize) -> Vec<u32> {
-        prompt(len, self.vocab, 1_000_003 + self.next_id)
+        super::bench_engine::prompt(len, self.vocab, 1_000_003 + self.next_id)
     }
 
     /// Seconds to prefill `p` (one step: the token budget holds it) and sample its first token.
@@ -261,7 +248,7 @@ pub fn run(mut args: BenchProfileArgs) -> anyhow::Result<()> {
     let profile = Profile {
         version: PROFILE_VERSION,
         model: name,
-        date: utc_now(),
+        date: cleave_bench::serve::rfc3339_utc(SystemTime::now()),
         threads,
         block_size: ecfg.block_size,
         max_num_batched_tokens: configured.max_num_batched_tokens,
@@ -326,20 +313,4 @@ fn print_table(p: &Profile) {
         "limits: max_num_batched_tokens {}, max_num_seqs {}, block {}, {} KV tokens, {} KV bytes/token, {} threads",
         p.max_num_batched_tokens, p.max_num_seqs, p.block_size, p.kv_capacity_tokens, p.kv_bytes_per_token, p.threads
     );
-}
-
-/// Now as RFC 3339 UTC (no date crate: days-to-civil from Howard Hinnant's algorithm).
-fn utc_now() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
 }
