@@ -89,6 +89,10 @@ pub struct AttnShape {
 pub trait Backend: Send + Sync + 'static {
     /// A device buffer of f32.
     type Buf: Send + Sync;
+    /// A linear layer's weight in the layout this backend multiplies fastest, made once at load by
+    /// [`Backend::prepare_linear`] (the CPU packs it into column panels for its micro-kernel; a GPU
+    /// backend could keep the plain layout or tile it for its tensor cores).
+    type Linear: Send + Sync;
 
     fn name(&self) -> &'static str;
 
@@ -115,6 +119,21 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
         out: &mut Self::Buf,
     ) -> Result<()>;
+    /// Prepares the linear weight `w: [n, k]` (Hugging Face layout, host memory) for
+    /// [`Backend::linear_prepared`]. Called once per weight at load.
+    fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<Self::Linear>;
+    /// [`Backend::linear`] with a prepared weight: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
+    fn linear_prepared(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Linear,
+        bias: Option<&Self::Buf>,
+        m: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `out[t] = w[ids[t]]`: rows of a prepared weight `[n, k]` (an embedding table tied to the LM
+    /// head, kept only in its prepared form).
+    fn embedding_prepared(&self, w: &Self::Linear, ids: &[u32], out: &mut Self::Buf) -> Result<()>;
     /// Row-wise RMSNorm: `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight`.
     fn rms_norm(
         &self,

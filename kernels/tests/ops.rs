@@ -73,6 +73,69 @@ fn both_linear_kernels_match_reference_at_any_m() {
     }
 }
 
+/// The prepared (packed-panel) linear against the reference on every ISA: every `m` from 1 to 70
+/// (row tiles of 1..6 and every split of `m` into tiles), and `n`, `k` on both sides of the
+/// panel width and the row-block size (so partial panels and several row blocks run).
+#[test]
+fn prepared_linear_matches_reference() {
+    let mut rng = Rng::new(9);
+    let shapes = [(1, 1), (5, 7), (17, 63), (64, 64), (33, 65), (130, 129), (300, 100), (9, 4000)];
+    for b in backends() {
+        for m in 1..=70 {
+            let (k, n) = shapes[rng.below(shapes.len())];
+            let with_bias = m % 2 == 0;
+            let x = rng.vec(m * k);
+            let w = rng.vec(n * k);
+            let bias = with_bias.then(|| rng.vec(n));
+            let mut want = vec![0f32; m * n];
+            reference::linear(&x, &w, bias.as_deref(), m, k, n, &mut want).unwrap();
+            let packed = b.prepare_linear(&w, n, k).unwrap();
+            assert_eq!((packed.n(), packed.k()), (n, k));
+            let mut got = padded(m * n, 3);
+            b.linear_prepared(&x, &packed, bias.as_ref(), m, &mut got).unwrap();
+            let what = format!("{b:?} prepared linear {m}x{k}x{n} bias {with_bias}");
+            assert_close(&got[..m * n], &want, 1e-4, 1e-5, &what);
+            assert_eq!(&got[m * n..], &[SENTINEL; 3], "{what} wrote past m*n");
+        }
+    }
+}
+
+/// Prefill-sized products: many row blocks and tasks.
+#[test]
+fn prepared_linear_matches_reference_at_prefill_sizes() {
+    let mut rng = Rng::new(10);
+    for b in backends() {
+        for &(m, k, n) in &[(200, 768, 70), (129, 2100, 65), (515, 40, 257)] {
+            let x = rng.vec(m * k);
+            let w = rng.vec(n * k);
+            let bias = rng.vec(n);
+            let mut want = vec![0f32; m * n];
+            reference::linear(&x, &w, Some(&bias), m, k, n, &mut want).unwrap();
+            let packed = b.prepare_linear(&w, n, k).unwrap();
+            let mut got = vec![0f32; m * n];
+            b.linear_prepared(&x, &packed, Some(&bias), m, &mut got).unwrap();
+            assert_close(&got, &want, 1e-4, 1e-5, &format!("{b:?} prepared linear {m}x{k}x{n}"));
+        }
+    }
+}
+
+#[test]
+fn prepared_embedding_matches_reference() {
+    let mut rng = Rng::new(11);
+    let b = &backends()[0];
+    for &(vocab, dim) in &[(1, 1), (70, 9), (200, 130)] {
+        let table = rng.vec(vocab * dim);
+        let ids: Vec<u32> = (0..40).map(|_| rng.below(vocab) as u32).collect();
+        let mut want = vec![0f32; ids.len() * dim];
+        reference::embedding(&table, &ids, vocab, dim, &mut want).unwrap();
+        let packed = b.prepare_linear(&table, vocab, dim).unwrap();
+        let mut got = padded(ids.len() * dim, 2);
+        b.embedding_prepared(&packed, &ids, &mut got).unwrap();
+        assert_eq!(&got[..ids.len() * dim], &want[..], "{vocab}x{dim}");
+        assert_eq!(&got[ids.len() * dim..], &[SENTINEL; 2]);
+    }
+}
+
 #[test]
 fn rms_norm_matches_reference() {
     let mut rng = Rng::new(3);
@@ -193,6 +256,13 @@ fn bad_sizes_are_shape_errors() {
     assert!(is_shape(b.linear(&v(6), &v(6), Some(&v(1)), 2, 3, 2, &mut out)));
     assert!(is_shape(b.linear(&v(6), &v(6), None, 2, 3, 2, &mut v(3))));
     assert!(is_shape(b.linear(&v(6), &v(6), None, usize::MAX, 3, 2, &mut out)));
+    assert!(is_shape(b.prepare_linear(&v(5), 2, 3)), "weight too short");
+    let w = b.prepare_linear(&v(6), 2, 3).unwrap();
+    assert!(is_shape(b.linear_prepared(&v(5), &w, None, 2, &mut out)));
+    assert!(is_shape(b.linear_prepared(&v(6), &w, Some(&v(1)), 2, &mut out)));
+    assert!(is_shape(b.linear_prepared(&v(6), &w, None, 2, &mut v(3))));
+    assert!(is_shape(b.linear_prepared(&v(6), &w, None, usize::MAX, &mut out)));
+    assert!(is_shape(b.embedding_prepared(&w, &[2], &mut out)), "row out of range");
     assert_eq!(out, v(4), "a rejected call must not write");
     assert!(is_shape(b.rms_norm(&v(4), &v(1), 1e-5, 2, 2, &mut out)));
     assert!(is_shape(b.rope(&mut v(4), &[0], 1, 3, &v(6))), "odd head_dim");

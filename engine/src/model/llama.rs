@@ -9,29 +9,34 @@ use crate::Result;
 
 struct Layer<B: Backend> {
     input_norm: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
+    q: B::Linear,
+    k: B::Linear,
+    v: B::Linear,
     q_bias: Option<B::Buf>,
     k_bias: Option<B::Buf>,
     v_bias: Option<B::Buf>,
     q_norm: Option<B::Buf>,
     k_norm: Option<B::Buf>,
-    o: B::Buf,
+    o: B::Linear,
     post_norm: B::Buf,
-    gate: B::Buf,
-    up: B::Buf,
-    down: B::Buf,
+    gate: B::Linear,
+    up: B::Linear,
+    down: B::Linear,
+}
+
+/// The token embeddings and the LM head. A tied table is kept once, in its prepared (linear)
+/// form, and embedding lookups read rows of it.
+enum Embeddings<B: Backend> {
+    Tied(B::Linear),
+    Untied { table: B::Buf, head: B::Linear },
 }
 
 /// A loaded model on a backend.
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
-    embed: B::Buf,
+    embed: Embeddings<B>,
     layers: Vec<Layer<B>>,
     norm: B::Buf,
-    /// None when the embeddings are tied.
-    lm_head: Option<B::Buf>,
     /// `[max_positions, head_dim]` cos|sin table.
     rope: B::Buf,
     max_positions: usize,
@@ -61,10 +66,15 @@ impl<B: Backend> Model<B> {
         let (h, i, qd, kvd, hd) =
             (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width(), c.head_dim);
         let fp = std::cell::Cell::new(c.fingerprint());
-        let get = |name: &str, shape: &[usize]| -> Result<B::Buf> {
+        let host = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let data = source.load(name, shape)?;
             fp.set(fingerprint_tensor(fp.get(), name, shape, &data));
-            Ok(backend.upload(&data)?)
+            Ok(data)
+        };
+        let get = |name: &str, shape: &[usize]| -> Result<B::Buf> { Ok(backend.upload(&host(name, shape)?)?) };
+        // A linear weight `[n, k]`, prepared once for the backend's matmul.
+        let lin = |name: &str, shape: &[usize; 2]| -> Result<B::Linear> {
+            Ok(backend.prepare_linear(&host(name, shape)?, shape[0], shape[1])?)
         };
         let opt = |cond: bool, name: &str, shape: &[usize]| -> Result<Option<B::Buf>> {
             if cond {
@@ -73,41 +83,44 @@ impl<B: Backend> Model<B> {
                 Ok(None)
             }
         };
-        let embed = get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        // Some checkpoints say tie_word_embeddings but still ship lm_head; prefer what is there.
+        let tied = c.tie_word_embeddings && !source.contains("lm_head.weight");
+        let (embed_name, vh) = ("model.embed_tokens.weight", [c.vocab_size, h]);
+        let (tied_table, table) =
+            if tied { (Some(lin(embed_name, &vh)?), None) } else { (None, Some(get(embed_name, &vh)?)) };
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
             layers.push(Layer {
                 input_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                q: get(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
-                k: get(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
-                v: get(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
+                q: lin(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
+                k: lin(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
+                v: lin(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
                 q_bias: opt(c.attention_bias, &format!("{p}.self_attn.q_proj.bias"), &[qd])?,
                 k_bias: opt(c.attention_bias, &format!("{p}.self_attn.k_proj.bias"), &[kvd])?,
                 v_bias: opt(c.attention_bias, &format!("{p}.self_attn.v_proj.bias"), &[kvd])?,
                 q_norm: opt(c.qk_norm, &format!("{p}.self_attn.q_norm.weight"), &[hd])?,
                 k_norm: opt(c.qk_norm, &format!("{p}.self_attn.k_norm.weight"), &[hd])?,
-                o: get(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
+                o: lin(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
                 post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate: get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                up: get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-                down: get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                gate: lin(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                up: lin(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                down: lin(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
             });
         }
         let norm = get("model.norm.weight", &[h])?;
-        // Some checkpoints say tie_word_embeddings but still ship lm_head; prefer what is there.
-        let lm_head = if source.contains("lm_head.weight") {
-            Some(get("lm_head.weight", &[c.vocab_size, h])?)
-        } else if c.tie_word_embeddings {
-            None
-        } else {
-            return Err(crate::EngineError::MissingTensor { name: "lm_head.weight".into() });
+        let embed = match (tied_table, table) {
+            (Some(tied), _) => Embeddings::Tied(tied),
+            (None, Some(table)) if source.contains("lm_head.weight") => {
+                Embeddings::Untied { table, head: lin("lm_head.weight", &vh)? }
+            }
+            _ => return Err(crate::EngineError::MissingTensor { name: "lm_head.weight".into() }),
         };
         let max_positions = c.max_position_embeddings.max(1);
         let inv_freq = cleave_kernels::rope_inv_freq(hd, c.rope_theta, &c.rope_scaling);
         let rope = backend.upload(&cleave_kernels::rope_table(&inv_freq, max_positions))?;
         let fingerprint = fp.get();
-        Ok(Self { config, embed, layers, norm, lm_head, rope, max_positions, fingerprint })
+        Ok(Self { config, embed, layers, norm, rope, max_positions, fingerprint })
     }
 
     /// A stable 64-bit identity of the model: its config ([`ModelConfig::fingerprint`]) and, for
@@ -165,12 +178,15 @@ impl<B: Backend> Model<B> {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp } = ws.ensure(backend, c, t)?;
-        backend.embedding(&self.embed, batch.tokens, c.vocab_size, h, x)?;
+        match &self.embed {
+            Embeddings::Tied(table) => backend.embedding_prepared(table, batch.tokens, x)?,
+            Embeddings::Untied { table, .. } => backend.embedding(table, batch.tokens, c.vocab_size, h, x)?,
+        }
         for (l, layer) in self.layers.iter().enumerate() {
             backend.rms_norm(x, &layer.input_norm, c.rms_norm_eps, t, h, normed)?;
-            backend.linear(normed, &layer.q, layer.q_bias.as_ref(), t, h, qd, q)?;
-            backend.linear(normed, &layer.k, layer.k_bias.as_ref(), t, h, kvd, k)?;
-            backend.linear(normed, &layer.v, layer.v_bias.as_ref(), t, h, kvd, v)?;
+            backend.linear_prepared(normed, &layer.q, layer.q_bias.as_ref(), t, q)?;
+            backend.linear_prepared(normed, &layer.k, layer.k_bias.as_ref(), t, k)?;
+            backend.linear_prepared(normed, &layer.v, layer.v_bias.as_ref(), t, v)?;
             if let (Some(qn), Some(kn), Some(tmp)) = (&layer.q_norm, &layer.k_norm, qk_tmp.as_mut()) {
                 backend.copy(q, 0, tmp, 0, t * qd)?;
                 backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, q)?;
@@ -182,13 +198,13 @@ impl<B: Backend> Model<B> {
             backend.write_kv(k, v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
             on_kv(l, kv)?;
             backend.paged_attention(q, &kv.k[l], &kv.v[l], batch.seqs, shape, attn)?;
-            backend.linear(attn, &layer.o, None, t, qd, h, proj)?;
+            backend.linear_prepared(attn, &layer.o, None, t, proj)?;
             backend.add_assign(x, proj, t * h)?;
             backend.rms_norm(x, &layer.post_norm, c.rms_norm_eps, t, h, normed)?;
-            backend.linear(normed, &layer.gate, None, t, h, i, gate)?;
-            backend.linear(normed, &layer.up, None, t, h, i, up)?;
+            backend.linear_prepared(normed, &layer.gate, None, t, gate)?;
+            backend.linear_prepared(normed, &layer.up, None, t, up)?;
             backend.silu_mul(gate, up, t * i, act)?;
-            backend.linear(act, &layer.down, None, t, i, h, proj)?;
+            backend.linear_prepared(act, &layer.down, None, t, proj)?;
             backend.add_assign(x, proj, t * h)?;
         }
         let r = batch.logit_rows.len();
@@ -200,8 +216,10 @@ impl<B: Backend> Model<B> {
         let mut last_normed = backend.alloc_zeros(r * h)?;
         backend.rms_norm(&last, &self.norm, c.rms_norm_eps, r, h, &mut last_normed)?;
         let mut logits = backend.alloc_zeros(r * c.vocab_size)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        backend.linear(&last_normed, head, None, r, h, c.vocab_size, &mut logits)?;
+        let head = match &self.embed {
+            Embeddings::Tied(head) | Embeddings::Untied { head, .. } => head,
+        };
+        backend.linear_prepared(&last_normed, head, None, r, &mut logits)?;
         Ok(backend.download(&logits)?)
     }
 }

@@ -10,9 +10,11 @@
 mod attention;
 mod attention_tiled;
 mod matmul;
+mod packed;
 pub mod simd;
 
 use crate::{check, AttnSeq, AttnShape, Backend, KernelError, Result};
+pub use packed::{PackedLinear, NR as PANEL_COLUMNS};
 use rayon::prelude::*;
 pub use simd::Isa;
 use std::sync::Arc;
@@ -124,6 +126,7 @@ fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usiz
 
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
+    type Linear = PackedLinear;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -205,6 +208,32 @@ impl Backend for CpuBackend {
             (m, k, n),
             &mut out[..m * n],
         );
+        Ok(())
+    }
+
+    fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<PackedLinear> {
+        PackedLinear::pack(&self.pool, w, n, k)
+    }
+
+    fn linear_prepared(
+        &self,
+        x: &Vec<f32>,
+        w: &PackedLinear,
+        bias: Option<&Vec<f32>>,
+        m: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.n(), w.k());
+        check::linear(x.len(), n * k, bias.map(Vec::len), (m, k, n), out.len())?;
+        let bias = bias.map(|b| &b[..n]);
+        packed::linear(&self.pool, self.isa, &x[..m * k], w, bias, m, &mut out[..m * n]);
+        Ok(())
+    }
+
+    fn embedding_prepared(&self, w: &PackedLinear, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        let (n, k) = (w.n(), w.k());
+        check::embedding(n * k, ids, n, k, out.len())?;
+        self.for_chunks(&mut out[..ids.len() * k], k, |t, o| w.row_into(ids[t] as usize, o));
         Ok(())
     }
 

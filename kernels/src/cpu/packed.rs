@@ -1,0 +1,334 @@
+//! `linear` on weights packed once, at load, into panels for an outer-product micro-kernel.
+//!
+//! Layout: `w: [n, k]` (Hugging Face) becomes `ceil(n / NR)` panels of `k × NR` floats; panel `p`
+//! holds `w[p * NR + j, kk]` at `kk * NR + j`, and columns past `n` are zero. A micro-kernel
+//! computes an `R × NR` tile of the output (`R <= MR` activation rows): for each `kk` it loads
+//! one panel row (`NR` consecutive floats: four AVX-512 vectors) and broadcasts `x[r, kk]` for
+//! each of its rows, so the `R × NR` accumulators stay in registers over the whole `k` loop, each
+//! weight element is loaded once per tile, and activations need no packing. Every shape, from
+//! batch-1 decode (`m = 1`: the panels stream from memory once, sequentially) to prefill
+//! (`m` in the thousands: row blocks keep `x` in L2 while each panel meets every row tile of a
+//! block), runs the same kernel; nothing is repacked per call, unlike `gemm`.
+//!
+//! Work split: rows go in blocks of whole row tiles (a block's `x` fits in L2), panels in
+//! contiguous runs; one rayon task per (row block, panel run), each writing its own disjoint
+//! part of `out`.
+//!
+//! Invariant of [`PackedLinear`]: `data[off..off + panels * k * NR]` holds the panels and
+//! `data.as_ptr() + off` is 64-byte aligned (so no panel row straddles a cache line).
+
+use super::simd::Isa;
+use crate::{check, Result};
+use rayon::prelude::*;
+
+/// Output columns per panel (four AVX-512 vectors, eight AVX2 ones).
+pub const NR: usize = 64;
+
+/// Most activation rows per micro-kernel tile: `6 × 4` accumulators + 4 weight vectors + one
+/// broadcast = 29 of AVX-512's 32 registers.
+const MR: usize = 6;
+
+/// Activation floats per row block, so that a block's `x` (plus one panel) stays in L2.
+const X_BLOCK_FLOATS: usize = 64 * 1024;
+
+/// A linear weight `[n, k]` packed into `NR`-column panels (see the module docs).
+pub struct PackedLinear {
+    n: usize,
+    k: usize,
+    data: Vec<f32>,
+    off: usize,
+}
+
+impl std::fmt::Debug for PackedLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedLinear").field("n", &self.n).field("k", &self.k).finish()
+    }
+}
+
+impl PackedLinear {
+    /// Packs `w: [n, k]` (row-major; only its first `n * k` elements are read).
+    pub(crate) fn pack(pool: &rayon::ThreadPool, w: &[f32], n: usize, k: usize) -> Result<Self> {
+        const OP: &str = "prepare_linear";
+        let need = check::mul(OP, n, k)?;
+        check::at_least(OP, "w", w.len(), need)?;
+        let panels = n.div_ceil(NR);
+        let len = check::mul(OP, check::mul(OP, panels, k)?, NR)?;
+        // 16 spare floats to align the panels to 64 bytes.
+        let total = len.checked_add(16).ok_or_else(|| check::err(OP, "size overflows".into()))?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(total).map_err(|_| crate::KernelError::OutOfMemory { bytes: total * 4 })?;
+        data.resize(total, 0f32);
+        let off = (data.as_ptr() as usize).wrapping_neg() % 64 / std::mem::size_of::<f32>();
+        if k > 0 {
+            pool.install(|| {
+                data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
+                    for j in 0..NR.min(n - p * NR) {
+                        let row = &w[(p * NR + j) * k..(p * NR + j + 1) * k];
+                        for (kk, &v) in row.iter().enumerate() {
+                            panel[kk * NR + j] = v;
+                        }
+                    }
+                })
+            });
+        }
+        Ok(PackedLinear { n, k, data, off })
+    }
+
+    /// Output features (rows of the original weight).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Input features (columns of the original weight).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    fn panel(&self, p: usize) -> &[f32] {
+        let size = self.k * NR;
+        &self.data[self.off + p * size..self.off + (p + 1) * size]
+    }
+
+    /// Copies row `j` of the original weight into `out[..k]` (an embedding lookup in a tied
+    /// table): `k` reads at a stride of `NR`.
+    pub(crate) fn row_into(&self, j: usize, out: &mut [f32]) {
+        let panel = self.panel(j / NR);
+        let c = j % NR;
+        for (kk, o) in out[..self.k].iter_mut().enumerate() {
+            *o = panel[kk * NR + c];
+        }
+    }
+
+    /// The original `[n, k]` weight (for tests).
+    pub fn unpack(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for (j, row) in w.chunks_exact_mut(self.k.max(1)).enumerate().take(self.n) {
+            self.row_into(j, row);
+        }
+        w
+    }
+}
+
+/// `out[m, n] = x[m, k] · wᵀ (+ bias)`; sizes were checked by the caller (`x: m*k`, `out: m*n`,
+/// `bias: n`).
+pub(crate) fn linear(
+    pool: &rayon::ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    w: &PackedLinear,
+    bias: Option<&[f32]>,
+    m: usize,
+    out: &mut [f32],
+) {
+    let (n, k) = (w.n, w.k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for row in out.chunks_exact_mut(n) {
+            match bias {
+                Some(b) => row.copy_from_slice(b),
+                None => row.fill(0.0),
+            }
+        }
+        return;
+    }
+    // Row tiles of at most MR rows, as even as possible (m = 32: 6, 6, 5, 5, 5, 5), so no tile is
+    // a thin remainder.
+    let tiles = m.div_ceil(MR);
+    let tile = |t: usize| {
+        let (base, extra) = (m / tiles, m % tiles);
+        (t * base + t.min(extra), base + usize::from(t < extra))
+    };
+    let tiles_per_block = (X_BLOCK_FLOATS / k / MR).clamp(1, tiles);
+    let blocks = tiles.div_ceil(tiles_per_block);
+    let panels = n.div_ceil(NR);
+    let wanted = 4 * pool.current_num_threads();
+    let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
+    let runs = panels.div_ceil(per_run);
+    let dst = OutPtr(out.as_mut_ptr());
+    let dst = &dst;
+    let task = |i: usize| {
+        let (b, r) = (i / runs, i % runs);
+        let tile_range = b * tiles_per_block..((b + 1) * tiles_per_block).min(tiles);
+        let mut acc = [[0f32; NR]; MR];
+        for p in r * per_run..((r + 1) * per_run).min(panels) {
+            let panel = w.panel(p);
+            let (c0, cols) = (p * NR, NR.min(n - p * NR));
+            for t in tile_range.clone() {
+                let (r0, rows) = tile(t);
+                let xt = &x[r0 * k..(r0 + rows) * k];
+                micro(isa, xt, panel, k, rows, &mut acc);
+                for (rr, acc) in acc.iter().enumerate().take(rows) {
+                    // SAFETY: `out` is `[m, n]` (checked by the caller); row `r0 + rr < m`,
+                    // columns `c0..c0 + cols <= n`. Tasks own disjoint (row block, panel run)
+                    // rectangles, and nothing reads `out` until the parallel loop has joined.
+                    let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + rr) * n + c0), cols) };
+                    match bias {
+                        Some(b) => {
+                            for ((o, a), b) in o.iter_mut().zip(acc).zip(&b[c0..c0 + cols]) {
+                                *o = a + b;
+                            }
+                        }
+                        None => o.copy_from_slice(&acc[..cols]),
+                    }
+                }
+            }
+        }
+    };
+    let count = blocks * runs;
+    if count == 1 {
+        task(0);
+    } else {
+        pool.install(|| (0..count).into_par_iter().for_each(task));
+    }
+}
+
+/// `out`'s base pointer, shared by the tasks of [`linear`], which write disjoint elements.
+struct OutPtr(*mut f32);
+// SAFETY: only used to write disjoint rectangles from tasks joined before `out` is used again.
+unsafe impl Sync for OutPtr {}
+
+/// `acc[r][j] = Σ_kk x[r * k + kk] · panel[kk * NR + j]` for `r < rows`.
+fn micro(isa: Isa, x: &[f32], panel: &[f32], k: usize, rows: usize, acc: &mut [[f32; NR]; MR]) {
+    match rows {
+        1 => micro_r::<1>(isa, x, panel, k, acc),
+        2 => micro_r::<2>(isa, x, panel, k, acc),
+        3 => micro_r::<3>(isa, x, panel, k, acc),
+        4 => micro_r::<4>(isa, x, panel, k, acc),
+        5 => micro_r::<5>(isa, x, panel, k, acc),
+        _ => micro_r::<6>(isa, x, panel, k, acc),
+    }
+}
+
+fn micro_r<const R: usize>(isa: Isa, x: &[f32], panel: &[f32], k: usize, acc: &mut [[f32; NR]; MR]) {
+    // The raw-pointer kernels read `x[..R * k]` and `panel[..k * NR]`; these checks make a wrong
+    // call a panic rather than an out-of-bounds read.
+    assert!(R <= MR && x.len() >= R * k && panel.len() >= k * NR);
+    match isa {
+        // SAFETY: `detect` returned this ISA only if the CPU supports it; sizes asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::tile::<R>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::tile::<R>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        _ => portable_tile::<R>(x, panel, k, acc),
+    }
+}
+
+/// Column strip width of the portable kernel (lane arrays the compiler vectorizes).
+const STRIP: usize = 16;
+
+fn portable_tile<const R: usize>(x: &[f32], panel: &[f32], k: usize, acc: &mut [[f32; NR]; MR]) {
+    for s in (0..NR).step_by(STRIP) {
+        let mut a = [[0f32; STRIP]; R];
+        for kk in 0..k {
+            let w: &[f32; STRIP] = panel[kk * NR + s..kk * NR + s + STRIP].try_into().expect("strip");
+            for (r, a) in a.iter_mut().enumerate() {
+                let xv = x[r * k + kk];
+                for (a, &w) in a.iter_mut().zip(w) {
+                    *a += xv * w;
+                }
+            }
+        }
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            acc[s..s + STRIP].copy_from_slice(a);
+        }
+    }
+}
+
+// Register arrays are indexed by row and vector in fully unrolled loops: iterators over them
+// would read no better.
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX-512F available; `x` valid for `R * k` reads, `panel` for `k * NR`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile<const R: usize>(x: *const f32, panel: *const f32, k: usize, acc: &mut [[f32; NR]; MR]) {
+        let mut a = [[_mm512_setzero_ps(); 4]; R];
+        // SAFETY (all loads): `kk < k`, `r < R`, `c < 4`: inside the ranges the caller vouches for.
+        unsafe {
+            for kk in 0..k {
+                let p = panel.add(kk * NR);
+                let w = [
+                    _mm512_loadu_ps(p),
+                    _mm512_loadu_ps(p.add(16)),
+                    _mm512_loadu_ps(p.add(32)),
+                    _mm512_loadu_ps(p.add(48)),
+                ];
+                for r in 0..R {
+                    let xv = _mm512_set1_ps(*x.add(r * k + kk));
+                    for c in 0..4 {
+                        a[r][c] = _mm512_fmadd_ps(xv, w[c], a[r][c]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for c in 0..4 {
+                    _mm512_storeu_ps(acc[r].as_mut_ptr().add(16 * c), a[r][c]);
+                }
+            }
+        }
+    }
+}
+
+// Register arrays are indexed by row and vector in fully unrolled loops: iterators over them
+// would read no better.
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    /// Four strips of 16 columns (two vectors each): `R × 2` accumulators + 2 weight vectors + one
+    /// broadcast fit AVX2's 16 registers.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; `x` valid for `R * k` reads, `panel` for `k * NR`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile<const R: usize>(x: *const f32, panel: *const f32, k: usize, acc: &mut [[f32; NR]; MR]) {
+        // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 < NR`: inside the caller's ranges.
+        unsafe {
+            for s in (0..NR).step_by(16) {
+                let mut a = [[_mm256_setzero_ps(); 2]; R];
+                for kk in 0..k {
+                    let p = panel.add(kk * NR + s);
+                    let w = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
+                    for r in 0..R {
+                        let xv = _mm256_set1_ps(*x.add(r * k + kk));
+                        a[r][0] = _mm256_fmadd_ps(xv, w[0], a[r][0]);
+                        a[r][1] = _mm256_fmadd_ps(xv, w[1], a[r][1]);
+                    }
+                }
+                for r in 0..R {
+                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s), a[r][0]);
+                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s + 8), a[r][1]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_round_trips_and_aligns() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (n, k) in [(1, 1), (63, 5), (64, 3), (65, 7), (200, 33), (3, 0)] {
+            let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
+            let p = PackedLinear::pack(&pool, &w, n, k).unwrap();
+            assert_eq!(p.unpack(), w, "{n}x{k}");
+            assert_eq!(p.data[p.off..].as_ptr() as usize % 64, 0);
+            // Padding columns are zero.
+            if n % NR != 0 && k > 0 {
+                let last = p.panel(n / NR);
+                assert!(last.chunks_exact(NR).all(|row| row[n % NR..].iter().all(|&v| v == 0.0)));
+            }
+        }
+    }
+}
