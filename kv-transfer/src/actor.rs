@@ -27,7 +27,7 @@ use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 
 use crate::frame::{read_frame, write_control, Control, Frame, Limits};
 use crate::metrics as m;
-use crate::net::{BoxRead, BoxWrite, DuplexStream, Listener, PeerInfo};
+use crate::net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
 use crate::sink::KvSink;
 use crate::transport::{BoxFuture, FramePipe, Transport};
@@ -541,7 +541,7 @@ async fn forward_frames(id: StreamId, mut rx: mpsc::Receiver<Frame>, idle: Durat
     }
 }
 
-async fn read_loop(id: StreamId, mut recv: BoxRead, limits: Limits, idle: Duration, tx: mpsc::Sender<Cmd>) {
+async fn read_loop(id: StreamId, mut recv: RecvHalf, limits: Limits, idle: Duration, tx: mpsc::Sender<Cmd>) {
     loop {
         let item = match timeout(idle, read_frame(&mut recv, &limits)).await {
             Err(_) => {
@@ -556,7 +556,7 @@ async fn read_loop(id: StreamId, mut recv: BoxRead, limits: Limits, idle: Durati
     }
 }
 
-async fn write_loop(mut send: BoxWrite, mut rx: mpsc::Receiver<Control>, limit: Duration) {
+async fn write_loop(mut send: SendHalf, mut rx: mpsc::Receiver<Control>, limit: Duration) {
     while let Some(msg) = rx.recv().await {
         match timeout(limit, write_control(&mut send, &msg)).await {
             Ok(Ok(())) => {}

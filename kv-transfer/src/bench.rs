@@ -353,8 +353,8 @@ impl StreamRun<'_> {
 async fn send_layers(connector: &Connector, addr: SocketAddr, layers: Vec<Bytes>) -> Result<()> {
     let mut s = connector.open(addr).await?;
     let io = |what: &'static str| crate::net::io_err(format!("bench stream {what} to {addr}"));
-    for layer in &layers {
-        s.send.write_all(layer).await.map_err(io("write"))?;
+    for layer in layers {
+        s.send.write_bytes(layer).await.map_err(io("write"))?;
     }
     s.send.shutdown().await.map_err(io("shutdown"))?;
     let mut ack = [0u8; 1];
@@ -373,10 +373,21 @@ async fn serve(mut listener: Listener, buf_tx: mpsc::Sender<Vec<u8>>, mut buf_rx
                 if pos == buf.len() {
                     break; // more than expected: stop reading, the sender sees no ack
                 }
-                match s.recv.read(&mut buf[pos..]).await {
-                    Ok(0) => break,
+                // Each byte copied once into place: QUIC hands out its buffers, the other
+                // pipes read into ours.
+                let got = if s.recv.zero_copy() {
+                    s.recv.read_chunk(buf.len() - pos).await.map(|c| {
+                        c.map_or(0, |c| {
+                            buf[pos..pos + c.len()].copy_from_slice(&c);
+                            c.len()
+                        })
+                    })
+                } else {
+                    s.recv.read(&mut buf[pos..]).await
+                };
+                match got {
+                    Ok(0) | Err(_) => break,
                     Ok(n) => pos += n,
-                    Err(_) => break,
                 }
             }
             let _ = s.send.write_all(&[1]).await;

@@ -30,7 +30,7 @@ use crate::actor::AbortOnDrop;
 use crate::frame::{
     checksum, encode_chunk_header, read_frame, run_bytes, write_control, ChunkHeader, Control, Frame, Limits, Open,
 };
-use crate::net::{BoxRead, BoxWrite, DuplexStream};
+use crate::net::{DuplexStream, RecvHalf, SendHalf};
 use crate::receiver::layout_mismatch;
 use crate::transport::{FramePipe, Transport};
 use crate::{KvTransferError, Result};
@@ -405,7 +405,7 @@ fn unexpected(lease: LeaseId, c: &Control) -> KvTransferError {
     KvTransferError::Protocol { reason: format!("unexpected {c:?} during the transfer of {lease}") }
 }
 
-async fn read_events(i: usize, mut recv: BoxRead, tx: mpsc::Sender<(usize, Result<Option<Frame>>)>) {
+async fn read_events(i: usize, mut recv: RecvHalf, tx: mpsc::Sender<(usize, Result<Option<Frame>>)>) {
     let limits = Limits { max_payload: 0, layout: None };
     loop {
         let r = read_frame(&mut recv, &limits).await;
@@ -418,7 +418,7 @@ async fn read_events(i: usize, mut recv: BoxRead, tx: mpsc::Sender<(usize, Resul
 
 /// Where a stream's frames go: encoded onto a byte stream, or handed over whole in-process.
 enum Out {
-    Bytes(BufWriter<BoxWrite>),
+    Bytes(BufWriter<SendHalf>),
     Frames(mpsc::Sender<Frame>),
 }
 
@@ -429,6 +429,14 @@ fn pipe_closed() -> std::io::Error {
 impl Out {
     async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
         match self {
+            // QUIC takes the payload by reference count: header (tiny) through the buffer, K
+            // and V handed over whole, no copy.
+            Out::Bytes(w) if w.get_ref().zero_copy() => {
+                w.write_all(&encode_chunk_header(&h)).await?;
+                w.flush().await?;
+                w.get_mut().write_bytes(k).await?;
+                w.get_mut().write_bytes(v).await
+            }
             Out::Bytes(w) => {
                 w.write_all(&encode_chunk_header(&h)).await?;
                 w.write_all(&k).await?;

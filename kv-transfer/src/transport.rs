@@ -83,7 +83,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let (r, w) = tokio::io::split(stream);
-    DuplexStream { send: Box::pin(w), recv: Box::pin(r) }
+    DuplexStream::from_io(w, r)
 }
 
 /// The transports a sender has, chosen per peer by the ticket's [`TransportKind`].

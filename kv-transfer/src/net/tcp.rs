@@ -21,7 +21,7 @@ use crate::{KvTransferError, Result};
 
 fn plain(stream: TcpStream) -> DuplexStream {
     let (recv, send) = stream.into_split();
-    DuplexStream { send: Box::pin(send), recv: Box::pin(recv) }
+    DuplexStream::from_io(send, recv)
 }
 
 fn tls_duplex<S>(stream: S) -> DuplexStream
@@ -29,7 +29,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let (recv, send) = tokio::io::split(stream);
-    DuplexStream { send: Box::pin(send), recv: Box::pin(recv) }
+    DuplexStream::from_io(send, recv)
 }
 
 fn name_of(certs: Option<&[rustls_pki_types::CertificateDer<'static>]>) -> Option<String> {
