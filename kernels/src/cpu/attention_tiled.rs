@@ -5,12 +5,13 @@
 //! Before the items run, the keys and values of each (sequence, kv head) are gathered once from
 //! the block pools into contiguous `[context_len, head_dim]` buffers shared by all its tiles.
 //! An item then computes `S = Q·Kᵀ · scale` over the keys up to its last query's position with
-//! the `gemm` crate, applies the causal mask, takes an exact max-subtracted softmax per row (f64
-//! denominator), and computes `O = P·V` with `gemm`. Scratch per item is `tile × group × keys`
+//! the `gemm` crate, applies the causal mask, takes an exact max-subtracted softmax per row (vector
+//! `exp`, [`simd::exp_shifted`]), and computes `O = P·V` with `gemm`. Scratch per item is `tile × group × keys`
 //! floats for the scores plus `tile × group × head_dim` for queries and outputs.
 //!
 //! Inputs were validated by the caller (`check::paged_attention`).
 
+use super::simd::{self, Isa};
 use crate::check::AttnDims;
 use crate::{AttnSeq, AttnShape};
 use rayon::prelude::*;
@@ -46,6 +47,7 @@ struct Scratch {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     pool: &rayon::ThreadPool,
+    isa: Isa,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
@@ -82,7 +84,7 @@ pub(crate) fn paged_attention(
         items
             .par_iter()
             .map_init(Scratch::default, |scratch, it| {
-                attend(q, &seqs[it.seq], &gathered[it.gathered], shape, g, it, scratch)
+                attend(isa, q, &seqs[it.seq], &gathered[it.gathered], shape, g, it, scratch)
             })
             .collect()
     });
@@ -97,7 +99,9 @@ pub(crate) fn paged_attention(
 }
 
 /// Output `[(q1 - q0) * group, head_dim]` of one item, rows ordered (query, head within group).
+#[allow(clippy::too_many_arguments)]
 fn attend(
+    isa: Isa,
     q: &[f32],
     s: &AttnSeq<'_>,
     kv: &Gathered,
@@ -153,14 +157,10 @@ fn attend(
         let visible = pos0 + r / g + 1;
         let row = &mut scratch.s[r * nk..(r + 1) * nk];
         let (seen, masked) = row.split_at_mut(visible);
-        let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f64;
-        for v in seen.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v as f64;
-        }
+        let max = simd::max(isa, seen);
+        let sum = simd::exp_shifted(isa, seen, max);
         masked.fill(0.0);
-        *inv = (1.0 / sum) as f32;
+        *inv = 1.0 / sum;
     }
     let mut out = vec![0f32; m * d];
     // SAFETY: dst is `O: [m, d]` row-major in `out` (m*d floats); lhs is `P: [m, nk]` (row stride

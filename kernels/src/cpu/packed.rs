@@ -143,7 +143,7 @@ pub(crate) fn linear(
     let tiles_per_block = (X_BLOCK_FLOATS / k / MR).clamp(1, tiles);
     let blocks = tiles.div_ceil(tiles_per_block);
     let panels = n.div_ceil(NR);
-    let wanted = 4 * pool.current_num_threads();
+    let wanted = 8 * pool.current_num_threads();
     let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
     let runs = panels.div_ceil(per_run);
     let dst = OutPtr(out.as_mut_ptr());
@@ -152,13 +152,23 @@ pub(crate) fn linear(
         let (b, r) = (i / runs, i % runs);
         let tile_range = b * tiles_per_block..((b + 1) * tiles_per_block).min(tiles);
         let mut acc = [[0f32; NR]; MR];
-        for p in r * per_run..((r + 1) * per_run).min(panels) {
+        let run_end = ((r + 1) * per_run).min(panels);
+        for p in r * per_run..run_end {
             let panel = w.panel(p);
             let (c0, cols) = (p * NR, NR.min(n - p * NR));
-            for t in tile_range.clone() {
+            // The task's next panel is fetched into L2 a slice per row tile while this one
+            // computes, so the weights' trip from memory overlaps the FMAs instead of stalling
+            // the first row tile.
+            let passes = tile_range.len();
+            // With one or two row tiles the kernel is bandwidth-bound and the hardware
+            // prefetcher does better alone.
+            let next = if p + 1 < run_end && passes >= 3 { w.panel(p + 1) } else { &[] };
+            for (pass, t) in tile_range.clone().enumerate() {
                 let (r0, rows) = tile(t);
                 let xt = &x[r0 * k..(r0 + rows) * k];
-                micro(isa, xt, panel, k, rows, &mut acc);
+                let lines = next.len() / 16;
+                let pf = &next[pass * lines / passes * 16..(pass + 1) * lines / passes * 16];
+                micro(isa, xt, panel, pf, k, rows, &mut acc);
                 for (rr, acc) in acc.iter().enumerate().take(rows) {
                     // SAFETY: `out` is `[m, n]` (checked by the caller); row `r0 + rr < m`,
                     // columns `c0..c0 + cols <= n`. Tasks own disjoint (row block, panel run)
@@ -189,29 +199,48 @@ struct OutPtr(*mut f32);
 // SAFETY: only used to write disjoint rectangles from tasks joined before `out` is used again.
 unsafe impl Sync for OutPtr {}
 
-/// `acc[r][j] = Σ_kk x[r * k + kk] · panel[kk * NR + j]` for `r < rows`.
-fn micro(isa: Isa, x: &[f32], panel: &[f32], k: usize, rows: usize, acc: &mut [[f32; NR]; MR]) {
+/// `acc[r][j] = Σ_kk x[r * k + kk] · panel[kk * NR + j]` for `r < rows`, prefetching `pf` (a
+/// slice of the next panel; the portable kernel ignores it) into L2 along the way.
+fn micro(isa: Isa, x: &[f32], panel: &[f32], pf: &[f32], k: usize, rows: usize, acc: &mut [[f32; NR]; MR]) {
     match rows {
-        1 => micro_r::<1>(isa, x, panel, k, acc),
-        2 => micro_r::<2>(isa, x, panel, k, acc),
-        3 => micro_r::<3>(isa, x, panel, k, acc),
-        4 => micro_r::<4>(isa, x, panel, k, acc),
-        5 => micro_r::<5>(isa, x, panel, k, acc),
-        _ => micro_r::<6>(isa, x, panel, k, acc),
+        1 => micro_r::<1>(isa, x, panel, pf, k, acc),
+        2 => micro_r::<2>(isa, x, panel, pf, k, acc),
+        3 => micro_r::<3>(isa, x, panel, pf, k, acc),
+        4 => micro_r::<4>(isa, x, panel, pf, k, acc),
+        5 => micro_r::<5>(isa, x, panel, pf, k, acc),
+        _ => micro_r::<6>(isa, x, panel, pf, k, acc),
     }
 }
 
-fn micro_r<const R: usize>(isa: Isa, x: &[f32], panel: &[f32], k: usize, acc: &mut [[f32; NR]; MR]) {
+fn micro_r<const R: usize>(isa: Isa, x: &[f32], panel: &[f32], pf: &[f32], k: usize, acc: &mut [[f32; NR]; MR]) {
     // The raw-pointer kernels read `x[..R * k]` and `panel[..k * NR]`; these checks make a wrong
-    // call a panic rather than an out-of-bounds read.
+    // call a panic rather than an out-of-bounds read. Prefetches never fault, but they stay
+    // inside `pf` too.
     assert!(R <= MR && x.len() >= R * k && panel.len() >= k * NR);
+    // Cache lines (16 floats) of `pf` to prefetch per step of `kk`.
+    let (lines, per_k) = (pf.len() / 16, (pf.len() / 16).div_ceil(k.max(1)));
     match isa {
         // SAFETY: `detect` returned this ISA only if the CPU supports it; sizes asserted above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::tile::<R>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        Isa::Avx512 => unsafe { avx512::tile::<R>(x.as_ptr(), panel.as_ptr(), k, (pf.as_ptr(), lines, per_k), acc) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { avx2::tile::<R>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        Isa::Avx2Fma => unsafe { avx2::tile::<R>(x.as_ptr(), panel.as_ptr(), k, (pf.as_ptr(), lines, per_k), acc) },
         _ => portable_tile::<R>(x, panel, k, acc),
+    }
+}
+
+/// Prefetches lines `kk * per_k .. (kk + 1) * per_k` (those below `lines`) of `pf` into L2.
+///
+/// # Safety
+/// None needed for memory: a prefetch never faults; `wrapping_add` keeps the address arithmetic
+/// defined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch((pf, lines, per_k): (*const f32, usize, usize), kk: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    for line in kk * per_k..((kk + 1) * per_k).min(lines) {
+        // SAFETY: `_mm_prefetch` is a hint: it reads nothing architecturally and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(line * 16) as *const i8) };
     }
 }
 
@@ -247,11 +276,18 @@ mod avx512 {
     /// # Safety
     /// AVX-512F available; `x` valid for `R * k` reads, `panel` for `k * NR`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile<const R: usize>(x: *const f32, panel: *const f32, k: usize, acc: &mut [[f32; NR]; MR]) {
+    pub unsafe fn tile<const R: usize>(
+        x: *const f32,
+        panel: *const f32,
+        k: usize,
+        pf: (*const f32, usize, usize),
+        acc: &mut [[f32; NR]; MR],
+    ) {
         let mut a = [[_mm512_setzero_ps(); 4]; R];
         // SAFETY (all loads): `kk < k`, `r < R`, `c < 4`: inside the ranges the caller vouches for.
         unsafe {
             for kk in 0..k {
+                super::prefetch(pf, kk);
                 let p = panel.add(kk * NR);
                 let w = [
                     _mm512_loadu_ps(p),
@@ -289,12 +325,21 @@ mod avx2 {
     /// # Safety
     /// AVX2 and FMA available; `x` valid for `R * k` reads, `panel` for `k * NR`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile<const R: usize>(x: *const f32, panel: *const f32, k: usize, acc: &mut [[f32; NR]; MR]) {
+    pub unsafe fn tile<const R: usize>(
+        x: *const f32,
+        panel: *const f32,
+        k: usize,
+        pf: (*const f32, usize, usize),
+        acc: &mut [[f32; NR]; MR],
+    ) {
         // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 < NR`: inside the caller's ranges.
         unsafe {
             for s in (0..NR).step_by(16) {
                 let mut a = [[_mm256_setzero_ps(); 2]; R];
                 for kk in 0..k {
+                    if s == 0 {
+                        super::prefetch(pf, kk);
+                    }
                     let p = panel.add(kk * NR + s);
                     let w = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
                     for r in 0..R {

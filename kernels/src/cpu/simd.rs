@@ -141,6 +141,72 @@ pub fn sum(isa: Isa, x: &[f32]) -> f32 {
     }
 }
 
+/// `out[j] = q · keys[j]` for every key (attention scores of one query); each key has at least
+/// `q.len()` elements.
+pub fn dot_keys(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+    let out = &mut out[..keys.len()];
+    let d = q.len();
+    assert!(keys.iter().all(|k| k.len() >= d));
+    match isa {
+        // SAFETY: as in `dot`; every key holds `d` elements (asserted).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot_keys(q, keys, out) },
+        _ => out.iter_mut().zip(keys).for_each(|(o, k)| *o = dot(isa, k, q)),
+    }
+}
+
+/// `max(x)` (`-inf` when empty); NaNs are not propagated (it is a softmax's shift).
+pub fn max(isa: Isa, x: &[f32]) -> f32 {
+    match isa {
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::max(x) },
+        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    }
+}
+
+/// `row[i] = exp(row[i] - max)`; returns `Σ row[i]` (a softmax numerator and its denominator).
+/// The AVX-512 exponential is a degree-6 polynomial (Cephes `expf`, within 2 ulp).
+pub fn exp_shifted(isa: Isa, row: &mut [f32], max: f32) -> f32 {
+    match isa {
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::exp_shifted(row, max) },
+        _ => {
+            let mut sum = 0f64;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v as f64;
+            }
+            sum as f32
+        }
+    }
+}
+
+/// `out[r * d..(r + 1) * d] += Σ_j p[r * p_stride + j] · vals[j][..d]` for every row
+/// `r < rows` (attention outputs of `rows` queries over the same values); every value has at
+/// least `d` elements.
+pub fn accumulate_rows(isa: Isa, p: &[f32], p_stride: usize, rows: usize, vals: &[&[f32]], out: &mut [f32], d: usize) {
+    let nv = vals.len();
+    if rows == 0 || nv == 0 || d == 0 {
+        return;
+    }
+    assert!(vals.iter().all(|v| v.len() >= d) && out.len() >= rows * d);
+    assert!(p_stride >= nv && p.len() >= (rows - 1) * p_stride + nv);
+    match isa {
+        // SAFETY: as in `dot`; sizes asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::accumulate_rows(p, p_stride, rows, vals, out, d) },
+        _ => {
+            for r in 0..rows {
+                for (j, v) in vals.iter().enumerate() {
+                    axpy(isa, &mut out[r * d..(r + 1) * d], p[r * p_stride + j], &v[..d]);
+                }
+            }
+        }
+    }
+}
+
 mod portable {
     const LANES: usize = 16;
 
@@ -372,6 +438,168 @@ mod avx512 {
     }
 
     /// # Safety
+    /// AVX-512F available; every key holds `q.len()` elements; `out.len() == keys.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_keys(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let d = q.len();
+        // SAFETY (all accesses): offsets below `d` (or masked to it) in `q` and in each key;
+        // output lanes masked to the chunk's key count.
+        unsafe {
+            for (c, chunk) in keys.chunks(16).enumerate() {
+                // A short last chunk repeats its last key: a fixed count of 16 keeps the loop
+                // unrolled and the accumulators in registers; the extra lanes are not stored.
+                let kp: [*const f32; 16] = std::array::from_fn(|j| chunk[j.min(chunk.len() - 1)].as_ptr());
+                let mut acc = [_mm512_setzero_ps(); 16];
+                let mut i = 0;
+                while i < d {
+                    let m = if d - i >= 16 { 0xffff } else { tail_mask(d - i) };
+                    let qv = _mm512_maskz_loadu_ps(m, q.as_ptr().add(i));
+                    for j in 0..16 {
+                        acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, kp[j].add(i)), acc[j]);
+                    }
+                    i += 16;
+                }
+                let s = hsum16(&acc);
+                let n = chunk.len();
+                let m = if n == 16 { 0xffff } else { tail_mask(n) };
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(16 * c), m, s);
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn max(x: &[f32]) -> f32 {
+        let n = x.len();
+        let mut acc = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        // SAFETY (all loads): offsets below `n`, or masked to it.
+        unsafe {
+            while i < n {
+                let m = if n - i >= 16 { 0xffff } else { tail_mask(n - i) };
+                acc = _mm512_mask_max_ps(acc, m, acc, _mm512_maskz_loadu_ps(m, x.as_ptr().add(i)));
+                i += 16;
+            }
+        }
+        _mm512_reduce_max_ps(acc)
+    }
+
+    /// `exp(x)` for 16 lanes (Cephes `expf`: `2^n · (1 + r + r² P(r))`, `r = x - n ln 2`).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626)), _mm512_set1_ps(-103.27893));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        _mm512_scalef_ps(y, n)
+    }
+
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
+        let n = row.len();
+        let p = row.as_mut_ptr();
+        let mv = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY (all accesses): offsets below `n`, or masked to it.
+        unsafe {
+            while i < n {
+                let m = if n - i >= 16 { 0xffff } else { tail_mask(n - i) };
+                let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), mv));
+                let e = _mm512_maskz_mov_ps(m, e);
+                _mm512_mask_storeu_ps(p.add(i), m, e);
+                acc = _mm512_add_ps(acc, e);
+                i += 16;
+            }
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// # Safety
+    /// AVX-512F available; sizes as asserted by the safe wrapper `simd::accumulate_rows`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn accumulate_rows(p: &[f32], p_stride: usize, rows: usize, vals: &[&[f32]], out: &mut [f32], d: usize) {
+        // SAFETY: forwarded; every group stays inside the asserted sizes.
+        unsafe {
+            for r0 in (0..rows).step_by(6) {
+                let (pp, op) = (p.as_ptr().add(r0 * p_stride), out.as_mut_ptr().add(r0 * d));
+                match (rows - r0).min(6) {
+                    1 => accumulate_group::<1>(pp, p_stride, vals, op, d),
+                    2 => accumulate_group::<2>(pp, p_stride, vals, op, d),
+                    3 => accumulate_group::<3>(pp, p_stride, vals, op, d),
+                    4 => accumulate_group::<4>(pp, p_stride, vals, op, d),
+                    5 => accumulate_group::<5>(pp, p_stride, vals, op, d),
+                    _ => accumulate_group::<6>(pp, p_stride, vals, op, d),
+                }
+            }
+        }
+    }
+
+    /// `R` rows of [`accumulate_rows`], 64 columns (four vectors) at a time, with the rows'
+    /// `R × 4` accumulators in registers across all values.
+    ///
+    /// # Safety
+    /// AVX-512F available; `p` valid for `(R - 1) * p_stride + vals.len()` reads, `out` for
+    /// `R * d` reads and writes, every value for `d` reads.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)] // register arrays indexed in fully unrolled loops
+    unsafe fn accumulate_group<const R: usize>(
+        p: *const f32,
+        p_stride: usize,
+        vals: &[&[f32]],
+        out: *mut f32,
+        d: usize,
+    ) {
+        let mask = |i: usize| {
+            if i >= d {
+                0
+            } else if d - i >= 16 {
+                0xffff
+            } else {
+                tail_mask(d - i)
+            }
+        };
+        let mut i = 0;
+        // SAFETY (all accesses): columns below `d` (masked), rows below `R`, values below
+        // `vals.len()`, as the caller vouches.
+        unsafe {
+            while i < d {
+                let m: [__mmask16; 4] = std::array::from_fn(|c| mask(i + 16 * c));
+                let mut acc = [[_mm512_setzero_ps(); 4]; R];
+                for (j, v) in vals.iter().enumerate() {
+                    let vp = v.as_ptr().add(i);
+                    let vv: [__m512; 4] = std::array::from_fn(|c| _mm512_maskz_loadu_ps(m[c], vp.add(16 * c)));
+                    for r in 0..R {
+                        let pv = _mm512_set1_ps(*p.add(r * p_stride + j));
+                        for c in 0..4 {
+                            acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for c in 0..4 {
+                        let o = out.add(r * d + i + 16 * c);
+                        _mm512_mask_storeu_ps(o, m[c], _mm512_add_ps(_mm512_maskz_loadu_ps(m[c], o), acc[r][c]));
+                    }
+                }
+                i += 64;
+            }
+        }
+    }
+
+    /// # Safety
     /// AVX-512F available; `y.len() == x.len()`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -567,6 +795,57 @@ mod tests {
                 for i in 0..n {
                     assert!((y[i] - (c[i] + 0.5 * a[i])).abs() < 1e-6);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_helpers_match_scalar_sums() {
+        for isa in isas() {
+            for d in [1, 7, 16, 64, 70, 128] {
+                for nk in [1, 5, 16, 17, 40] {
+                    let q = data(d, 7);
+                    let keys: Vec<Vec<f32>> = (0..nk).map(|j| data(d + 3, 100 + j as u32)).collect();
+                    let refs: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+                    let mut got = vec![f32::NAN; nk + 1];
+                    dot_keys(isa, &q, &refs, &mut got);
+                    for (j, k) in keys.iter().enumerate() {
+                        let exact: f64 = q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        assert!((got[j] as f64 - exact).abs() < 1e-4, "{isa:?} dot_keys d={d} nk={nk} j={j}");
+                    }
+                    assert!(got[nk].is_nan(), "dot_keys wrote past its keys");
+
+                    for rows in [1, 3, 6, 7, 13] {
+                        let stride = nk + 2;
+                        let p = data(rows * stride, 9);
+                        let mut out = data(rows * d + 1, 11);
+                        let before = out.clone();
+                        accumulate_rows(isa, &p, stride, rows, &refs, &mut out, d);
+                        for r in 0..rows {
+                            for i in 0..d {
+                                let exact: f64 = before[r * d + i] as f64
+                                    + (0..nk).map(|j| p[r * stride + j] as f64 * keys[j][i] as f64).sum::<f64>();
+                                assert!(
+                                    (out[r * d + i] as f64 - exact).abs() < 1e-4,
+                                    "{isa:?} accumulate_rows d={d} nk={nk} rows={rows}"
+                                );
+                            }
+                        }
+                        assert_eq!(out[rows * d], before[rows * d], "accumulate_rows wrote past its rows");
+                    }
+                }
+            }
+            for n in [0, 1, 15, 16, 33] {
+                let x: Vec<f32> = data(n, 5).iter().map(|v| v * 60.0).collect();
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(super::max(isa, &x), max, "{isa:?} max n={n}");
+                let mut y = x.clone();
+                let sum = exp_shifted(isa, &mut y, max);
+                let exact: Vec<f64> = x.iter().map(|&v| (v as f64 - max as f64).exp()).collect();
+                for (g, e) in y.iter().zip(&exact) {
+                    assert!((*g as f64 - e).abs() <= 1e-6 * e + 1e-30, "{isa:?} exp_shifted {g} vs {e}");
+                }
+                assert!((sum as f64 - exact.iter().sum::<f64>()).abs() <= 1e-5 * sum as f64, "{isa:?} exp sum");
             }
         }
     }
