@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 
-use crate::frame::{read_frame, write_control, Control, Frame, Limits};
+use crate::frame::{read_frame_recycling, write_control, Control, Frame, Limits};
 use crate::metrics as m;
 use crate::net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
@@ -542,8 +542,9 @@ async fn forward_frames(id: StreamId, mut rx: mpsc::Receiver<Frame>, idle: Durat
 }
 
 async fn read_loop(id: StreamId, mut recv: RecvHalf, limits: Limits, idle: Duration, tx: mpsc::Sender<Cmd>) {
+    let mut buf = bytes::BytesMut::new();
     loop {
-        let item = match timeout(idle, read_frame(&mut recv, &limits)).await {
+        let item = match timeout(idle, read_frame_recycling(&mut recv, &limits, &mut buf)).await {
             Err(_) => {
                 Err(KvTransferError::Timeout { what: format!("a frame on stream {id}"), ms: idle.as_millis() as u64 })
             }

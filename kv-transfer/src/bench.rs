@@ -54,6 +54,11 @@ pub struct TransferBenchConfig {
     /// Also run real handoffs (sender -> receiver into a block pool) over each transport and
     /// in-process ([`crate::bench_handoff`]).
     pub handoffs: bool,
+    /// Times the whole set of rows is run. On a shared machine a burst of other load slows
+    /// whichever rows run during it; with several rounds each row's figure is the median of its
+    /// per-round medians and its share of raw TCP the median of the per-round shares, so one
+    /// burst moves neither.
+    pub rounds: usize,
 }
 
 impl Default for TransferBenchConfig {
@@ -71,6 +76,7 @@ impl Default for TransferBenchConfig {
             quic_tunings: vec![("tuned".into(), QuicTuning::default())],
             threads: None,
             handoffs: true,
+            rounds: 1,
         }
     }
 }
@@ -92,6 +98,9 @@ pub struct Measurement {
     pub median_s: f64,
     /// Fastest request.
     pub best_s: f64,
+    /// Throughput as a share of the faster raw-TCP row of the same prompt and round (median
+    /// over rounds); set by [`run`].
+    pub raw_share: Option<f64>,
 }
 
 impl Measurement {
@@ -102,14 +111,59 @@ impl Measurement {
     pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
         times.sort_by(f64::total_cmp);
         let median_s = times[times.len() / 2];
-        Self { label, tokens, bytes, median_s, best_s: times[0] }
+        Self { label, tokens, bytes, median_s, best_s: times[0], raw_share: None }
     }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Sets each row's share of raw TCP within its round.
+fn set_raw_shares(rows: &mut [Measurement]) {
+    let mut prompts: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
+    prompts.dedup();
+    for tokens in prompts {
+        let raw = rows
+            .iter()
+            .filter(|r| r.tokens == tokens && r.label.starts_with("raw tcp"))
+            .map(Measurement::gb_per_s)
+            .reduce(f64::max);
+        for r in rows.iter_mut().filter(|r| r.tokens == tokens) {
+            r.raw_share = raw.map(|raw| r.gb_per_s() / raw);
+        }
+    }
+}
+
+/// One row per (prompt, label) from several rounds: medians of the per-round figures, the
+/// fastest request overall.
+fn combine(rounds: Vec<Vec<Measurement>>) -> Vec<Measurement> {
+    let Some(first) = rounds.first() else { return Vec::new() };
+    first
+        .iter()
+        .map(|r| {
+            let same: Vec<&Measurement> = rounds
+                .iter()
+                .filter_map(|round| round.iter().find(|m| m.tokens == r.tokens && m.label == r.label))
+                .collect();
+            let shares: Vec<f64> = same.iter().filter_map(|m| m.raw_share).collect();
+            Measurement {
+                label: r.label.clone(),
+                tokens: r.tokens,
+                bytes: r.bytes,
+                median_s: median(same.iter().map(|m| m.median_s).collect()),
+                best_s: same.iter().map(|m| m.best_s).fold(f64::INFINITY, f64::min),
+                raw_share: (!shares.is_empty()).then(|| median(shares)),
+            }
+        })
+        .collect()
 }
 
 /// Runs every row, calling `progress` as each finishes. Builds its own tokio runtime.
 pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) -> Result<Vec<Measurement>> {
-    if cfg.repeats == 0 || cfg.prompts.is_empty() || cfg.layers == 0 || cfg.streams.contains(&0) {
-        return Err(KvTransferError::Bench("repeats, prompts, layers and stream counts must be > 0".into()));
+    if cfg.repeats == 0 || cfg.rounds == 0 || cfg.prompts.is_empty() || cfg.layers == 0 || cfg.streams.contains(&0) {
+        return Err(KvTransferError::Bench("repeats, rounds, prompts, layers and stream counts must be > 0".into()));
     }
     let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -122,7 +176,15 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
     let cfg = cfg.clone();
     rt.block_on(async move {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let job = tokio::spawn(async move { run_all(&cfg, tx).await });
+        let job = tokio::spawn(async move {
+            let mut rounds = Vec::with_capacity(cfg.rounds);
+            for _ in 0..cfg.rounds {
+                let mut rows = run_all(&cfg, tx.clone()).await?;
+                set_raw_shares(&mut rows);
+                rounds.push(rows);
+            }
+            Ok(combine(rounds))
+        });
         while let Some(m) = rx.recv().await {
             progress(&m);
         }
@@ -408,13 +470,8 @@ pub fn render(rows: &[Measurement]) -> String {
     let mut prompts: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
     prompts.dedup();
     for tokens in prompts {
-        let raw = rows
-            .iter()
-            .filter(|r| r.tokens == tokens && r.label.starts_with("raw tcp"))
-            .map(Measurement::gb_per_s)
-            .reduce(f64::max);
         for r in rows.iter().filter(|r| r.tokens == tokens) {
-            let pct = raw.map_or(String::from("-"), |raw| format!("{:.0}%", 100.0 * r.gb_per_s() / raw));
+            let pct = r.raw_share.map_or(String::from("-"), |share| format!("{:.0}%", 100.0 * share));
             let _ = writeln!(
                 out,
                 "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>8.2} {:>8}",

@@ -3,7 +3,7 @@
 //! Knobs (environment, read by this test only): `CLEAVE_BENCH_TOKENS` (default 2048),
 //! `CLEAVE_BENCH_VARIANTS` (comma-separated variant names; default all), `CLEAVE_BENCH_KINDS`
 //! (quic,tcp-plain,tcp-tls), `CLEAVE_BENCH_STREAMS` (default 1,4), `CLEAVE_BENCH_HANDOFFS` (set:
-//! also run handoff rows).
+//! also run handoff rows), `CLEAVE_BENCH_ROUNDS` (default 1).
 
 use cleave_kv_transfer::bench::{self, TransferBenchConfig};
 use cleave_kv_transfer::net::{NetKind, QuicTuning};
@@ -54,6 +54,7 @@ fn quic_tuning_sweep() {
             }),
         quic_tunings: tunings,
         handoffs: std::env::var("CLEAVE_BENCH_HANDOFFS").is_ok(),
+        rounds: std::env::var("CLEAVE_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(1),
         ..Default::default()
     };
     let rows = bench::run(&cfg, |m| eprintln!("{}: {:.2} GB/s", m.label, m.gb_per_s())).unwrap();

@@ -40,6 +40,10 @@ pub struct BenchTransferArgs {
     /// Skip the rows that run real handoffs (sender -> receiver into a block pool).
     #[arg(long)]
     no_handoffs: bool,
+    /// Runs of the whole set of rows; each figure is the median over rounds, and "% raw" the
+    /// median of each round's share of raw TCP (robust to bursts of load on a shared machine).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
 }
 
 pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
@@ -60,6 +64,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         quic_tunings,
         threads: args.threads,
         handoffs: !args.no_handoffs,
+        rounds: args.rounds,
     };
     eprintln!(
         "KV of {} layers x {} KV heads x head dim {} x {} B = {} KiB per token",
