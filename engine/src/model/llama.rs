@@ -177,7 +177,8 @@ impl<B: Backend> Model<B> {
             block_size: kv.block_size(),
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp } = ws.ensure(backend, c, t)?;
+        let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp, logits, logit_rows } =
+            ws.ensure(backend, c, t)?;
         match &self.embed {
             Embeddings::Tied(table) => backend.embedding_prepared(table, batch.tokens, x)?,
             Embeddings::Untied { table, .. } => backend.embedding(table, batch.tokens, c.vocab_size, h, x)?,
@@ -211,16 +212,18 @@ impl<B: Backend> Model<B> {
         if r == 0 {
             return Ok(Vec::new());
         }
-        let mut last = backend.alloc_zeros(r * h)?;
-        backend.gather_rows(x, batch.logit_rows, h, &mut last)?;
-        let mut last_normed = backend.alloc_zeros(r * h)?;
-        backend.rms_norm(&last, &self.norm, c.rms_norm_eps, r, h, &mut last_normed)?;
-        let mut logits = backend.alloc_zeros(r * c.vocab_size)?;
+        // The sampled rows (r <= t) go through `proj` and `normed`, which the layers are done with.
+        backend.gather_rows(x, batch.logit_rows, h, proj)?;
+        backend.rms_norm(proj, &self.norm, c.rms_norm_eps, r, h, normed)?;
+        if r > *logit_rows {
+            *logits = backend.alloc_zeros(r * c.vocab_size)?;
+            *logit_rows = r;
+        }
         let head = match &self.embed {
             Embeddings::Tied(head) | Embeddings::Untied { head, .. } => head,
         };
-        backend.linear_prepared(&last_normed, head, None, r, &mut logits)?;
-        Ok(backend.download(&logits)?)
+        backend.linear_prepared(normed, head, None, r, logits)?;
+        Ok(backend.read(logits, 0, r * c.vocab_size)?)
     }
 }
 
@@ -269,6 +272,9 @@ struct Buffers<B: Backend> {
     up: B::Buf,
     act: B::Buf,
     qk_tmp: Option<B::Buf>,
+    /// `[logit_rows, vocab]`, grown to the most sampled rows seen.
+    logits: B::Buf,
+    logit_rows: usize,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -289,6 +295,8 @@ impl<B: Backend> Workspace<B> {
                 up: backend.alloc_zeros(t * i)?,
                 act: backend.alloc_zeros(t * i)?,
                 qk_tmp: if c.qk_norm { Some(backend.alloc_zeros(t * qd)?) } else { None },
+                logits: backend.alloc_zeros(0)?,
+                logit_rows: 0,
             });
             self.tokens = t;
         }
