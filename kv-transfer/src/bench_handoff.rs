@@ -73,6 +73,7 @@ fn chunks(layout: &KvLayout, tokens: u32, payload: &Bytes) -> Vec<LayerChunk> {
 /// Measures `repeats` handoffs of `tokens` tokens over `kind` with `streams` streams.
 pub(crate) async fn measure(
     cfg: &TransferBenchConfig,
+    rx: &tokio::runtime::Handle,
     kind: TransportKind,
     streams: usize,
     tokens: usize,
@@ -84,9 +85,11 @@ pub(crate) async fn measure(
     let pool = MemoryPool::new(layout.clone(), blocks);
     let mut rcfg = ReceiverConfig::new(layout.clone(), "127.0.0.1:1".parse().expect("literal"), kind);
     rcfg.stream_idle_timeout = Duration::from_secs(60);
+    // The receiver (its actor, listener and stream tasks) lives on the receiving side's runtime.
     let (receiver, transport): (ReceiverService, Arc<dyn Transport>) = match net_kind(kind) {
         None => {
-            let receiver = ReceiverService::spawn(rcfg, pool.clone(), None);
+            let pool = pool.clone();
+            let receiver = crate::bench::on(rx, async move { ReceiverService::spawn(rcfg, pool, None) }).await?;
             let t = Arc::new(receiver.handle().in_process());
             (receiver, t)
         }
@@ -97,9 +100,13 @@ pub(crate) async fn measure(
                 connect_timeout: Duration::from_secs(10),
             };
             let local: SocketAddr = "127.0.0.1:0".parse().expect("literal");
-            let listener = Listener::bind(&net(&ids[0]), local).await?;
-            rcfg.advertise_addr = listener.local_addr();
-            let receiver = ReceiverService::spawn(rcfg, pool.clone(), Some(listener));
+            let (rnet, pool) = (net(&ids[0]), pool.clone());
+            let receiver = crate::bench::on(rx, async move {
+                let listener = Listener::bind(&rnet, local).await?;
+                rcfg.advertise_addr = listener.local_addr();
+                Ok::<_, KvTransferError>(ReceiverService::spawn(rcfg, pool, Some(listener)))
+            })
+            .await??;
             (receiver, Arc::new(NetTransport::new(&net(&ids[1]))?))
         }
     };

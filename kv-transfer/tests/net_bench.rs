@@ -36,6 +36,8 @@ fn quic_tuning_sweep() {
         ("no gso no sockbuf", QuicTuning { socket_buffer: 0, ..nogso.clone() }),
         ("sockbuf 4M", QuicTuning { socket_buffer: 4 << 20, ..base.clone() }),
         ("sockbuf 8M", QuicTuning { socket_buffer: 8 << 20, ..base.clone() }),
+        ("2 conns", QuicTuning { connections_per_peer: 2, ..base.clone() }),
+        ("4 conns", QuicTuning { connections_per_peer: 4, ..base.clone() }),
     ];
     let only = std::env::var("CLEAVE_BENCH_VARIANTS").ok();
     for (name, t) in variants {

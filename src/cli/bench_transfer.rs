@@ -44,6 +44,10 @@ pub struct BenchTransferArgs {
     /// median of each round's share of raw TCP (robust to bursts of load on a shared machine).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Run the receiving side on the sender's runtime (by default it has its own, as on its own
+    /// node; sharing one makes rows bimodal).
+    #[arg(long)]
+    shared_runtime: bool,
 }
 
 pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
@@ -65,6 +69,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         threads: args.threads,
         handoffs: !args.no_handoffs,
         rounds: args.rounds,
+        shared_runtime: args.shared_runtime,
     };
     eprintln!(
         "KV of {} layers x {} KV heads x head dim {} x {} B = {} KiB per token",

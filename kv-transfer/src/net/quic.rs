@@ -1,11 +1,11 @@
 //! QUIC streams (quinn): one endpoint per [`Connector`](super::Connector) and per
-//! [`Listener`](super::Listener), one cached connection per peer address, one bidirectional
-//! stream per [`DuplexStream`].
+//! [`Listener`](super::Listener), [`QuicTuning::connections_per_peer`] cached connections per
+//! peer address (streams opened on them in turn), one bidirectional stream per [`DuplexStream`].
 //!
 //! Invariants:
-//! - at most one connection attempt per peer address is in flight: concurrent `open`s to an
-//!   address wait on the slot's async lock for the one attempt (itself bounded by the connect
-//!   timeout) and then share its connection;
+//! - at most one connection attempt per (peer address, connection index) is in flight:
+//!   concurrent `open`s on a slot wait on its async lock for the one attempt (itself bounded by
+//!   the connect timeout) and then share its connection;
 //! - a cached connection with a close reason (closed, reset, timed out) is never handed out: the
 //!   next `open` replaces it;
 //! - every endpoint's stateless-reset key is derived from the node identity (see `net` docs).
@@ -67,6 +67,10 @@ pub struct QuicTuning {
     pub keep_alive: Option<Duration>,
     /// Most bidirectional streams a peer may have open on one connection.
     pub max_concurrent_streams: u32,
+    /// Connections a connector keeps to each peer; streams are opened on them in turn. Each
+    /// connection has its own driver task (packet building, encryption, decryption), so with
+    /// several streams per transfer more than one core can work on one peer's traffic.
+    pub connections_per_peer: usize,
 }
 
 impl Default for QuicTuning {
@@ -89,6 +93,7 @@ impl Default for QuicTuning {
             idle_timeout: Duration::from_secs(5),
             keep_alive: Some(Duration::from_secs(1)),
             max_concurrent_streams: 1024,
+            connections_per_peer: 1,
         }
     }
 }
@@ -109,6 +114,7 @@ impl QuicTuning {
             idle_timeout: Duration::from_secs(30),
             keep_alive: None,
             max_concurrent_streams: 100,
+            connections_per_peer: 1,
         }
     }
 
@@ -261,7 +267,9 @@ pub(super) struct QuicConnector {
     endpoints: Mutex<[Option<Endpoint>; 2]>,
     /// Connection cache. The std mutex guards only the map (never held across an await); each
     /// slot's async mutex serializes connecting to that address.
-    conns: Mutex<HashMap<SocketAddr, Slot>>,
+    conns: Mutex<HashMap<(SocketAddr, usize), Slot>>,
+    /// Round-robin position over a peer's `connections_per_peer` connections.
+    next: std::sync::atomic::AtomicUsize,
     client: quinn::ClientConfig,
     identity: NodeIdentity,
     tuning: QuicTuning,
@@ -278,6 +286,7 @@ impl QuicConnector {
         Ok(Self {
             endpoints: Mutex::new([None, None]),
             conns: Mutex::new(HashMap::new()),
+            next: std::sync::atomic::AtomicUsize::new(0),
             client,
             identity,
             tuning: tuning.clone(),
@@ -315,9 +324,11 @@ impl QuicConnector {
 
     /// The cached live connection to `addr`, or a new one.
     async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection> {
+        let index =
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.tuning.connections_per_peer.max(1);
         let slot = {
             let mut map = self.conns.lock().expect("connection cache lock poisoned");
-            map.entry(addr).or_default().clone()
+            map.entry((addr, index)).or_default().clone()
         };
         let mut guard = slot.lock().await;
         if let Some(c) = guard.as_ref() {
