@@ -9,7 +9,8 @@
 //!
 //! Layout conventions (shared by every backend):
 //! - Activations of a batch are packed token-major: `[num_tokens, width]`.
-//! - Linear weights use Hugging Face's layout `[out_features, in_features]`.
+//! - Linear weights use Hugging Face's layout `[out_features, in_features]`. A backend may keep
+//!   its own layout for weights it prepares once ([`Backend::prepare_linear`]).
 //! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
 //!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
 //!   at row `t % block_size`.

@@ -1,4 +1,7 @@
-//! `linear` on the CPU: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`.
+//! `linear` on the CPU: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`, with weights in the plain
+//! Hugging Face layout. The model's weights are prepared once at load and multiplied by
+//! [`super::packed`] instead (about 2x this kernel at decode batch 32); this path serves
+//! `Backend::linear` callers that hold plain weights.
 //!
 //! Two regimes:
 //! - **Skinny** (`m <= SKINNY_MAX_M` by default, i.e. decode): the weight matrix is streamed from memory
