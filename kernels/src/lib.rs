@@ -132,6 +132,27 @@ pub trait Backend: Send + Sync + 'static {
         m: usize,
         out: &mut Self::Buf,
     ) -> Result<()>;
+    /// [`Backend::linear_prepared`] of several weights with the same `k` on the same `x` (q/k/v,
+    /// gate/up): `outs[i] = x · ws[i].0ᵀ (+ ws[i].1)`. A backend may run them as one parallel
+    /// region; this default runs them one after another.
+    fn linear_prepared_many(
+        &self,
+        x: &Self::Buf,
+        ws: &[(&Self::Linear, Option<&Self::Buf>)],
+        m: usize,
+        outs: &mut [&mut Self::Buf],
+    ) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(KernelError::Shape {
+                op: "linear_prepared_many",
+                detail: format!("{} weights but {} outputs", ws.len(), outs.len()),
+            });
+        }
+        for ((w, bias), out) in ws.iter().zip(outs.iter_mut()) {
+            self.linear_prepared(x, w, *bias, m, out)?;
+        }
+        Ok(())
+    }
     /// `out[t] = w[ids[t]]`: rows of a prepared weight `[n, k]` (an embedding table tied to the LM
     /// head, kept only in its prepared form).
     fn embedding_prepared(&self, w: &Self::Linear, ids: &[u32], out: &mut Self::Buf) -> Result<()>;

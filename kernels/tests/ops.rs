@@ -100,6 +100,32 @@ fn prepared_linear_matches_reference() {
     }
 }
 
+/// Several prepared products of one `x` in one call (q/k/v, gate/up) against the reference.
+#[test]
+fn prepared_linear_many_matches_reference() {
+    let mut rng = Rng::new(12);
+    for b in backends() {
+        for &(m, k) in &[(1, 33), (7, 64), (32, 100), (70, 17), (130, 300)] {
+            let ns = [65, 1, 130];
+            let x = rng.vec(m * k);
+            let ws: Vec<Vec<f32>> = ns.iter().map(|&n| rng.vec(n * k)).collect();
+            let biases = [Some(rng.vec(ns[0])), None, Some(rng.vec(ns[2]))];
+            let packed: Vec<_> = ws.iter().zip(&ns).map(|(w, &n)| b.prepare_linear(w, n, k).unwrap()).collect();
+            let pairs: Vec<_> = packed.iter().zip(&biases).map(|(w, bias)| (w, bias.as_ref())).collect();
+            let mut outs: Vec<Vec<f32>> = ns.iter().map(|&n| padded(m * n, 2)).collect();
+            let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+            b.linear_prepared_many(&x, &pairs, m, &mut refs).unwrap();
+            for (i, &n) in ns.iter().enumerate() {
+                let mut want = vec![0f32; m * n];
+                reference::linear(&x, &ws[i], biases[i].as_deref(), m, k, n, &mut want).unwrap();
+                let what = format!("{b:?} prepared linear many #{i} {m}x{k}x{n}");
+                assert_close(&outs[i][..m * n], &want, 1e-4, 1e-5, &what);
+                assert_eq!(&outs[i][m * n..], &[SENTINEL; 2], "{what} wrote past m*n");
+            }
+        }
+    }
+}
+
 /// Prefill-sized products: many row blocks and tasks.
 #[test]
 fn prepared_linear_matches_reference_at_prefill_sizes() {
@@ -263,6 +289,15 @@ fn bad_sizes_are_shape_errors() {
     assert!(is_shape(b.linear_prepared(&v(6), &w, None, 2, &mut v(3))));
     assert!(is_shape(b.linear_prepared(&v(6), &w, None, usize::MAX, &mut out)));
     assert!(is_shape(b.embedding_prepared(&w, &[2], &mut out)), "row out of range");
+    let w4 = b.prepare_linear(&v(8), 2, 4).unwrap();
+    let (mut o1, mut o2) = (v(4), v(4));
+    assert!(
+        is_shape(b.linear_prepared_many(&v(8), &[(&w, None), (&w4, None)], 2, &mut [&mut o1, &mut o2])),
+        "k differs"
+    );
+    assert!(is_shape(b.linear_prepared_many(&v(6), &[(&w, None)], 2, &mut [&mut o1, &mut o2])), "count differs");
+    assert!(is_shape(b.linear_prepared_many(&v(6), &[(&w, None), (&w, None)], 2, &mut [&mut o1, &mut v(3)])));
+    assert_eq!((o1, o2), (v(4), v(4)), "a rejected call must not write");
     assert_eq!(out, v(4), "a rejected call must not write");
     assert!(is_shape(b.rms_norm(&v(4), &v(1), 1e-5, 2, 2, &mut out)));
     assert!(is_shape(b.rope(&mut v(4), &[0], 1, 3, &v(6))), "odd head_dim");

@@ -185,9 +185,12 @@ impl<B: Backend> Model<B> {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             backend.rms_norm(x, &layer.input_norm, c.rms_norm_eps, t, h, normed)?;
-            backend.linear_prepared(normed, &layer.q, layer.q_bias.as_ref(), t, q)?;
-            backend.linear_prepared(normed, &layer.k, layer.k_bias.as_ref(), t, k)?;
-            backend.linear_prepared(normed, &layer.v, layer.v_bias.as_ref(), t, v)?;
+            let qkv = [
+                (&layer.q, layer.q_bias.as_ref()),
+                (&layer.k, layer.k_bias.as_ref()),
+                (&layer.v, layer.v_bias.as_ref()),
+            ];
+            backend.linear_prepared_many(normed, &qkv, t, &mut [&mut *q, &mut *k, &mut *v])?;
             if let (Some(qn), Some(kn), Some(tmp)) = (&layer.q_norm, &layer.k_norm, qk_tmp.as_mut()) {
                 backend.copy(q, 0, tmp, 0, t * qd)?;
                 backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, q)?;
@@ -202,8 +205,12 @@ impl<B: Backend> Model<B> {
             backend.linear_prepared(attn, &layer.o, None, t, proj)?;
             backend.add_assign(x, proj, t * h)?;
             backend.rms_norm(x, &layer.post_norm, c.rms_norm_eps, t, h, normed)?;
-            backend.linear_prepared(normed, &layer.gate, None, t, gate)?;
-            backend.linear_prepared(normed, &layer.up, None, t, up)?;
+            backend.linear_prepared_many(
+                normed,
+                &[(&layer.gate, None), (&layer.up, None)],
+                t,
+                &mut [&mut *gate, &mut *up],
+            )?;
             backend.silu_mul(gate, up, t * i, act)?;
             backend.linear_prepared(act, &layer.down, None, t, proj)?;
             backend.add_assign(x, proj, t * h)?;

@@ -230,6 +230,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn linear_prepared_many(
+        &self,
+        x: &Vec<f32>,
+        ws: &[(&PackedLinear, Option<&Vec<f32>>)],
+        m: usize,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<()> {
+        const OP: &str = "linear_prepared_many";
+        if ws.len() != outs.len() {
+            return Err(check::err(OP, format!("{} weights but {} outputs", ws.len(), outs.len())));
+        }
+        let Some(k) = ws.first().map(|(w, _)| w.k()) else { return Ok(()) };
+        if let Some((i, _)) = ws.iter().enumerate().find(|(_, (w, _))| w.k() != k) {
+            return Err(check::err(OP, format!("weight {i} has k = {}, weight 0 has k = {k}", ws[i].0.k())));
+        }
+        for ((w, bias), out) in ws.iter().zip(outs.iter()) {
+            check::linear(x.len(), w.n() * k, bias.map(|b| b.len()), (m, k, w.n()), out.len())?;
+        }
+        let mut products: Vec<packed::Product<'_>> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|((w, bias), out)| packed::Product { w, bias: bias.map(|b| &b[..w.n()]), out: &mut out[..m * w.n()] })
+            .collect();
+        packed::linear_many(&self.pool, self.isa, &x[..m * k], m, &mut products);
+        Ok(())
+    }
+
     fn embedding_prepared(&self, w: &PackedLinear, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
         let (n, k) = (w.n(), w.k());
         check::embedding(n * k, ids, n, k, out.len())?;

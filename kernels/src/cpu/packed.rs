@@ -109,6 +109,13 @@ impl PackedLinear {
     }
 }
 
+/// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
+pub(crate) struct Product<'a> {
+    pub w: &'a PackedLinear,
+    pub bias: Option<&'a [f32]>,
+    pub out: &'a mut [f32],
+}
+
 /// `out[m, n] = x[m, k] · wᵀ (+ bias)`; sizes were checked by the caller (`x: m*k`, `out: m*n`,
 /// `bias: n`).
 pub(crate) fn linear(
@@ -120,15 +127,37 @@ pub(crate) fn linear(
     m: usize,
     out: &mut [f32],
 ) {
-    let (n, k) = (w.n, w.k);
-    if m == 0 || n == 0 {
+    linear_many(pool, isa, x, m, &mut [Product { w, bias, out }]);
+}
+
+/// A product's share of the task space of [`linear_many`].
+struct Plan<'a> {
+    w: &'a PackedLinear,
+    bias: Option<&'a [f32]>,
+    dst: OutPtr,
+    tiles_per_block: usize,
+    per_run: usize,
+    runs: usize,
+    /// Index of this product's first task.
+    first: usize,
+}
+
+/// Several products of the same `x` (q/k/v, gate/up) in one parallel region, so a layer pays
+/// fewer fork/joins (each is a chance to wait for a preempted thread on a shared machine). Every
+/// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
+pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
+    let Some(k) = products.first().map(|p| p.w.k) else { return };
+    debug_assert!(products.iter().all(|p| p.w.k == k));
+    if m == 0 {
         return;
     }
     if k == 0 {
-        for row in out.chunks_exact_mut(n) {
-            match bias {
-                Some(b) => row.copy_from_slice(b),
-                None => row.fill(0.0),
+        for p in products.iter_mut() {
+            for row in p.out.chunks_exact_mut(p.w.n.max(1)) {
+                match p.bias {
+                    Some(b) => row.copy_from_slice(&b[..p.w.n]),
+                    None => row.fill(0.0),
+                }
             }
         }
         return;
@@ -142,15 +171,24 @@ pub(crate) fn linear(
     };
     let tiles_per_block = (X_BLOCK_FLOATS / k / MR).clamp(1, tiles);
     let blocks = tiles.div_ceil(tiles_per_block);
-    let panels = n.div_ceil(NR);
     let wanted = 8 * pool.current_num_threads();
-    let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
-    let runs = panels.div_ceil(per_run);
-    let dst = OutPtr(out.as_mut_ptr());
-    let dst = &dst;
+    let mut first = 0;
+    let mut plans = Vec::with_capacity(products.len());
+    for p in products.iter_mut().filter(|p| p.w.n > 0) {
+        let panels = p.w.n.div_ceil(NR);
+        let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
+        let runs = panels.div_ceil(per_run);
+        let dst = OutPtr(p.out.as_mut_ptr());
+        plans.push(Plan { w: p.w, bias: p.bias, dst, tiles_per_block, per_run, runs, first });
+        first += blocks * runs;
+    }
+    let plans = &plans;
     let task = |i: usize| {
-        let (b, r) = (i / runs, i % runs);
-        let tile_range = b * tiles_per_block..((b + 1) * tiles_per_block).min(tiles);
+        let plan = plans.iter().rev().find(|p| p.first <= i).expect("task index inside the plans");
+        let (w, n, per_run) = (plan.w, plan.w.n, plan.per_run);
+        let panels = n.div_ceil(NR);
+        let (b, r) = ((i - plan.first) / plan.runs, (i - plan.first) % plan.runs);
+        let tile_range = b * plan.tiles_per_block..((b + 1) * plan.tiles_per_block).min(tiles);
         let mut acc = [[0f32; NR]; MR];
         let run_end = ((r + 1) * per_run).min(panels);
         for p in r * per_run..run_end {
@@ -170,11 +208,12 @@ pub(crate) fn linear(
                 let pf = &next[pass * lines / passes * 16..(pass + 1) * lines / passes * 16];
                 micro(isa, xt, panel, pf, k, rows, &mut acc);
                 for (rr, acc) in acc.iter().enumerate().take(rows) {
-                    // SAFETY: `out` is `[m, n]` (checked by the caller); row `r0 + rr < m`,
-                    // columns `c0..c0 + cols <= n`. Tasks own disjoint (row block, panel run)
-                    // rectangles, and nothing reads `out` until the parallel loop has joined.
-                    let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + rr) * n + c0), cols) };
-                    match bias {
+                    // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row
+                    // `r0 + rr < m`, columns `c0..c0 + cols <= n`. Tasks own disjoint (product,
+                    // row block, panel run) rectangles, and nothing reads an `out` until the
+                    // parallel loop has joined.
+                    let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add((r0 + rr) * n + c0), cols) };
+                    match plan.bias {
                         Some(b) => {
                             for ((o, a), b) in o.iter_mut().zip(acc).zip(&b[c0..c0 + cols]) {
                                 *o = a + b;
@@ -186,15 +225,14 @@ pub(crate) fn linear(
             }
         }
     };
-    let count = blocks * runs;
-    if count == 1 {
-        task(0);
-    } else {
-        pool.install(|| (0..count).into_par_iter().for_each(task));
+    match first {
+        0 => {}
+        1 => task(0),
+        count => pool.install(|| (0..count).into_par_iter().for_each(task)),
     }
 }
 
-/// `out`'s base pointer, shared by the tasks of [`linear`], which write disjoint elements.
+/// An `out`'s base pointer, shared by the tasks of [`linear_many`], which write disjoint elements.
 struct OutPtr(*mut f32);
 // SAFETY: only used to write disjoint rectangles from tasks joined before `out` is used again.
 unsafe impl Sync for OutPtr {}
