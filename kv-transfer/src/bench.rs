@@ -108,6 +108,10 @@ pub struct Measurement {
     /// Throughput as a share of the faster raw-TCP row of the same prompt and round (median
     /// over rounds); set by [`run`].
     pub raw_share: Option<f64>,
+    /// CPU seconds per request, every thread of the process (both ends of the transfer) over
+    /// the timed requests. Unlike wall time it does not grow when other processes take the
+    /// cores, so it shows what each path costs even on a busy machine.
+    pub cpu_s: Option<f64>,
 }
 
 impl Measurement {
@@ -118,8 +122,25 @@ impl Measurement {
     pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
         times.sort_by(f64::total_cmp);
         let median_s = times[times.len() / 2];
-        Self { label, tokens, bytes, median_s, best_s: times[0], raw_share: None }
+        Self { label, tokens, bytes, median_s, best_s: times[0], raw_share: None, cpu_s: None }
     }
+
+    /// Sets [`Measurement::cpu_s`] from the process CPU time at the first timed request.
+    pub(crate) fn with_cpu(mut self, cpu_at_start: f64, requests: usize) -> Self {
+        self.cpu_s = Some((process_cpu_s() - cpu_at_start) / requests.max(1) as f64);
+        self
+    }
+}
+
+/// CPU time of the whole process (user + system, all threads), in seconds.
+pub(crate) fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one rusage struct, which we own and zero-initialise.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -155,6 +176,7 @@ fn combine(rounds: Vec<Vec<Measurement>>) -> Vec<Measurement> {
                 .filter_map(|round| round.iter().find(|m| m.tokens == r.tokens && m.label == r.label))
                 .collect();
             let shares: Vec<f64> = same.iter().filter_map(|m| m.raw_share).collect();
+            let cpus: Vec<f64> = same.iter().filter_map(|m| m.cpu_s).collect();
             Measurement {
                 label: r.label.clone(),
                 tokens: r.tokens,
@@ -162,6 +184,7 @@ fn combine(rounds: Vec<Vec<Measurement>>) -> Vec<Measurement> {
                 median_s: median(same.iter().map(|m| m.median_s).collect()),
                 best_s: same.iter().map(|m| m.best_s).fold(f64::INFINITY, f64::min),
                 raw_share: (!shares.is_empty()).then(|| median(shares)),
+                cpu_s: (!cpus.is_empty()).then(|| median(cpus)),
             }
         })
         .collect()
@@ -297,7 +320,11 @@ pub(crate) fn payload(len: usize) -> Bytes {
 fn memcpy(tokens: usize, src: &[u8], repeats: usize) -> Measurement {
     let mut dst = vec![1u8; src.len()];
     let mut times = Vec::new();
+    let mut cpu0 = 0.0;
     for i in 0..=repeats {
+        if i == 1 {
+            cpu0 = process_cpu_s();
+        }
         let t = Instant::now();
         dst.copy_from_slice(src);
         std::hint::black_box(&mut dst);
@@ -305,7 +332,7 @@ fn memcpy(tokens: usize, src: &[u8], repeats: usize) -> Measurement {
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    Measurement::from_times("memcpy (limit)".into(), tokens, src.len() as u64, times)
+    Measurement::from_times("memcpy (limit)".into(), tokens, src.len() as u64, times).with_cpu(cpu0, repeats)
 }
 
 /// AES-128-GCM (the suite every TLS link here negotiates) sealing and then opening the request
@@ -325,7 +352,11 @@ fn aead(tokens: usize, src: &[u8], repeats: usize) -> Result<Measurement> {
     let mut buf = src.to_vec();
     let mut tags = Vec::with_capacity(buf.len().div_ceil(RECORD));
     let mut times = Vec::new();
+    let mut cpu0 = 0.0;
     for r in 0..=repeats {
+        if r == 1 {
+            cpu0 = process_cpu_s();
+        }
         let t = Instant::now();
         tags.clear();
         for (i, rec) in buf.chunks_mut(RECORD).enumerate() {
@@ -342,7 +373,8 @@ fn aead(tokens: usize, src: &[u8], repeats: usize) -> Result<Measurement> {
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    Ok(Measurement::from_times("aes-128-gcm seal+open 1 thr".into(), tokens, src.len() as u64, times))
+    Ok(Measurement::from_times("aes-128-gcm seal+open 1 thr".into(), tokens, src.len() as u64, times)
+        .with_cpu(cpu0, repeats))
 }
 
 /// Plain tokio TCP, one `write_all` of the whole request, 1-byte ack. `fresh`: a new connection
@@ -379,7 +411,11 @@ async fn raw_tcp(
     let mut conn: Option<tokio::net::TcpStream> = None;
     let mut times = Vec::new();
     let mut ack = [0u8; 1];
+    let mut cpu0 = 0.0;
     for i in 0..=repeats {
+        if i == 1 {
+            cpu0 = process_cpu_s();
+        }
         let t = Instant::now();
         if fresh || conn.is_none() {
             let s = tokio::net::TcpStream::connect(addr).await.map_err(io("connect"))?;
@@ -395,7 +431,7 @@ async fn raw_tcp(
     }
     server.await.map_err(|e| KvTransferError::Bench(e.to_string()))?.map_err(io("server"))?;
     let label = if fresh { "raw tcp, conn/request" } else { "raw tcp, one conn" };
-    Ok(Measurement::from_times(label.into(), tokens, len as u64, times))
+    Ok(Measurement::from_times(label.into(), tokens, len as u64, times).with_cpu(cpu0, repeats))
 }
 
 struct StreamRun<'a> {
@@ -433,7 +469,11 @@ impl StreamRun<'_> {
         let connector = Arc::new(Connector::with_tuning(&net(&ids[1]), self.tuning)?);
         let layer_len = payload.len() / self.layers;
         let mut times = Vec::new();
+        let mut cpu0 = 0.0;
         for i in 0..=self.repeats {
+            if i == 1 {
+                cpu0 = process_cpu_s();
+            }
             let t = Instant::now();
             let mut tasks = Vec::with_capacity(self.streams);
             for s in 0..self.streams {
@@ -453,7 +493,7 @@ impl StreamRun<'_> {
         }
         server.abort();
         connector.close();
-        Ok(Measurement::from_times(label, tokens, (layer_len * self.layers) as u64, times))
+        Ok(Measurement::from_times(label, tokens, (layer_len * self.layers) as u64, times).with_cpu(cpu0, self.repeats))
     }
 }
 
@@ -509,24 +549,26 @@ pub fn render(rows: &[Measurement]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:>7} {:>9}  {:<26} {:>9} {:>9} {:>8} {:>8}",
-        "tokens", "MiB", "path", "median ms", "best ms", "GB/s", "% raw"
+        "{:>7} {:>9}  {:<26} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "tokens", "MiB", "path", "median ms", "best ms", "GB/s", "% raw", "core ms"
     );
     let mut prompts: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
     prompts.dedup();
     for tokens in prompts {
         for r in rows.iter().filter(|r| r.tokens == tokens) {
             let pct = r.raw_share.map_or(String::from("-"), |share| format!("{:.0}%", 100.0 * share));
+            let cpu = r.cpu_s.map_or(String::from("-"), |c| format!("{:.0}", c * 1e3));
             let _ = writeln!(
                 out,
-                "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>8.2} {:>8}",
+                "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>8.2} {:>8} {:>8}",
                 r.tokens,
                 r.bytes as f64 / (1 << 20) as f64,
                 r.label,
                 r.median_s * 1e3,
                 r.best_s * 1e3,
                 r.gb_per_s(),
-                pct
+                pct,
+                cpu
             );
         }
     }

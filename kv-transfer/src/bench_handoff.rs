@@ -114,7 +114,11 @@ pub(crate) async fn measure(
     let scfg = SendConfig { streams, ..SendConfig::default() };
     let mut times = Vec::new();
     let mut bytes = 0;
+    let mut cpu0 = 0.0;
     for i in 0..=cfg.repeats {
+        if i == 1 {
+            cpu0 = crate::bench::process_cpu_s();
+        }
         let todo = chunks(&layout, tokens, &payload);
         let t = Instant::now();
         let res = receiver.handle().reserve(RequestId(i as u64), tokens, None).await?;
@@ -131,10 +135,11 @@ pub(crate) async fn measure(
             times.push(elapsed);
         }
     }
-    receiver.shutdown(Duration::from_secs(5)).await;
     let label = match net_kind(kind) {
         Some(nk) => format!("handoff {} x{streams}", nk.name()),
         None => format!("handoff in-process x{streams}"),
     };
-    Ok(Measurement::from_times(label, tokens as usize, bytes, times))
+    let m = Measurement::from_times(label, tokens as usize, bytes, times).with_cpu(cpu0, cfg.repeats);
+    receiver.shutdown(Duration::from_secs(5)).await;
+    Ok(m)
 }

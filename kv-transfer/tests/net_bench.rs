@@ -38,6 +38,9 @@ fn quic_tuning_sweep() {
         ("sockbuf 8M", QuicTuning { socket_buffer: 8 << 20, ..base.clone() }),
         ("2 conns", QuicTuning { connections_per_peer: 2, ..base.clone() }),
         ("4 conns", QuicTuning { connections_per_peer: 4, ..base.clone() }),
+        ("ack every 4", QuicTuning { ack_eliciting_threshold: Some(4), ..base.clone() }),
+        ("ack every 16", QuicTuning { ack_eliciting_threshold: Some(16), ..base.clone() }),
+        ("ack every 64", QuicTuning { ack_eliciting_threshold: Some(64), ..base.clone() }),
     ];
     let only = std::env::var("CLEAVE_BENCH_VARIANTS").ok();
     for (name, t) in variants {

@@ -71,6 +71,10 @@ pub struct QuicTuning {
     /// connection has its own driver task (packet building, encryption, decryption), so with
     /// several streams per transfer more than one core can work on one peer's traffic.
     pub connections_per_peer: usize,
+    /// Ask the peer (ACK frequency extension) to acknowledge only every this many
+    /// ack-eliciting packets instead of every second one; None leaves the default. Fewer ACKs
+    /// are fewer datagrams to build, encrypt, send and process on both ends.
+    pub ack_eliciting_threshold: Option<u32>,
 }
 
 impl Default for QuicTuning {
@@ -94,6 +98,7 @@ impl Default for QuicTuning {
             keep_alive: Some(Duration::from_secs(1)),
             max_concurrent_streams: 1024,
             connections_per_peer: 1,
+            ack_eliciting_threshold: None,
         }
     }
 }
@@ -115,6 +120,7 @@ impl QuicTuning {
             keep_alive: None,
             max_concurrent_streams: 100,
             connections_per_peer: 1,
+            ack_eliciting_threshold: None,
         }
     }
 
@@ -128,6 +134,11 @@ impl QuicTuning {
             .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
             .max_concurrent_uni_streams(VarInt::from_u32(0))
             .keep_alive_interval(self.keep_alive);
+        if let Some(n) = self.ack_eliciting_threshold {
+            let mut a = quinn::AckFrequencyConfig::default();
+            a.ack_eliciting_threshold(VarInt::from_u32(n));
+            t.ack_frequency_config(Some(a));
+        }
         let idle = quinn::IdleTimeout::try_from(self.idle_timeout)
             .map_err(|e| KvTransferError::Tls(format!("quic idle timeout: {e}")))?;
         t.max_idle_timeout(Some(idle));
