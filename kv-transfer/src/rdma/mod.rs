@@ -24,12 +24,17 @@
 //!
 //! [`link`] drives it all (one end per queue pair) over a small operations trait, implemented
 //! by [`verbs`] for a device and by [`sim`] in memory, so the whole flow, faults included, runs
-//! in tests without a device.
+//! in tests without a device. [`driver`] gives each link end an owner task with a handle (posting
+//! in order under back-pressure, `finish` and `cancel` that wait for the outcome or the drain).
+//!
+//! Not yet done: the handoff ([`crate::sender`], the receiver actor) does not pick RDMA as a
+//! transport, and the decode node's KV pool is not one registered region.
 //!
 //! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`] and [`sim`]
 //! depend on no verbs type; [`verbs`] is the only module with `unsafe`.
 
 pub mod completion;
+pub mod driver;
 pub mod layout;
 pub mod link;
 pub mod meta;
@@ -40,6 +45,7 @@ pub mod verbs;
 pub use completion::{
     FailReason, LeaseEvent, Outcome, RecvCompletion, RecvTracker, SendCompletion, SendTracker, WcStatus,
 };
+pub use driver::{DriverConfig, RecvDriver, SendChunk, SendDriver};
 pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{PathMtu, QpMetadata};
