@@ -8,7 +8,7 @@
 //! except [`verbs`] is pure and tested without one.
 //!
 //! Flow of one handoff over RDMA:
-//! 1. Link setup, once per peer pair: each side creates a queue pair and sends its
+//! 1. Link setup, once per peer pair ([`setup`]): each side creates a queue pair and sends its
 //!    [`QpMetadata`] over the QUIC control stream (the decode side with its [`RemoteRegion`]:
 //!    address, length, rkey and [`PoolLayout`] of the pool); both [`verbs::QueuePair::connect`].
 //! 2. Per lease: the decode side reserves blocks, assigns a 12-bit lease tag unused on this
@@ -39,6 +39,7 @@ pub mod layout;
 pub mod link;
 pub mod meta;
 pub mod plan;
+pub mod setup;
 pub mod sim;
 pub mod verbs;
 
@@ -50,3 +51,4 @@ pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{PathMtu, QpMetadata};
 pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
+pub use setup::{accept as accept_link, connect as connect_link, read_metadata, write_metadata, Provider};

@@ -222,3 +222,83 @@ impl RecvOps for SimReceiver {
         Ok(())
     }
 }
+
+/// A [`super::setup::Provider`] in memory: each receiving queue pair is a fresh [`SimNet`]
+/// whose region has the pool's layout, found by the sender through the queue-pair number in the
+/// receiver's metadata (as a device finds the peer's queue pair through its address).
+#[derive(Debug, Clone)]
+pub struct SimFabric {
+    inner: Arc<Mutex<Fabric>>,
+    layout: super::layout::PoolLayout,
+    addr: u64,
+    rkey: u32,
+    staging_len: usize,
+}
+
+#[derive(Debug, Default)]
+struct Fabric {
+    next_qp: u32,
+    nets: std::collections::HashMap<u32, SimNet>,
+}
+
+impl SimFabric {
+    /// Receivers expose a pool of `layout` at `addr` with `rkey`; senders get `staging_len`
+    /// bytes of staging memory.
+    pub fn new(layout: super::layout::PoolLayout, addr: u64, rkey: u32, staging_len: usize) -> Self {
+        Self { inner: Arc::default(), layout, addr, rkey, staging_len }
+    }
+
+    /// The connection of the receiving queue pair `qp_num` (for faults and inspection).
+    pub fn net(&self, qp_num: u32) -> Option<SimNet> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).nets.get(&qp_num).cloned()
+    }
+
+    fn metadata(&self, qp_num: u32, region: Option<super::plan::RemoteRegion>) -> super::meta::QpMetadata {
+        super::meta::QpMetadata {
+            qp_num,
+            lid: 1,
+            gid: [0; 16],
+            psn: qp_num & 0xFF_FFFF,
+            mtu: super::meta::PathMtu::Mtu4096,
+            max_write_bytes: 1 << 20,
+            region,
+        }
+    }
+
+    fn new_qp(&self) -> u32 {
+        let mut f = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f.next_qp += 1;
+        f.next_qp
+    }
+}
+
+impl super::setup::Provider for SimFabric {
+    type PendingSend = ();
+    type Send = SimSender;
+    type PendingRecv = SimNet;
+    type Recv = SimReceiver;
+
+    fn create_send(&self) -> Result<((), super::meta::QpMetadata)> {
+        Ok(((), self.metadata(self.new_qp(), None)))
+    }
+
+    fn connect_send(&self, _: (), remote: &super::meta::QpMetadata) -> Result<SimSender> {
+        let net = self.net(remote.qp_num).ok_or_else(|| crate::error::KvTransferError::RdmaMetadata {
+            reason: format!("no queue pair {} on this fabric", remote.qp_num),
+        })?;
+        Ok(net.sender(self.staging_len))
+    }
+
+    fn create_recv(&self) -> Result<(SimNet, super::meta::QpMetadata)> {
+        let len = self.layout.extent()?;
+        let qp = self.new_qp();
+        let net = SimNet::new(self.addr, len as usize, self.rkey);
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).nets.insert(qp, net.clone());
+        let region = super::plan::RemoteRegion { addr: self.addr, len, rkey: self.rkey, layout: self.layout };
+        Ok((net, self.metadata(qp, Some(region))))
+    }
+
+    fn connect_recv(&self, net: SimNet, _remote: &super::meta::QpMetadata) -> Result<SimReceiver> {
+        Ok(net.receiver())
+    }
+}

@@ -740,3 +740,74 @@ impl super::link::RecvOps for VerbsReceiver {
         self.qp.to_error()
     }
 }
+
+/// A [`super::setup::Provider`] on a device: queue pairs on one protection domain, each with its
+/// own completion queue. Receivers expose `pool` (the KV pool, registered once, whole) with its
+/// layout; each sender registers its own staging buffer of `staging_len` bytes.
+pub struct VerbsProvider {
+    pub pd: Arc<ProtectionDomain>,
+    pub qp: QpConfig,
+    pub cq_depth: u32,
+    /// The receiving side's registered pool; `None` on a node that only sends.
+    pub pool: Option<(Arc<MemoryRegion>, super::layout::PoolLayout)>,
+    pub staging_len: usize,
+    pub max_write_bytes: u32,
+}
+
+/// A created, not yet connected queue pair.
+pub struct PendingQp {
+    qp: QueuePair,
+    cq: Arc<CompletionQueue>,
+    psn: u32,
+    staging: Option<OwnedRegion>,
+}
+
+impl VerbsProvider {
+    fn create(&self, staging: bool) -> Result<PendingQp> {
+        let cq = CompletionQueue::new(self.pd.context(), self.cq_depth)?;
+        let qp = QueuePair::new_rc(&self.pd, &cq, &cq, self.qp)?;
+        let staging =
+            if staging { Some(OwnedRegion::new(&self.pd, self.staging_len, Access::LocalOnly)?) } else { None };
+        // A random initial packet sequence number, so a stale packet of an earlier queue pair
+        // with the same number is not taken for this one's.
+        let mut psn = [0u8; 4];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut psn)
+            .map_err(|_| KvTransferError::RdmaMetadata { reason: "no randomness for the psn".into() })?;
+        Ok(PendingQp { qp, cq, psn: u32::from_le_bytes(psn) & 0xFF_FFFF, staging })
+    }
+}
+
+impl super::setup::Provider for VerbsProvider {
+    type PendingSend = PendingQp;
+    type Send = VerbsSender;
+    type PendingRecv = PendingQp;
+    type Recv = VerbsReceiver;
+
+    fn create_send(&self) -> Result<(PendingQp, QpMetadata)> {
+        let p = self.create(true)?;
+        let m = p.qp.local_metadata(p.psn, self.max_write_bytes, None)?;
+        Ok((p, m))
+    }
+
+    fn connect_send(&self, p: PendingQp, remote: &QpMetadata) -> Result<VerbsSender> {
+        p.qp.connect(p.psn, remote)?;
+        let staging = p.staging.ok_or_else(|| KvTransferError::RdmaPlan { reason: "sender without staging".into() })?;
+        Ok(VerbsSender { qp: p.qp, cq: p.cq, staging })
+    }
+
+    fn create_recv(&self) -> Result<(PendingQp, QpMetadata)> {
+        let (mr, layout) = self.pool.as_ref().ok_or_else(|| KvTransferError::RdmaPlan {
+            reason: "this node registered no KV pool: it cannot receive over RDMA".into(),
+        })?;
+        let region = RemoteRegion { addr: mr.addr(), len: mr.len(), rkey: mr.rkey(), layout: *layout };
+        region.validate()?;
+        let p = self.create(false)?;
+        let m = p.qp.local_metadata(p.psn, self.max_write_bytes, Some(region))?;
+        Ok((p, m))
+    }
+
+    fn connect_recv(&self, p: PendingQp, remote: &QpMetadata) -> Result<VerbsReceiver> {
+        p.qp.connect(p.psn, remote)?;
+        Ok(VerbsReceiver::new(p.qp, p.cq))
+    }
+}

@@ -1,0 +1,188 @@
+//! RDMA link setup: queue-pair metadata exchanged over a real, mutually authenticated QUIC
+//! stream, then a lease written through the link (the in-memory provider stands in for the
+//! device), and every way the exchange can go wrong: bad lengths, truncation, garbage, a
+//! receiver without a region, a silent peer. Every wait is bounded.
+#![cfg(feature = "rdma")]
+#![allow(clippy::single_range_in_vec_init)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cleave_kv_transfer::net::{Connector, Listener, NetConfig, NetKind};
+use cleave_kv_transfer::rdma::sim::SimFabric;
+use cleave_kv_transfer::rdma::*;
+use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_kv_transfer::KvTransferError;
+use cleave_protocol::{KvDtype, KvLayout};
+use tokio::io::AsyncWriteExt;
+use tokio::time::timeout;
+
+const WAIT: Duration = Duration::from_secs(10);
+const LAYERS: u32 = 2;
+
+fn layout() -> PoolLayout {
+    let kv = KvLayout {
+        model_fingerprint: 0,
+        dtype: KvDtype::F16,
+        num_layers: LAYERS,
+        num_kv_heads: 2,
+        head_dim: 4,
+        block_size: 4,
+    };
+    PoolLayout::dense(&kv, 16).unwrap()
+}
+
+fn send_cfg() -> SendLinkConfig {
+    SendLinkConfig { slots: 2, slot_bytes: 4096, sq_depth: 64, policy: SignalPolicy::default() }
+}
+
+fn recv_cfg() -> RecvLinkConfig {
+    RecvLinkConfig { recv_depth: 64, quarantine: Duration::from_secs(5) }
+}
+
+async fn quic_pair() -> (Listener, Connector, SocketAddr) {
+    let ids = NodeIdentity::generate_test_cluster(&["decode", "prefill"]).unwrap();
+    let cfg = |id: &NodeIdentity| NetConfig::new(NetKind::Quic, Some(id.clone()));
+    let l = Listener::bind(&cfg(&ids[0]), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = l.local_addr();
+    (l, Connector::new(&cfg(&ids[1])).unwrap(), addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_over_quic_then_a_lease_lands_through_the_link() {
+    let pool = layout();
+    let fabric = SimFabric::new(pool, 0x10_0000, 0x77, 2 * 4096);
+    let (mut listener, connector, addr) = quic_pair().await;
+    let rf = fabric.clone();
+    let receiver = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap().unwrap();
+        let link = accept_link(&mut s, &rf, recv_cfg(), WAIT).await.unwrap();
+        (link, s, listener)
+    });
+    let mut s = connector.open(addr).await.unwrap();
+    let send = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.unwrap();
+    let (recv, _rs, _listener) = timeout(WAIT, receiver).await.unwrap().unwrap();
+    let dcfg = DriverConfig { poll_interval: Duration::from_micros(100), queue: 16 };
+    let tx = SendDriver::spawn(send, dcfg);
+    let (rx, mut events) = RecvDriver::spawn(recv, dcfg);
+
+    let dl = Instant::now() + WAIT;
+    let tag = rx.open_lease(LAYERS, dl).await.unwrap();
+    tx.open(tag, dl).await.unwrap();
+    let blocks: Arc<[u32]> = Arc::from(vec![3u32, 11]);
+    let tb = pool.token_bytes as usize;
+    let mut want = vec![0u8; pool.extent().unwrap() as usize];
+    for layer in 0..LAYERS {
+        let k: Vec<u8> = (0..6 * tb).map(|i| (i + layer as usize * 13) as u8 | 1).collect();
+        let v: Vec<u8> = (0..6 * tb).map(|i| (i * 3 + layer as usize) as u8 | 2).collect();
+        for (half, src) in [(Half::K, &k), (Half::V, &v)] {
+            for p in 0..6u32 {
+                let off = pool.offset(layer, half, blocks[(p / 4) as usize], p % 4).unwrap() as usize;
+                want[off..off + tb].copy_from_slice(&src[p as usize * tb..(p as usize + 1) * tb]);
+            }
+        }
+        let c = SendChunk {
+            blocks: blocks.clone(),
+            layer,
+            tokens: 0..6,
+            tag,
+            chunk: 0,
+            k: Bytes::from(k),
+            v: Bytes::from(v),
+        };
+        timeout(WAIT, tx.send(c)).await.unwrap().unwrap();
+    }
+    assert_eq!(timeout(WAIT, tx.finish(tag)).await.unwrap().unwrap().outcome, Outcome::Done);
+    rx.set_chunks(tag, 1).await.unwrap();
+    let e = timeout(WAIT, events.recv()).await.unwrap().unwrap();
+    assert_eq!(e, LeaseEvent { tag, outcome: Outcome::Done });
+    // The sender found the receiver's queue pair through the metadata it read from the stream.
+    let net = (1..=4).find_map(|qp| fabric.net(qp)).expect("the receiver's queue pair");
+    assert!(net.region() == want, "the region differs from the reference");
+}
+
+fn metadata(region: bool) -> QpMetadata {
+    let l = layout();
+    QpMetadata {
+        qp_num: 5,
+        lid: 1,
+        gid: [0; 16],
+        psn: 9,
+        mtu: PathMtu::Mtu4096,
+        max_write_bytes: 1 << 20,
+        region: region.then(|| RemoteRegion { addr: 0x1000, len: l.extent().unwrap(), rkey: 1, layout: l }),
+    }
+}
+
+#[tokio::test]
+async fn bad_metadata_messages_are_clear_errors() {
+    let good = {
+        let mut v = Vec::new();
+        write_metadata(&mut v, &metadata(true)).await.unwrap();
+        v
+    };
+    assert_eq!(read_metadata(&mut &good[..]).await.unwrap(), metadata(true));
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("empty stream", vec![]),
+        ("half a length", vec![0]),
+        ("zero length", vec![0, 0]),
+        ("length over the limit", vec![0xFF, 0xFF]),
+        ("truncated body", good[..good.len() - 3].to_vec()),
+        ("garbage body", [&[0u8, 16][..], &[0xAB; 16]].concat()),
+    ];
+    for (what, bytes) in cases {
+        let e = read_metadata(&mut &bytes[..]).await.err().unwrap_or_else(|| panic!("{what}: accepted"));
+        assert!(matches!(e, KvTransferError::Truncated { .. } | KvTransferError::RdmaMetadata { .. }), "{what}: {e}");
+        println!("{what}: {e}");
+    }
+    // Every single-byte corruption of a good message is refused or decodes to valid metadata.
+    for i in 2..good.len() {
+        let mut b = good.clone();
+        b[i] ^= 0x5A;
+        if let Ok(m) = read_metadata(&mut &b[..]).await {
+            m.validate().unwrap();
+        }
+    }
+}
+
+/// The receiver's answer must carry a region; a peer answering like a sender is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_without_a_region_is_refused() {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 8192);
+    let (mut listener, connector, addr) = quic_pair().await;
+    let peer = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap().unwrap();
+        read_metadata(&mut s.recv).await.unwrap();
+        write_metadata(&mut s.send, &metadata(false)).await.unwrap();
+        s.send.shutdown().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        listener
+    });
+    let mut s = connector.open(addr).await.unwrap();
+    let e = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.err().expect("refused");
+    assert!(e.to_string().contains("no memory region"), "{e}");
+    let _ = peer.await;
+}
+
+/// A peer that never answers: setup fails with a timeout on both sides, never hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_times_out() {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 8192);
+    let (mut listener, connector, addr) = quic_pair().await;
+    let limit = Duration::from_millis(300);
+    let rf = fabric.clone();
+    let receiver = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap().unwrap();
+        // The opener's first bytes arrived (the accept); nothing more will.
+        let r = accept_link(&mut s, &rf, recv_cfg(), limit).await;
+        (r.err(), listener)
+    });
+    let mut s = connector.open(addr).await.unwrap();
+    // Only the first byte of a length: the receiver learns of the stream, then waits.
+    s.send.write_all(&[0]).await.unwrap();
+    s.send.flush().await.unwrap();
+    let (e, _l) = timeout(WAIT, receiver).await.unwrap().unwrap();
+    assert!(matches!(e, Some(KvTransferError::Timeout { .. })), "{e:?}");
+}
