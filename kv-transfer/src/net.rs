@@ -60,8 +60,8 @@ impl DuplexStream {
 
 /// The sending half of a [`DuplexStream`]: an `AsyncWrite`, plus [`SendHalf::write_bytes`], which
 /// hands a `Bytes` to a QUIC stream without copying it (quinn keeps the buffer until it is
-/// acknowledged; a KV chunk is already a `Bytes`, so the copy into quinn's send buffer, a fifth of
-/// QUIC's per-byte work on loopback, is gone).
+/// acknowledged; a KV chunk is already a `Bytes`, so the copy into quinn's send buffer, one of the
+/// six copies per byte an `AsyncWrite` path makes end to end, is gone).
 pub struct SendHalf(SendImpl);
 
 enum SendImpl {
