@@ -195,15 +195,17 @@ impl RequestSpec {
 }
 
 /// Sends one request and records its outcome. `t0` is the benchmark's start; `scheduled_s` the
-/// planned offset. Never fails: errors are recorded in the returned record.
+/// planned offset; `sent` the moment the benchmark dispatched it (its start: latencies count
+/// from there, so time the request waited for a runtime worker is the client's, as a user
+/// would see it). Never fails: errors are recorded in the returned record.
 pub async fn send(
     http: &reqwest::Client,
     spec: &RequestSpec,
     index: usize,
     t0: Instant,
     scheduled_s: f64,
+    sent: Instant,
 ) -> RequestRecord {
-    let sent = Instant::now();
     let mut rec = RequestRecord {
         index,
         prompt_len: spec.prompt_len,

@@ -320,7 +320,9 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
             Some(s) => Some(s.clone().acquire_owned().await.map_err(|e| BenchError::Task(e.to_string()))?),
             None => None,
         };
-        if stop_after.is_some_and(|d| t0.elapsed() >= d) {
+        // The request's start: decided here, before the end of a --duration run.
+        let sent = Instant::now();
+        if stop_after.is_some_and(|d| sent.duration_since(t0) >= d) {
             break; // closed loop with --duration: no new sends after the end.
         }
         let d = &data[a.index];
@@ -332,7 +334,7 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
         };
         let (http, bar, offset) = (http.clone(), bar.clone(), a.offset_s);
         tasks.push(tokio::spawn(async move {
-            let rec = client::send(&http, &spec, k, t0, offset).await;
+            let rec = client::send(&http, &spec, k, t0, offset, sent).await;
             drop(permit);
             bar.inc(1);
             rec
