@@ -125,8 +125,10 @@ async fn a_lease_lands_like_the_reference_and_ends_done_on_both_sides_even_with_
 }
 
 /// `finish` called while the lease's chunks still wait for a staging slot (the writes are
-/// held on the wire) reports Done only after they were all posted and completed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// held on the wire) reports Done only after they were all posted and completed. One thread:
+/// the spawned callers then issue their commands in spawn order (chunks, then `finish`), as
+/// one sender task would.
+#[tokio::test(flavor = "current_thread")]
 async fn finish_waits_for_chunks_still_queued_behind_back_pressure() {
     let mut r = rig(1);
     let dl = Instant::now() + WAIT;

@@ -157,8 +157,9 @@ async fn a_receiver_without_a_region_is_refused() {
         read_metadata(&mut s.recv).await.unwrap();
         write_metadata(&mut s.send, &metadata(false)).await.unwrap();
         s.send.shutdown().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        listener
+        // Returned, not dropped: the listener (and its connection) lives until the client has
+        // read the answer and the test awaits this task.
+        (s, listener)
     });
     let mut s = connector.open(addr).await.unwrap();
     let e = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.err().expect("refused");
