@@ -119,10 +119,9 @@ impl Measurement {
         self.bytes as f64 / self.median_s / 1e9
     }
 
-    pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, mut times: Vec<f64>) -> Self {
-        times.sort_by(f64::total_cmp);
-        let median_s = times[times.len() / 2];
-        Self { label, tokens, bytes, median_s, best_s: times[0], raw_share: None, cpu_s: None }
+    pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, times: Vec<f64>) -> Self {
+        let best_s = times.iter().copied().fold(f64::INFINITY, f64::min);
+        Self { label, tokens, bytes, median_s: median(times), best_s, raw_share: None, cpu_s: None }
     }
 
     /// Sets [`Measurement::cpu_s`] from the process CPU time at the first timed request.

@@ -47,6 +47,30 @@ impl Default for DriverConfig {
     }
 }
 
+/// Sends a command to a driver task and waits for its reply; a stopped task is [`CLOSED`].
+async fn call<C, T>(tx: &mpsc::Sender<C>, make: impl FnOnce(oneshot::Sender<Result<T>>) -> C) -> Result<T> {
+    let (reply, rx) = oneshot::channel();
+    tx.send(make(reply)).await.map_err(|_| CLOSED)?;
+    rx.await.map_err(|_| CLOSED)?
+}
+
+/// A driver loop's next step: `Some(Some(cmd))`, or `Some(None)` after one poll interval while
+/// there is work to poll for, or `None` when every handle is gone and nothing is outstanding
+/// (the task ends). Once the handles are gone a busy driver keeps polling at the interval
+/// instead of spinning on the closed channel.
+async fn next_command<C>(rx: &mut mpsc::Receiver<C>, busy: bool, poll: Duration) -> Option<Option<C>> {
+    let open = !(rx.is_closed() && rx.is_empty());
+    tokio::select! {
+        cmd = rx.recv(), if open => match cmd {
+            Some(c) => Some(Some(c)),
+            None if busy => Some(None),
+            None => None,
+        },
+        _ = tokio::time::sleep(poll), if busy => Some(None),
+        else => None,
+    }
+}
+
 enum RecvCmd {
     Open { num_layers: u32, deadline: Instant, reply: oneshot::Sender<Result<u16>> },
     SetChunks { tag: u16, chunks: u32, reply: oneshot::Sender<Result<()>> },
@@ -74,9 +98,7 @@ impl RecvDriver {
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T>>) -> RecvCmd) -> Result<T> {
-        let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| CLOSED)?;
-        rx.await.map_err(|_| CLOSED)?
+        call(&self.tx, make).await
     }
 
     /// Opens a lease of `num_layers` layers; the tag goes to the sender.
@@ -106,16 +128,7 @@ async fn recv_task<O: RecvOps>(
     events: mpsc::UnboundedSender<LeaseEvent>,
     poll: Duration,
 ) {
-    loop {
-        let busy = link.open_leases() > 0;
-        let cmd = tokio::select! {
-            cmd = rx.recv() => match cmd {
-                Some(c) => Some(c),
-                None if busy => None,
-                None => break,
-            },
-            _ = tokio::time::sleep(poll), if busy => None,
-        };
+    while let Some(cmd) = next_command(&mut rx, link.open_leases() > 0, poll).await {
         let now = Instant::now();
         let mut out = Vec::new();
         match cmd {
@@ -147,9 +160,6 @@ async fn recv_task<O: RecvOps>(
         }
         for e in out {
             let _ = events.send(e);
-        }
-        if rx.is_closed() && link.open_leases() == 0 {
-            break;
         }
     }
     drop(link);
@@ -194,9 +204,7 @@ impl SendDriver {
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T>>) -> SendCmd) -> Result<T> {
-        let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| CLOSED)?;
-        rx.await.map_err(|_| CLOSED)?
+        call(&self.tx, make).await
     }
 
     /// Opens the lease the receiver tagged `tag`.
@@ -306,16 +314,7 @@ async fn send_task<O: SendOps>(link: SendLink<O>, mut rx: mpsc::Receiver<SendCmd
         deferred_finish: Vec::new(),
         cancelling: Vec::new(),
     };
-    loop {
-        let busy = s.busy();
-        let cmd = tokio::select! {
-            cmd = rx.recv() => match cmd {
-                Some(c) => Some(c),
-                None if busy => None,
-                None => break,
-            },
-            _ = tokio::time::sleep(poll), if busy => None,
-        };
+    while let Some(cmd) = next_command(&mut rx, s.busy(), poll).await {
         match cmd {
             Some(SendCmd::Open { tag, deadline, reply }) => {
                 s.outcomes.remove(&tag);
