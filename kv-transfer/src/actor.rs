@@ -280,6 +280,22 @@ impl Drop for AcceptLoop {
 impl ReceiverService {
     /// Starts a receiver over `sink`, accepting streams from `listener` when given.
     pub fn spawn<S: KvSink>(cfg: ReceiverConfig, sink: S, listener: Option<Listener>) -> Self {
+        Self::start(cfg, sink, listener, None)
+    }
+
+    /// Like [`ReceiverService::spawn`], also taking RDMA links from senders: their writes land
+    /// in `sink`'s memory, which must be the region `rdma`'s queue pairs expose.
+    #[cfg(feature = "rdma")]
+    pub fn spawn_rdma<S: KvSink>(
+        cfg: ReceiverConfig,
+        sink: S,
+        listener: Option<Listener>,
+        rdma: crate::rdma::RdmaReceive,
+    ) -> Self {
+        Self::start(cfg, sink, listener, Some(crate::rdma::handoff::RecvLinks::new(rdma)))
+    }
+
+    fn start<S: KvSink>(cfg: ReceiverConfig, sink: S, listener: Option<Listener>, links: Option<Links>) -> Self {
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let handle = ReceiverHandle { tx: tx.clone(), command_timeout: cfg.command_timeout };
         let base = RandomState::new().build_hasher().finish() >> 1;
@@ -292,6 +308,7 @@ impl ReceiverService {
             waiters: HashMap::new(),
             streams: HashMap::new(),
             next_stream: 1,
+            links,
         };
         let actor = AbortOnDrop(tokio::spawn(actor.run(rx)));
         let accept = listener.map(|mut l| {
@@ -342,7 +359,15 @@ struct StreamTasks {
     _reader: AbortOnDrop<()>,
 }
 
+#[cfg(feature = "rdma")]
+type Links = crate::rdma::handoff::RecvLinks;
+/// Without the `rdma` feature a receiver has no links (an `Open` naming one is refused).
+#[cfg(not(feature = "rdma"))]
+enum Links {}
+
 struct Actor<S> {
+    /// RDMA links from senders, when this receiver takes them.
+    links: Option<Links>,
     sm: Receiver,
     sink: S,
     tx: mpsc::Sender<Cmd>,
@@ -360,7 +385,13 @@ fn now() -> std::time::Instant {
 impl<S: KvSink> Actor<S> {
     async fn run(mut self, mut rx: mpsc::Receiver<Cmd>) {
         loop {
-            let deadline = self.sm.next_deadline();
+            #[allow(unused_mut)]
+            let mut deadline = self.sm.next_deadline();
+            #[cfg(feature = "rdma")]
+            if let Some(links) = self.links.as_ref().filter(|l| l.busy()) {
+                let poll = now() + links.poll_interval();
+                deadline = Some(deadline.map_or(poll, |d| d.min(poll)));
+            }
             let timer = async move {
                 match deadline {
                     Some(d) => sleep_until(TokioInstant::from_std(d)).await,
@@ -378,6 +409,11 @@ impl<S: KvSink> Actor<S> {
                 () = timer => {
                     let fx = self.sm.poll_expired(now());
                     self.apply(fx);
+                    #[cfg(feature = "rdma")]
+                    if let Some(links) = self.links.as_mut() {
+                        let out = links.poll(now());
+                        self.link_outputs(out);
+                    }
                 }
             }
         }
@@ -395,11 +431,31 @@ impl<S: KvSink> Actor<S> {
                 self.apply(fx);
             }
             Cmd::Stats { reply } => {
-                let _ = reply.send(self.sm.stats());
+                #[allow(unused_mut)]
+                let mut stats = self.sm.stats();
+                #[cfg(feature = "rdma")]
+                if let Some(links) = &self.links {
+                    stats.reserved_blocks += links.quarantined_blocks();
+                }
+                let _ = reply.send(stats);
             }
             Cmd::Stream { stream, peer } => self.add_stream(stream, peer),
             Cmd::Frames { from_sender, to_sender } => self.add_frames(from_sender, to_sender),
             Cmd::Frame { stream, item } => {
+                #[cfg(feature = "rdma")]
+                let item = match self.link_frame(stream, item) {
+                    Some(item) => item,
+                    None => return,
+                };
+                if let Ok(Some(Frame::Control(Control::LinkOffer { .. }))) = &item {
+                    // This receiver takes no RDMA links (with the feature, link_frame took it).
+                    let reason = "this receiver does not take RDMA links".to_string();
+                    let abort =
+                        Control::Abort { lease_id: LeaseId(0), code: crate::frame::AbortCode::Internal, reason };
+                    self.apply(vec![Effect::Send { stream, msg: abort }, Effect::Close { stream }]);
+                    let _ = self.sm.on_stream_closed(now(), stream);
+                    return;
+                }
                 let fx = match item {
                     Ok(Some(frame)) => self.sm.on_frame(now(), stream, frame),
                     Ok(None) => self.sm.on_stream_closed(now(), stream),
@@ -500,13 +556,46 @@ impl<S: KvSink> Actor<S> {
                         let _ = w.send(Ok(Completed { lease, request_id, blocks, first_token }));
                     }
                 }
-                Effect::Released { lease, request_id, blocks, error } => {
+                Effect::Released { lease, request_id, blocks, error, rdma } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
                     m::record_failure("receiver", self.cfg.transport, &error);
-                    self.sink.release(request_id, &blocks);
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Err(error));
                     }
+                    #[cfg(feature = "rdma")]
+                    let blocks = match (rdma, self.links.as_mut()) {
+                        (Some((link, tag)), Some(links)) => {
+                            let (now_free, out) = links.release(link, tag, request_id, blocks, now());
+                            queue.extend(self.link_effects(out));
+                            now_free
+                        }
+                        _ => Some(blocks),
+                    };
+                    #[cfg(not(feature = "rdma"))]
+                    let (blocks, _) = (Some(blocks), rdma);
+                    if let Some(blocks) = blocks {
+                        self.sink.release(request_id, &blocks);
+                    }
+                }
+                Effect::BindRdma { lease, link, stream, num_layers, deadline } => {
+                    let tag = match self.links.as_mut() {
+                        #[cfg(feature = "rdma")]
+                        Some(links) => links.open_tag(link, lease, num_layers, deadline),
+                        _ => {
+                            let _ = (num_layers, deadline);
+                            Err(KvTransferError::RdmaLink { link, reason: "this receiver takes no RDMA links".into() })
+                        }
+                    };
+                    queue.extend(self.sm.rdma_bound(lease, stream, tag));
+                }
+                Effect::SetChunks { lease: _, link, tag, chunks } => {
+                    #[cfg(feature = "rdma")]
+                    if let Some(links) = self.links.as_mut() {
+                        let out = links.set_chunks(link, tag, chunks, now());
+                        queue.extend(self.link_effects(out));
+                    }
+                    #[cfg(not(feature = "rdma"))]
+                    let _ = (link, tag, chunks);
                 }
                 Effect::Dropped { stream, lease, layer, token_start, why } => {
                     tracing::debug!(stream, %lease, layer, token_start, ?why, "kv receiver: chunk dropped");
@@ -518,6 +607,74 @@ impl<S: KvSink> Actor<S> {
                 }
             }
         }
+    }
+
+    /// Frames of RDMA link streams (offers, `Drained`, their end) are the links'; everything
+    /// else is returned for the state machine.
+    #[cfg(feature = "rdma")]
+    fn link_frame(&mut self, stream: StreamId, item: Result<Option<Frame>>) -> Option<Result<Option<Frame>>> {
+        let Some(links) = self.links.as_mut() else { return Some(item) };
+        if links.is_link_stream(stream) {
+            let out = match item {
+                Ok(Some(Frame::Control(Control::Drained { tag }))) => links.drained(stream, tag),
+                Ok(None) => links.stream_ended(stream, "its stream ended"),
+                Ok(Some(other)) => {
+                    let why = format!("unexpected frame on the link's stream: {other:?}");
+                    let out = links.stream_ended(stream, &why);
+                    self.close_stream(stream);
+                    out
+                }
+                Err(e) => links.stream_ended(stream, &e.to_string()),
+            };
+            self.link_outputs(out);
+            return None;
+        }
+        if let Ok(Some(Frame::Control(Control::LinkOffer { metadata }))) = &item {
+            // A link stream holds no lease: the state machine forgets it (its Close is not ours).
+            let _ = self.sm.on_stream_closed(now(), stream);
+            let msg = match links.offer(stream, metadata) {
+                Ok(answer) => answer,
+                Err(e) => {
+                    tracing::warn!(stream, error = %e, "kv receiver: rdma link refused");
+                    let abort = Control::Abort {
+                        lease_id: LeaseId(0),
+                        code: crate::frame::AbortCode::of(&e),
+                        reason: e.to_string(),
+                    };
+                    self.apply(vec![Effect::Send { stream, msg: abort }, Effect::Close { stream }]);
+                    return None;
+                }
+            };
+            self.apply(vec![Effect::Send { stream, msg }]);
+            return None;
+        }
+        Some(item)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn link_outputs(&mut self, out: Vec<crate::rdma::handoff::LinkOutput>) {
+        let fx = self.link_effects(out);
+        self.apply(fx);
+    }
+
+    /// What the links reported, as state-machine effects (freeing safe blocks on the way).
+    #[cfg(feature = "rdma")]
+    fn link_effects(&mut self, out: Vec<crate::rdma::handoff::LinkOutput>) -> Vec<Effect> {
+        use crate::rdma::handoff::LinkOutput;
+        let mut fx = Vec::new();
+        for o in out {
+            match o {
+                LinkOutput::Landed(lease) => {
+                    let sink = &self.sink;
+                    fx.extend(self.sm.rdma_landed(lease, |blocks, n| {
+                        sink.landed_checksum(blocks, n.layer, n.token_start..n.token_start + n.token_count)
+                    }));
+                }
+                LinkOutput::Failed(lease, err) => fx.extend(self.sm.fail(lease, err)),
+                LinkOutput::Free(request_id, blocks) => self.sink.release(request_id, &blocks),
+            }
+        }
+        fx
     }
 
     /// Stops a stream's reader now; its writer sends what is queued (an Abort) and shuts down.

@@ -86,6 +86,8 @@ pub enum KvTransferError {
     RdmaCompletion { wr_id: u64, tag: u16, status: String, vendor_err: u32 },
     #[error("rdma: completion tracking: {reason}")]
     RdmaTracker { reason: String },
+    #[error("rdma: link {link} failed: {reason}")]
+    RdmaLink { link: u64, reason: String },
     #[error("refused by the coordinator: {reason}")]
     Refused { reason: String },
     #[error("control message: {0}")]

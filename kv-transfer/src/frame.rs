@@ -28,7 +28,9 @@ use crate::{KvTransferError, Result};
 /// Bytes of the length prefix before every header.
 pub const PREFIX_BYTES: usize = 8;
 /// Largest header accepted. Real headers are under 200 bytes; an Abort reason is cut to fit.
-pub const MAX_HEADER_BYTES: usize = 1024;
+pub const MAX_HEADER_BYTES: usize = 2048;
+/// Longest queue-pair metadata a link frame carries.
+pub const MAX_LINK_METADATA_BYTES: usize = 1024;
 /// Longest abort reason put on the wire (longer ones are truncated at a char boundary).
 pub const MAX_REASON_BYTES: usize = 512;
 /// Default bound on one chunk's payload (K and V together).
@@ -121,16 +123,61 @@ pub struct Open {
     pub num_tokens: u32,
     pub stream_index: u16,
     pub stream_count: u16,
+    /// The RDMA link the payload travels over (see [`Control::LinkAnswer`]); `None`: in
+    /// [`Frame::Chunk`]s on the streams.
+    pub rdma_link: Option<u64>,
+}
+
+/// An RDMA chunk notice: one layer of one prefill chunk was posted as one-sided writes into the
+/// lease's blocks (the group whose immediate carries `chunk`). The receiver checks `crc32`
+/// against the bytes in its pool once every group landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Landed {
+    pub lease_id: LeaseId,
+    pub layer: u32,
+    pub token_start: u32,
+    pub token_count: u32,
+    /// Index of the prefill chunk among this layer's chunks (0, 1, ...).
+    pub chunk: u32,
+    /// CRC-32 of K then V of these tokens ([`checksum`]).
+    pub crc32: u32,
 }
 
 /// A frame without payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
     Open(Open),
-    Accept { lease_id: LeaseId },
-    Complete { lease_id: LeaseId, first_token: u32 },
-    Ack { lease_id: LeaseId },
-    Abort { lease_id: LeaseId, code: AbortCode, reason: String },
+    /// `rdma_tag`: the lease's tag on the RDMA link the `Open` named.
+    Accept {
+        lease_id: LeaseId,
+        rdma_tag: Option<u16>,
+    },
+    Complete {
+        lease_id: LeaseId,
+        first_token: u32,
+    },
+    Ack {
+        lease_id: LeaseId,
+    },
+    Abort {
+        lease_id: LeaseId,
+        code: AbortCode,
+        reason: String,
+    },
+    Landed(Landed),
+    /// First frame of an RDMA link's setup stream: the sender's queue-pair metadata.
+    LinkOffer {
+        metadata: Vec<u8>,
+    },
+    /// The receiver's answer: the link's id and its queue-pair metadata (with the pool).
+    LinkAnswer {
+        link_id: u64,
+        metadata: Vec<u8>,
+    },
+    /// On a link's setup stream: no write of the lease tagged `tag` can still land.
+    Drained {
+        tag: u16,
+    },
 }
 
 /// Header of one run of tokens of one layer.
@@ -247,13 +294,42 @@ pub fn encode_control(msg: &Control) -> Bytes {
                     num_tokens: o.num_tokens,
                     stream_index: o.stream_index,
                     stream_count: o.stream_count,
+                    rdma_link: o.rdma_link.unwrap_or(0),
                 },
             );
             (fb::Body::Open, t.as_union_value())
         }
-        Control::Accept { lease_id } => {
-            let t = fb::Accept::create(&mut fbb, &fb::AcceptArgs { lease_id: lease_id.0 });
+        Control::Accept { lease_id, rdma_tag } => {
+            let t = fb::Accept::create(&mut fbb, &fb::AcceptArgs { lease_id: lease_id.0, rdma_tag: *rdma_tag });
             (fb::Body::Accept, t.as_union_value())
+        }
+        Control::Landed(l) => {
+            let t = fb::Landed::create(
+                &mut fbb,
+                &fb::LandedArgs {
+                    lease_id: l.lease_id.0,
+                    layer: l.layer,
+                    token_start: l.token_start,
+                    token_count: l.token_count,
+                    chunk: l.chunk,
+                    crc32: l.crc32,
+                },
+            );
+            (fb::Body::Landed, t.as_union_value())
+        }
+        Control::LinkOffer { metadata } => {
+            let m = fbb.create_vector(metadata);
+            let t = fb::LinkOffer::create(&mut fbb, &fb::LinkOfferArgs { metadata: Some(m) });
+            (fb::Body::LinkOffer, t.as_union_value())
+        }
+        Control::LinkAnswer { link_id, metadata } => {
+            let m = fbb.create_vector(metadata);
+            let t = fb::LinkAnswer::create(&mut fbb, &fb::LinkAnswerArgs { link_id: *link_id, metadata: Some(m) });
+            (fb::Body::LinkAnswer, t.as_union_value())
+        }
+        Control::Drained { tag } => {
+            let t = fb::Drained::create(&mut fbb, &fb::DrainedArgs { tag: *tag });
+            (fb::Body::Drained, t.as_union_value())
         }
         Control::Complete { lease_id, first_token } => {
             let t =
@@ -362,11 +438,48 @@ pub fn parse_header(buf: &[u8], payload_len: usize, limits: &Limits) -> Result<H
                 num_tokens: o.num_tokens(),
                 stream_index: o.stream_index(),
                 stream_count: o.stream_count(),
+                rdma_link: Some(o.rdma_link()).filter(|l| *l != 0),
             })))
         }
         fb::Body::Accept => {
             let a = f.body_as_accept().ok_or_else(|| missing("accept"))?;
-            no_payload(Header::Control(Control::Accept { lease_id: LeaseId(a.lease_id()) }))
+            no_payload(Header::Control(Control::Accept { lease_id: LeaseId(a.lease_id()), rdma_tag: a.rdma_tag() }))
+        }
+        fb::Body::Landed => {
+            let l = f.body_as_landed().ok_or_else(|| missing("landed"))?;
+            if l.token_count() == 0 || l.token_start().checked_add(l.token_count()).is_none() {
+                return Err(malformed(format!("landed notice of tokens {}+{}", l.token_start(), l.token_count())));
+            }
+            if let Some(layout) = &limits.layout {
+                if l.layer() >= layout.num_layers {
+                    return Err(malformed(format!("landed notice for layer {} of {}", l.layer(), layout.num_layers)));
+                }
+            }
+            no_payload(Header::Control(Control::Landed(Landed {
+                lease_id: LeaseId(l.lease_id()),
+                layer: l.layer(),
+                token_start: l.token_start(),
+                token_count: l.token_count(),
+                chunk: l.chunk(),
+                crc32: l.crc32(),
+            })))
+        }
+        fb::Body::LinkOffer => {
+            let o = f.body_as_link_offer().ok_or_else(|| missing("link offer"))?;
+            let metadata = link_metadata(o.metadata())?;
+            no_payload(Header::Control(Control::LinkOffer { metadata }))
+        }
+        fb::Body::LinkAnswer => {
+            let a = f.body_as_link_answer().ok_or_else(|| missing("link answer"))?;
+            if a.link_id() == 0 {
+                return Err(malformed("link answer with link id 0"));
+            }
+            let metadata = link_metadata(a.metadata())?;
+            no_payload(Header::Control(Control::LinkAnswer { link_id: a.link_id(), metadata }))
+        }
+        fb::Body::Drained => {
+            let d = f.body_as_drained().ok_or_else(|| missing("drained"))?;
+            no_payload(Header::Control(Control::Drained { tag: d.tag() }))
         }
         fb::Body::Complete => {
             let c = f.body_as_complete().ok_or_else(|| missing("complete"))?;
@@ -403,6 +516,14 @@ pub fn parse_header(buf: &[u8], payload_len: usize, limits: &Limits) -> Result<H
         }
         other => Err(malformed(format!("unknown frame body type {}", other.0))),
     }
+}
+
+fn link_metadata(m: Option<flatbuffers::Vector<'_, u8>>) -> Result<Vec<u8>> {
+    let m = m.ok_or_else(|| malformed("link frame without metadata"))?;
+    if m.is_empty() || m.len() > MAX_LINK_METADATA_BYTES {
+        return Err(malformed(format!("link metadata of {} bytes (1..={MAX_LINK_METADATA_BYTES})", m.len())));
+    }
+    Ok(m.bytes().to_vec())
 }
 
 /// Checks a chunk header's lengths against the payload and (when known) the layout.
@@ -580,11 +701,33 @@ mod tests {
                 num_tokens: 5,
                 stream_index: 1,
                 stream_count: 2,
+                rdma_link: None,
             }),
-            Control::Accept { lease_id: LeaseId(3) },
+            Control::Open(Open {
+                request_id: RequestId(9),
+                lease_id: LeaseId(3),
+                layout: layout(),
+                num_tokens: 5,
+                stream_index: 0,
+                stream_count: 1,
+                rdma_link: Some(7),
+            }),
+            Control::Accept { lease_id: LeaseId(3), rdma_tag: None },
+            Control::Accept { lease_id: LeaseId(3), rdma_tag: Some(0) },
             Control::Complete { lease_id: LeaseId(3), first_token: 42 },
             Control::Ack { lease_id: LeaseId(3) },
             Control::Abort { lease_id: LeaseId(3), code: AbortCode::Gap, reason: "x".into() },
+            Control::Landed(Landed {
+                lease_id: LeaseId(3),
+                layer: 1,
+                token_start: 4,
+                token_count: 2,
+                chunk: 1,
+                crc32: 0xdead_beef,
+            }),
+            Control::LinkOffer { metadata: vec![1, 2, 3] },
+            Control::LinkAnswer { link_id: 5, metadata: vec![4; 300] },
+            Control::Drained { tag: 4095 },
         ];
         let limits = Limits { layout: Some(layout()), ..Default::default() };
         for m in msgs {
@@ -592,6 +735,32 @@ mod tests {
             let f = decode_frame(&mut buf, &limits).unwrap().unwrap();
             assert_eq!(f, Frame::Control(m));
             assert!(buf.is_empty());
+        }
+        // Link frames without usable metadata, and notices of no tokens, are refused.
+        for bad in [
+            Control::LinkOffer { metadata: vec![] },
+            Control::LinkAnswer { link_id: 0, metadata: vec![1] },
+            Control::LinkAnswer { link_id: 1, metadata: vec![0; MAX_LINK_METADATA_BYTES + 1] },
+            Control::Landed(Landed {
+                lease_id: LeaseId(3),
+                layer: 0,
+                token_start: 0,
+                token_count: 0,
+                chunk: 0,
+                crc32: 0,
+            }),
+            Control::Landed(Landed {
+                lease_id: LeaseId(3),
+                layer: 2,
+                token_start: 0,
+                token_count: 1,
+                chunk: 0,
+                crc32: 0,
+            }),
+        ] {
+            let mut buf = BytesMut::from(&encode_control(&bad)[..]);
+            let r = decode_frame(&mut buf, &limits);
+            assert!(matches!(r, Err(KvTransferError::MalformedFrame { .. })), "{bad:?} -> {r:?}");
         }
     }
 

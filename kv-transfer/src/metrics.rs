@@ -65,6 +65,7 @@ pub fn cause(e: &KvTransferError) -> &'static str {
         E::SenderGone { .. } => "sender_gone",
         E::SinkWrite { .. } => "sink_write",
         E::Closed { .. } => "closed",
+        E::RdmaLink { .. } | E::RdmaCompletion { .. } | E::RdmaTracker { .. } => "rdma",
         _ => "other",
     }
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId};
 
-use crate::frame::{check_chunk_lengths, checksum, AbortCode, ChunkHeader, Control, Frame, Open};
+use crate::frame::{check_chunk_lengths, checksum, run_bytes, AbortCode, ChunkHeader, Control, Frame, Landed, Open};
 use crate::{KvTransferError, Result};
 
 /// Identifies one accepted stream within a receiver (assigned by the driver).
@@ -55,8 +55,23 @@ pub enum Effect {
     /// Every layer of every token arrived and the sender said it is done: the blocks now belong
     /// to the decode request.
     Completed { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, first_token: u32 },
-    /// The lease ended without completing: the blocks go back to the pool.
-    Released { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, error: KvTransferError },
+    /// The lease ended without completing: the blocks go back to the pool. `rdma`: the lease
+    /// was bound to this (link, tag); if the link still holds the tag, writes may still land,
+    /// so the blocks go back only once the link reports the tag safe (see [`crate::rdma`]).
+    Released {
+        lease: LeaseId,
+        request_id: RequestId,
+        blocks: Vec<u32>,
+        error: KvTransferError,
+        rdma: Option<(u64, u16)>,
+    },
+    /// An `Open` named RDMA link `link`: open a lease of `num_layers` layers on it (until
+    /// `deadline`) and report the tag with [`Receiver::rdma_bound`].
+    BindRdma { lease: LeaseId, link: u64, stream: StreamId, num_layers: u32, deadline: Instant },
+    /// Every notice of an RDMA lease arrived and the sender sent `Complete`: tell the link that
+    /// each layer has `chunks` write groups; its `Done` comes once they all landed, then call
+    /// [`Receiver::rdma_landed`].
+    SetChunks { lease: LeaseId, link: u64, tag: u16, chunks: u32 },
     /// A chunk that was dropped without being written (a duplicate, or late for a lease that is
     /// gone), reported for metrics and logs.
     Dropped { stream: StreamId, lease: LeaseId, layer: u32, token_start: u32, why: DropReason },
@@ -104,6 +119,21 @@ struct Lease {
     /// First token and the stream that sent Complete (the Ack goes there).
     complete: Option<(u32, StreamId)>,
     streams: Vec<StreamId>,
+    /// Set when the payload travels over an RDMA link.
+    rdma: Option<RdmaLease>,
+}
+
+/// An RDMA lease's side of the handoff: the payload lands by itself; the stream carries a
+/// [`Landed`] notice per (layer, chunk) group, checked against the pool once every group landed.
+struct RdmaLease {
+    link: u64,
+    /// The link's tag, once [`Receiver::rdma_bound`] reported it.
+    tag: Option<u16>,
+    notices: Vec<Landed>,
+    /// Notices so far per layer (the next expected chunk index).
+    chunks: Vec<u32>,
+    /// The link reported every group landed and every checksum matched.
+    verified: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +200,7 @@ impl Receiver {
                 layers_done: 0,
                 complete: None,
                 streams: Vec::new(),
+                rdma: None,
             },
         );
         Ok(id)
@@ -230,10 +261,15 @@ impl Receiver {
                         self.release(id, err, &mut fx);
                     } else {
                         lease.complete = Some((first_token, stream));
-                        self.maybe_complete(id, &mut fx);
+                        if lease.rdma.is_some() {
+                            self.rdma_complete(id, &mut fx);
+                        } else {
+                            self.maybe_complete(id, &mut fx);
+                        }
                     }
                 }
             }
+            Frame::Control(Control::Landed(n)) => self.on_landed(stream, state, n, &mut fx),
             Frame::Control(Control::Abort { lease_id, code, reason }) => {
                 if let StreamState::Bound(id) = state {
                     if id == lease_id {
@@ -246,7 +282,13 @@ impl Receiver {
                 fx.push(Effect::Close { stream });
                 self.streams.remove(&stream);
             }
-            Frame::Control(other @ (Control::Accept { .. } | Control::Ack { .. })) => {
+            Frame::Control(
+                other @ (Control::Accept { .. }
+                | Control::Ack { .. }
+                | Control::LinkOffer { .. }
+                | Control::LinkAnswer { .. }
+                | Control::Drained { .. }),
+            ) => {
                 let err = KvTransferError::Protocol { reason: format!("receiver got a sender-bound frame {other:?}") };
                 self.stream_failed(stream, state, err, &mut fx);
             }
@@ -292,6 +334,14 @@ impl Receiver {
                         open.lease_id, lease.num_tokens, open.num_tokens
                     ),
                 })
+            } else if open.rdma_link.is_some() && (open.stream_count != 1 || !lease.streams.is_empty()) {
+                Some(KvTransferError::Protocol {
+                    reason: format!("an RDMA handoff of {} uses exactly one control stream", open.lease_id),
+                })
+            } else if lease.rdma.is_some() {
+                Some(KvTransferError::Protocol {
+                    reason: format!("a second Open for {}, whose payload travels over RDMA", open.lease_id),
+                })
             } else {
                 None
             }
@@ -305,7 +355,156 @@ impl Receiver {
         }
         lease.streams.push(stream);
         self.streams.insert(stream, StreamState::Bound(open.lease_id));
-        fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: open.lease_id } });
+        match open.rdma_link {
+            None => fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: open.lease_id, rdma_tag: None } }),
+            Some(link) => {
+                let layers = self.layout.num_layers as usize;
+                lease.rdma =
+                    Some(RdmaLease { link, tag: None, notices: Vec::new(), chunks: vec![0; layers], verified: false });
+                fx.push(Effect::BindRdma {
+                    lease: open.lease_id,
+                    link,
+                    stream,
+                    num_layers: self.layout.num_layers,
+                    deadline: lease.expires_at,
+                });
+            }
+        }
+    }
+
+    /// The driver's answer to [`Effect::BindRdma`]: the lease's tag on the link, or why the link
+    /// could not take it (unknown link, no free tag, broken queue pair).
+    pub fn rdma_bound(&mut self, lease: LeaseId, stream: StreamId, tag: Result<u16>) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let Some(l) = self.leases.get_mut(&lease) else { return fx };
+        let Some(r) = l.rdma.as_mut().filter(|r| r.tag.is_none()) else {
+            let err = KvTransferError::Protocol { reason: format!("an RDMA tag for {lease}, which awaits none") };
+            self.release(lease, err, &mut fx);
+            return fx;
+        };
+        match tag {
+            Ok(tag) => {
+                r.tag = Some(tag);
+                fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: lease, rdma_tag: Some(tag) } });
+            }
+            Err(err) => self.release(lease, err, &mut fx),
+        }
+        fx
+    }
+
+    fn on_landed(&mut self, stream: StreamId, state: StreamState, n: Landed, fx: &mut Vec<Effect>) {
+        if state == StreamState::Idle && !self.leases.contains_key(&n.lease_id) {
+            self.stats.late_dropped += 1;
+            fx.push(Effect::Dropped {
+                stream,
+                lease: n.lease_id,
+                layer: n.layer,
+                token_start: n.token_start,
+                why: DropReason::Late,
+            });
+            return;
+        }
+        let Some(id) = self.bound_lease(stream, state, n.lease_id, fx) else { return };
+        let Some(lease) = self.leases.get_mut(&id) else { return };
+        let end = n.token_start as u64 + n.token_count as u64;
+        let err = match lease.rdma.as_mut() {
+            None => Some(KvTransferError::Protocol { reason: format!("a Landed notice for {id}, not an RDMA lease") }),
+            Some(r) if r.tag.is_none() || lease.complete.is_some() => Some(KvTransferError::Protocol {
+                reason: format!("a Landed notice for {id} before its Accept or after its Complete"),
+            }),
+            Some(_) if n.layer >= self.layout.num_layers || n.token_count == 0 || end > lease.num_tokens as u64 => {
+                Some(KvTransferError::ChunkOutOfBounds {
+                    lease: id,
+                    reason: format!("layer {} tokens {}..{end} of {}", n.layer, n.token_start, lease.num_tokens),
+                })
+            }
+            Some(_) if n.token_start != lease.next[n.layer as usize] => Some(KvTransferError::ChunkGap {
+                lease: id,
+                layer: n.layer,
+                expected: lease.next[n.layer as usize],
+                got: n.token_start,
+            }),
+            Some(r) if n.chunk != r.chunks[n.layer as usize] => Some(KvTransferError::Protocol {
+                reason: format!(
+                    "{id} layer {}: notice of chunk {}, chunk {} expected",
+                    n.layer, n.chunk, r.chunks[n.layer as usize]
+                ),
+            }),
+            Some(r) => {
+                r.chunks[n.layer as usize] += 1;
+                r.notices.push(n);
+                lease.next[n.layer as usize] = end as u32;
+                if end as u32 == lease.num_tokens {
+                    lease.layers_done += 1;
+                }
+                None
+            }
+        };
+        if let Some(err) = err {
+            self.release(id, err, fx);
+        }
+    }
+
+    /// `Complete` on an RDMA lease: every layer must have every token in equally many chunks.
+    fn rdma_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
+        let Some(lease) = self.leases.get(&id) else { return };
+        let Some(r) = lease.rdma.as_ref() else { return };
+        let short = lease.next.iter().enumerate().find(|(_, n)| **n != lease.num_tokens);
+        let err = if let Some((layer, next)) = short {
+            Some(KvTransferError::ChunkGap { lease: id, layer: layer as u32, expected: *next, got: lease.num_tokens })
+        } else if r.chunks.iter().any(|c| *c != r.chunks[0]) {
+            Some(KvTransferError::Protocol { reason: format!("{id}: layers sent unequal chunk counts {:?}", r.chunks) })
+        } else {
+            None
+        };
+        match (err, r.tag) {
+            (Some(err), _) => self.release(id, err, fx),
+            (None, Some(tag)) => fx.push(Effect::SetChunks { lease: id, link: r.link, tag, chunks: r.chunks[0] }),
+            (None, None) => {}
+        }
+    }
+
+    /// The link reported every write group of `lease` landed: checks each notice's checksum
+    /// against what landed (`landed(blocks, notice)` computes it from the pool) and completes.
+    pub fn rdma_landed(
+        &mut self,
+        lease: LeaseId,
+        mut landed: impl FnMut(&[u32], &Landed) -> Result<u32>,
+    ) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let Some(l) = self.leases.get_mut(&lease) else { return fx };
+        let Some(r) = l.rdma.as_mut() else { return fx };
+        let mut failure = None;
+        for n in &r.notices {
+            match landed(&l.blocks, n) {
+                Ok(got) if got == n.crc32 => {}
+                Ok(got) => {
+                    failure = Some(KvTransferError::ChecksumMismatch {
+                        lease,
+                        layer: n.layer,
+                        token_start: n.token_start,
+                        token_count: n.token_count,
+                        expected: n.crc32,
+                        got,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        match failure {
+            Some(err) => self.release(lease, err, &mut fx),
+            None => {
+                r.verified = true;
+                let tokens: u64 = r.notices.iter().map(|n| n.token_count as u64).sum();
+                self.stats.bytes_written += 2 * tokens * run_bytes(&self.layout, 1) as u64;
+                self.maybe_complete(lease, &mut fx);
+            }
+        }
+        fx
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -333,6 +532,13 @@ impl Receiver {
             return;
         }
         let Some(id) = self.bound_lease(stream, state, h.lease_id, fx) else { return };
+        if self.leases.get(&id).is_some_and(|l| l.rdma.is_some()) {
+            let err = KvTransferError::Protocol {
+                reason: format!("a payload chunk for {id}, whose payload travels over RDMA"),
+            };
+            self.release(id, err, fx);
+            return;
+        }
         if let Err(err) = check_chunk_lengths(&h, k.len() + v.len(), Some(&self.layout)) {
             self.release(id, err, fx);
             return;
@@ -427,7 +633,7 @@ impl Receiver {
     fn maybe_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
         let Some(lease) = self.leases.get(&id) else { return };
         let Some((first_token, ack_stream)) = lease.complete else { return };
-        if lease.layers_done != self.layout.num_layers {
+        if lease.layers_done != self.layout.num_layers || lease.rdma.as_ref().is_some_and(|r| !r.verified) {
             return;
         }
         let Some(lease) = self.leases.remove(&id) else { return };
@@ -454,7 +660,14 @@ impl Receiver {
             self.streams.remove(s);
         }
         self.stats.released += 1;
-        fx.push(Effect::Released { lease: id, request_id: lease.request_id, blocks: lease.blocks.to_vec(), error });
+        let rdma = lease.rdma.and_then(|r| Some((r.link, r.tag?)));
+        fx.push(Effect::Released {
+            lease: id,
+            request_id: lease.request_id,
+            blocks: lease.blocks.to_vec(),
+            error,
+            rdma,
+        });
     }
 
     fn stream_failed(&mut self, stream: StreamId, state: StreamState, err: KvTransferError, fx: &mut Vec<Effect>) {

@@ -201,13 +201,28 @@ impl KvSender {
             });
         }
         let started = Instant::now();
-        let n = cfg.streams.clamp(1, local.num_layers.max(1) as usize);
         let lease = ticket.lease_id;
         let open_ms = cfg.open_timeout.as_millis() as u64;
+        let deadline = tokio::time::Instant::now() + cfg.open_timeout;
+        let timed_out = |what: String| KvTransferError::Timeout { what, ms: open_ms };
+        // Over RDMA the payload goes through the link; one stream carries the control frames.
+        #[cfg(feature = "rdma")]
+        let rdma = match transport.rdma_path(ticket.receiver_addr) {
+            Some(path) => Some(
+                tokio::time::timeout_at(deadline, path)
+                    .await
+                    .map_err(|_| timed_out(format!("setting up the RDMA link to {}", ticket.receiver_addr)))??,
+            ),
+            None => None,
+        };
+        #[cfg(feature = "rdma")]
+        let rdma_link = rdma.as_ref().map(|p| p.link_id);
+        #[cfg(not(feature = "rdma"))]
+        let rdma_link: Option<u64> = None;
+        let n = if rdma_link.is_some() { 1 } else { cfg.streams.clamp(1, local.num_layers.max(1) as usize) };
         let (etx, events) = mpsc::channel(4 * n + 4);
         let mut tasks = Vec::with_capacity(2 * n);
         let mut txs = Vec::with_capacity(n);
-        let deadline = tokio::time::Instant::now() + cfg.open_timeout;
         let mut sends = Vec::with_capacity(n);
         for i in 0..n {
             let open = Control::Open(Open {
@@ -217,8 +232,8 @@ impl KvSender {
                 num_tokens: ticket.num_tokens,
                 stream_index: i as u16,
                 stream_count: n as u16,
+                rdma_link,
             });
-            let timed_out = |what: String| KvTransferError::Timeout { what, ms: open_ms };
             let out = if let Some(pipe) = transport.open_frames(ticket.receiver_addr) {
                 let FramePipe { send, recv } = tokio::time::timeout_at(deadline, pipe)
                     .await
@@ -262,7 +277,32 @@ impl KvSender {
         let mut accepted = 0;
         while accepted < n {
             match this.next_event(deadline, "Accept").await? {
-                Control::Accept { lease_id } if lease_id == lease => accepted += 1,
+                Control::Accept { lease_id, rdma_tag } if lease_id == lease => {
+                    accepted += 1;
+                    #[cfg(feature = "rdma")]
+                    if let Some(path) = rdma.clone() {
+                        let Some(tag) = rdma_tag else {
+                            return Err(KvTransferError::Protocol {
+                                reason: format!("Accept of {lease} over RDMA without a lease tag"),
+                            });
+                        };
+                        // From here until the lease completes, a failure tells the receiver
+                        // when our writes have drained (RdmaLease's drop).
+                        let guard = RdmaLease { path, tag, done: false };
+                        let ttl_end = Instant::now() + ticket.lease_ttl;
+                        tokio::time::timeout_at(deadline, guard.path.driver.open(tag, ttl_end))
+                            .await
+                            .map_err(|_| timed_out(format!("opening RDMA lease tag {tag}")))??;
+                        let layers = local.num_layers as usize;
+                        let blocks: Arc<[u32]> = ticket.block_ids.clone().into();
+                        let Some(Out::Bytes(w)) = sends.pop() else {
+                            return Err(KvTransferError::Protocol { reason: "RDMA control stream missing".into() });
+                        };
+                        sends.push(Out::Rdma(Box::new(RdmaOut { w, lease: guard, blocks, counts: vec![0; layers] })));
+                    }
+                    #[cfg(not(feature = "rdma"))]
+                    let _ = rdma_tag;
+                }
                 other => return Err(unexpected(lease, &other)),
             }
         }
@@ -416,10 +456,90 @@ async fn read_events(i: usize, mut recv: RecvHalf, tx: mpsc::Sender<(usize, Resu
     }
 }
 
-/// Where a stream's frames go: encoded onto a byte stream, or handed over whole in-process.
+/// Where a stream's frames go: encoded onto a byte stream, handed over whole in-process, or
+/// (RDMA) payload through the link and notices on the stream.
 enum Out {
     Bytes(BufWriter<SendHalf>),
     Frames(mpsc::Sender<Frame>),
+    #[cfg(feature = "rdma")]
+    Rdma(Box<RdmaOut>),
+}
+
+/// An RDMA lease of this sender: until it completed, dropping it (a failed or abandoned
+/// transfer) cancels the lease on the link and, once no write can land, tells the receiver.
+#[cfg(feature = "rdma")]
+struct RdmaLease {
+    path: crate::rdma::SendPath,
+    tag: u16,
+    done: bool,
+}
+
+#[cfg(feature = "rdma")]
+impl Drop for RdmaLease {
+    fn drop(&mut self) {
+        if !self.done {
+            self.path.abandon(self.tag);
+        }
+    }
+}
+
+#[cfg(feature = "rdma")]
+struct RdmaOut {
+    /// The control stream (notices, Complete).
+    w: BufWriter<SendHalf>,
+    lease: RdmaLease,
+    blocks: Arc<[u32]>,
+    /// Chunks posted per layer: the next chunk index of each.
+    counts: Vec<u32>,
+}
+
+#[cfg(feature = "rdma")]
+impl RdmaOut {
+    async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
+        let other = |e: KvTransferError| std::io::Error::other(e.to_string());
+        let layer = h.layer as usize;
+        let chunk = self.counts[layer];
+        let tokens = h.token_start..h.token_start + h.token_count;
+        let c = crate::rdma::SendChunk {
+            blocks: self.blocks.clone(),
+            layer: h.layer,
+            tokens,
+            tag: self.lease.tag,
+            chunk,
+            k,
+            v,
+        };
+        self.lease.path.driver.send(c).await.map_err(other)?;
+        self.counts[layer] += 1;
+        let notice = crate::frame::Landed {
+            lease_id: h.lease_id,
+            layer: h.layer,
+            token_start: h.token_start,
+            token_count: h.token_count,
+            chunk,
+            crc32: h.crc32,
+        };
+        self.w.write_all(&crate::frame::encode_control(&Control::Landed(notice))).await
+    }
+
+    /// Waits until every write of the lease completed; after that nothing of it is in flight.
+    async fn finish(&mut self, lease: LeaseId) -> Result<()> {
+        if self.counts.iter().any(|c| *c != self.counts[0]) {
+            return Err(KvTransferError::InvalidRequest {
+                reason: format!("{lease}: over RDMA every layer needs as many chunks (got {:?})", self.counts),
+            });
+        }
+        let e = self.lease.path.driver.finish(self.lease.tag).await?;
+        match e.outcome {
+            crate::rdma::Outcome::Done => {
+                self.lease.done = true;
+                Ok(())
+            }
+            crate::rdma::Outcome::Failed { reason, .. } => {
+                Err(KvTransferError::RdmaLink { link: self.lease.path.link_id, reason: reason.to_string() })
+            }
+        }
+    }
 }
 
 fn pipe_closed() -> std::io::Error {
@@ -443,7 +563,18 @@ impl Out {
                 w.write_all(&v).await
             }
             Out::Frames(tx) => tx.send(Frame::Chunk { header: h, k, v }).await.map_err(|_| pipe_closed()),
+            #[cfg(feature = "rdma")]
+            Out::Rdma(r) => r.chunk(h, k, v).await,
         }
+    }
+
+    /// Sends `Complete`; over RDMA once every write of the lease completed.
+    async fn complete(&mut self, lease_id: LeaseId, first_token: u32) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        if let Out::Rdma(r) = self {
+            r.finish(lease_id).await?;
+        }
+        self.control(Control::Complete { lease_id, first_token }).await
     }
 
     /// Writes and flushes a control frame.
@@ -454,6 +585,8 @@ impl Out {
                 .send(Frame::Control(c))
                 .await
                 .map_err(|_| KvTransferError::Io { what: "control frame".into(), source: pipe_closed() }),
+            #[cfg(feature = "rdma")]
+            Out::Rdma(r) => write_control(&mut r.w, &c).await,
         }
     }
 
@@ -461,6 +594,8 @@ impl Out {
         match self {
             Out::Bytes(w) => w.flush().await,
             Out::Frames(_) => Ok(()),
+            #[cfg(feature = "rdma")]
+            Out::Rdma(r) => r.w.flush().await,
         }
     }
 }
@@ -522,7 +657,7 @@ async fn write_items(lease: LeaseId, mut w: Out, mut rx: mpsc::Receiver<Item>, l
                 }
             }
             Item::Complete(first_token, reply) => {
-                let r = match timeout(limit, w.control(Control::Complete { lease_id: lease, first_token })).await {
+                let r = match timeout(limit, w.complete(lease, first_token)).await {
                     Ok(r) => r,
                     Err(_) => Err(timed("Complete")),
                 };

@@ -25,6 +25,14 @@ pub trait KvSink: Send + 'static {
     fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Result<Vec<u32>>;
     fn write(&mut self, w: &KvWrite) -> Result<()>;
     fn release(&mut self, request_id: RequestId, blocks: &[u32]);
+
+    /// CRC-32 ([`crate::frame::checksum`]) of K then V of `tokens` of one layer as they lie in
+    /// `blocks`, read in place: how a receiver checks KV that one-sided RDMA writes put into
+    /// its pool. A pool that RDMA cannot write into says so.
+    fn landed_checksum(&self, blocks: &[u32], layer: u32, tokens: std::ops::Range<u32>) -> Result<u32> {
+        let _ = (blocks, layer, tokens);
+        Err(KvTransferError::InvalidRequest { reason: "this block pool is not an RDMA-registered region".into() })
+    }
 }
 
 /// A block pool in plain memory: per block and layer, K then V, each
@@ -43,6 +51,13 @@ struct PoolInner {
     free: Vec<u32>,
     data: Vec<u8>,
     writes: u64,
+}
+
+impl std::fmt::Debug for MemoryPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.lock();
+        f.debug_struct("MemoryPool").field("blocks", &p.num_blocks).field("free", &p.free.len()).finish()
+    }
 }
 
 impl MemoryPool {
@@ -80,6 +95,30 @@ impl MemoryPool {
     /// request finishes).
     pub fn free_request(&self, blocks: &[u32]) {
         self.lock().free.extend_from_slice(blocks);
+    }
+
+    /// Bytes of the pool's memory: every block, laid out as
+    /// `rdma::PoolLayout::block_major` describes (the region an RDMA receiver exposes).
+    pub fn region_len(&self) -> usize {
+        self.lock().data.len()
+    }
+
+    /// Copies `bytes` into the pool's memory at `offset`, as a one-sided write into the
+    /// registered region would; false (and nothing written) when it does not fit.
+    pub fn write_region(&self, offset: usize, bytes: &[u8]) -> bool {
+        let mut p = self.lock();
+        match offset.checked_add(bytes.len()).filter(|end| *end <= p.data.len()) {
+            Some(end) => {
+                p.data[offset..end].copy_from_slice(bytes);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A copy of the pool's memory.
+    pub fn region_bytes(&self) -> Vec<u8> {
+        self.lock().data.clone()
     }
 
     /// K and V of tokens `start..start+count` of one layer, gathered from `blocks`.
@@ -153,5 +192,29 @@ impl KvSink for MemoryPool {
 
     fn release(&mut self, _request_id: RequestId, blocks: &[u32]) {
         self.lock().free.extend_from_slice(blocks);
+    }
+
+    fn landed_checksum(&self, blocks: &[u32], layer: u32, tokens: std::ops::Range<u32>) -> Result<u32> {
+        let p = self.lock();
+        let bs = p.layout.block_size;
+        let fits = tokens.start < tokens.end && tokens.end.div_ceil(bs) as usize <= blocks.len();
+        if !fits || layer >= p.layout.num_layers || blocks.iter().any(|b| *b as usize >= p.num_blocks) {
+            return Err(KvTransferError::InvalidRequest {
+                reason: format!("layer {layer} tokens {tokens:?} do not fit {} blocks of this pool", blocks.len()),
+            });
+        }
+        let tok = p.token_bytes();
+        let mut h = crc32fast::Hasher::new();
+        for v in [false, true] {
+            let mut t = tokens.start;
+            while t < tokens.end {
+                let run_end = ((t / bs + 1) * bs).min(tokens.end);
+                let (ko, vo) = p.offsets(blocks, layer, t);
+                let at = if v { vo } else { ko };
+                h.update(&p.data[at..at + (run_end - t) as usize * tok]);
+                t = run_end;
+            }
+        }
+        Ok(h.finalize())
     }
 }

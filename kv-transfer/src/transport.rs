@@ -13,9 +13,9 @@
 //!   `open` reconnects (no stale state across a restart).
 //!
 //! Implementations: [`NetTransport`] (QUIC, TCP+TLS, plain TCP over [`crate::net`]),
-//! [`crate::actor::InProcessTransport`] (a node that prefills and decodes itself), and later
-//! RDMA (feature `rdma`), which keeps the control frames on a stream and moves the payload
-//! with one-sided writes.
+//! [`crate::actor::InProcessTransport`] (a node that prefills and decodes itself), and
+//! `rdma::handoff::RdmaTransport` (feature `rdma`), which keeps the control frames on a QUIC
+//! stream and moves the payload with one-sided writes.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -38,6 +38,13 @@ pub trait Transport: Send + Sync {
     /// copied); the sender uses this instead of [`Transport::open`] when it is `Some`. The same
     /// guarantees hold: ordered, and the end of the pipe (a dropped sender) is seen by the peer.
     fn open_frames(&self, _peer: SocketAddr) -> Option<BoxFuture<'_, Result<FramePipe>>> {
+        None
+    }
+
+    /// A transport that moves the payload with one-sided RDMA writes gives the link to the
+    /// receiver here (set up on first use); [`Transport::open`] then gives the control streams.
+    #[cfg(feature = "rdma")]
+    fn rdma_path(&self, _peer: SocketAddr) -> Option<BoxFuture<'_, Result<crate::rdma::handoff::SendPath>>> {
         None
     }
 }

@@ -63,9 +63,10 @@ impl Raw {
             num_tokens: t.num_tokens,
             stream_index: 0,
             stream_count: 1,
+            rdma_link: None,
         }))
         .await;
-        assert_eq!(self.recv().await, Some(Control::Accept { lease_id: t.lease_id }));
+        assert_eq!(self.recv().await, Some(Control::Accept { lease_id: t.lease_id, rdma_tag: None }));
     }
 }
 
@@ -253,6 +254,7 @@ async fn duplicate_and_late_chunks_are_dropped_and_counted() {
             num_tokens: 4,
             stream_index: 0,
             stream_count: 1,
+            rdma_link: None,
         }))
         .await;
         assert_eq!(abort_code(raw.recv().await), Some(AbortCode::UnknownLease), "{kind:?}");
@@ -356,6 +358,7 @@ async fn layout_mismatch_is_refused_before_any_byte_moves() {
             num_tokens: 4,
             stream_index: 0,
             stream_count: 1,
+            rdma_link: None,
         }))
         .await;
         assert_eq!(abort_code(raw.recv().await), Some(AbortCode::LayoutMismatch), "{kind:?}");

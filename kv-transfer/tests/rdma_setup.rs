@@ -1,7 +1,7 @@
 //! RDMA link setup: queue-pair metadata exchanged over a real, mutually authenticated QUIC
 //! stream, then a lease written through the link (the in-memory provider stands in for the
-//! device), and every way the exchange can go wrong: bad lengths, truncation, garbage, a
-//! receiver without a region, a silent peer. Every wait is bounded.
+//! device), and every way the exchange can go wrong: malformed frames, truncation, the wrong
+//! frame, garbage metadata, a receiver without a region, a silent peer. Every wait is bounded.
 #![cfg(feature = "rdma")]
 #![allow(clippy::single_range_in_vec_init)]
 
@@ -10,10 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use cleave_kv_transfer::frame::{encode_control, read_frame, write_control, Control, Limits};
 use cleave_kv_transfer::net::{Connector, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::rdma::sim::SimFabric;
 use cleave_kv_transfer::rdma::*;
 use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_kv_transfer::transport::duplex_from;
 use cleave_kv_transfer::KvTransferError;
 use cleave_protocol::{KvDtype, KvLayout};
 use tokio::io::AsyncWriteExt;
@@ -58,11 +60,12 @@ async fn metadata_over_quic_then_a_lease_lands_through_the_link() {
     let rf = fabric.clone();
     let receiver = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap().unwrap();
-        let link = accept_link(&mut s, &rf, recv_cfg(), WAIT).await.unwrap();
+        let link = accept_link(&mut s, &rf, 7, recv_cfg(), WAIT).await.unwrap();
         (link, s, listener)
     });
     let mut s = connector.open(addr).await.unwrap();
-    let send = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.unwrap();
+    let (link_id, send) = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.unwrap();
+    assert_eq!(link_id, 7, "the sender learns the id the receiver gave the link");
     let (recv, _rs, _listener) = timeout(WAIT, receiver).await.unwrap().unwrap();
     let dcfg = DriverConfig { poll_interval: Duration::from_micros(100), queue: 16 };
     let tx = SendDriver::spawn(send, dcfg);
@@ -116,32 +119,55 @@ fn metadata(region: bool) -> QpMetadata {
     }
 }
 
+/// The receiving side of setup over an in-memory pipe, fed `bytes` by the sender.
+async fn accept_bytes(bytes: &[u8]) -> KvTransferError {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 8192);
+    let (a, b) = tokio::io::duplex(1 << 16);
+    let mut theirs = duplex_from(a);
+    theirs.send.write_all(bytes).await.unwrap();
+    theirs.send.shutdown().await.unwrap();
+    let mut ours = duplex_from(b);
+    let r = accept_link(&mut ours, &fabric, 1, recv_cfg(), WAIT).await;
+    r.err().expect("refused")
+}
+
 #[tokio::test]
-async fn bad_metadata_messages_are_clear_errors() {
-    let good = {
-        let mut v = Vec::new();
-        write_metadata(&mut v, &metadata(true)).await.unwrap();
-        v
-    };
-    assert_eq!(read_metadata(&mut &good[..]).await.unwrap(), metadata(true));
+async fn bad_offers_are_clear_errors() {
+    let good = metadata(true).encode().unwrap();
+    assert_eq!(QpMetadata::decode(&good).unwrap(), metadata(true));
+    let offer = |m: Vec<u8>| encode_control(&Control::LinkOffer { metadata: m }).to_vec();
+    let open = encode_control(&Control::Ack { lease_id: cleave_protocol::LeaseId(1) }).to_vec();
+    let good_offer = offer(metadata(false).encode().unwrap());
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("empty stream", vec![]),
-        ("half a length", vec![0]),
-        ("zero length", vec![0, 0]),
-        ("length over the limit", vec![0xFF, 0xFF]),
-        ("truncated body", good[..good.len() - 3].to_vec()),
-        ("garbage body", [&[0u8, 16][..], &[0xAB; 16]].concat()),
+        ("half a prefix", vec![0, 0, 0]),
+        ("zero-length header", vec![0; 8]),
+        ("header over the limit", [&[0xFF, 0xFF, 0, 0][..], &[0; 4]].concat()),
+        ("truncated offer", good_offer[..good_offer.len() - 3].to_vec()),
+        ("garbage header", [&[16, 0, 0, 0, 0, 0, 0, 0][..], &[0xAB; 16]].concat()),
+        ("another frame", open),
+        ("garbage metadata", offer(vec![0xAB; 16])),
     ];
     for (what, bytes) in cases {
-        let e = read_metadata(&mut &bytes[..]).await.err().unwrap_or_else(|| panic!("{what}: accepted"));
-        assert!(matches!(e, KvTransferError::Truncated { .. } | KvTransferError::RdmaMetadata { .. }), "{what}: {e}");
+        let e = accept_bytes(&bytes).await;
+        assert!(
+            matches!(
+                e,
+                KvTransferError::Truncated { .. }
+                    | KvTransferError::MalformedFrame { .. }
+                    | KvTransferError::FrameTooLarge { .. }
+                    | KvTransferError::Protocol { .. }
+                    | KvTransferError::RdmaMetadata { .. }
+            ),
+            "{what}: {e}"
+        );
         println!("{what}: {e}");
     }
-    // Every single-byte corruption of a good message is refused or decodes to valid metadata.
-    for i in 2..good.len() {
+    // Every single-byte corruption of good metadata is refused or decodes to valid metadata.
+    for i in 0..good.len() {
         let mut b = good.clone();
         b[i] ^= 0x5A;
-        if let Ok(m) = read_metadata(&mut &b[..]).await {
+        if let Ok(m) = QpMetadata::decode(&b) {
             m.validate().unwrap();
         }
     }
@@ -154,8 +180,9 @@ async fn a_receiver_without_a_region_is_refused() {
     let (mut listener, connector, addr) = quic_pair().await;
     let peer = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap().unwrap();
-        read_metadata(&mut s.recv).await.unwrap();
-        write_metadata(&mut s.send, &metadata(false)).await.unwrap();
+        read_frame(&mut s.recv, &Limits::default()).await.unwrap();
+        let answer = Control::LinkAnswer { link_id: 1, metadata: metadata(false).encode().unwrap() };
+        write_control(&mut s.send, &answer).await.unwrap();
         s.send.shutdown().await.unwrap();
         // Returned, not dropped: the listener (and its connection) lives until the client has
         // read the answer and the test awaits this task.
@@ -177,11 +204,11 @@ async fn a_silent_peer_times_out() {
     let receiver = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap().unwrap();
         // The opener's first bytes arrived (the accept); nothing more will.
-        let r = accept_link(&mut s, &rf, recv_cfg(), limit).await;
+        let r = accept_link(&mut s, &rf, 1, recv_cfg(), limit).await;
         (r.err(), listener)
     });
     let mut s = connector.open(addr).await.unwrap();
-    // Only the first byte of a length: the receiver learns of the stream, then waits.
+    // Only the first byte of a frame: the receiver learns of the stream, then waits.
     s.send.write_all(&[0]).await.unwrap();
     s.send.flush().await.unwrap();
     let (e, _l) = timeout(WAIT, receiver).await.unwrap().unwrap();

@@ -153,6 +153,7 @@ proptest! {
             let f = Frame::Control(Control::Open(Open {
                 request_id: RequestId(i as u64), lease_id: m.ids[i], layout: l.clone(),
                 num_tokens: n, stream_index: 0, stream_count: 1,
+                rdma_link: None,
             }));
             let fx = r.on_frame(now, i as u64 % STREAMS, f);
             m.check(&r, &fx);
@@ -167,6 +168,7 @@ proptest! {
                     let f = Frame::Control(Control::Open(Open {
                         request_id: RequestId(lease as u64), lease_id: m.ids[lease], layout: lay,
                         num_tokens: tokens[lease], stream_index: 0, stream_count: 1,
+                        rdma_link: None,
                     }));
                     r.on_frame(now, m.streams[stream as usize], f)
                 }

@@ -29,6 +29,7 @@ fn open(lease: LeaseId, num_tokens: u32) -> Frame {
         num_tokens,
         stream_index: 0,
         stream_count: 1,
+        rdma_link: None,
     }))
 }
 
@@ -214,6 +215,7 @@ fn layout_mismatch_is_refused_before_any_byte() {
         num_tokens: 4,
         stream_index: 0,
         stream_count: 1,
+        rdma_link: None,
     }));
     let fx = r.on_frame(now, 1, frame);
     assert_eq!(aborts(&fx), vec![AbortCode::LayoutMismatch]);

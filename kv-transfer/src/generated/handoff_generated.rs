@@ -228,10 +228,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for AbortCode {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_BODY: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_BODY: u8 = 6;
+pub const ENUM_MAX_BODY: u8 = 10;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_BODY: [Body; 7] = [
+pub const ENUM_VALUES_BODY: [Body; 11] = [
   Body::NONE,
   Body::Open,
   Body::Accept,
@@ -239,6 +239,10 @@ pub const ENUM_VALUES_BODY: [Body; 7] = [
   Body::Complete,
   Body::Ack,
   Body::Abort,
+  Body::Landed,
+  Body::LinkOffer,
+  Body::LinkAnswer,
+  Body::Drained,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -253,9 +257,13 @@ impl Body {
   pub const Complete: Self = Self(4);
   pub const Ack: Self = Self(5);
   pub const Abort: Self = Self(6);
+  pub const Landed: Self = Self(7);
+  pub const LinkOffer: Self = Self(8);
+  pub const LinkAnswer: Self = Self(9);
+  pub const Drained: Self = Self(10);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 6;
+  pub const ENUM_MAX: u8 = 10;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::NONE,
     Self::Open,
@@ -264,6 +272,10 @@ impl Body {
     Self::Complete,
     Self::Ack,
     Self::Abort,
+    Self::Landed,
+    Self::LinkOffer,
+    Self::LinkAnswer,
+    Self::Drained,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -275,6 +287,10 @@ impl Body {
       Self::Complete => Some("Complete"),
       Self::Ack => Some("Ack"),
       Self::Abort => Some("Abort"),
+      Self::Landed => Some("Landed"),
+      Self::LinkOffer => Some("LinkOffer"),
+      Self::LinkAnswer => Some("LinkAnswer"),
+      Self::Drained => Some("Drained"),
       _ => None,
     }
   }
@@ -608,6 +624,7 @@ impl<'a> Open<'a> {
   pub const VT_NUM_TOKENS: ::flatbuffers::VOffsetT = 10;
   pub const VT_STREAM_INDEX: ::flatbuffers::VOffsetT = 12;
   pub const VT_STREAM_COUNT: ::flatbuffers::VOffsetT = 14;
+  pub const VT_RDMA_LINK: ::flatbuffers::VOffsetT = 16;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -619,6 +636,7 @@ impl<'a> Open<'a> {
     args: &'args OpenArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Open<'bldr>> {
     let mut builder = OpenBuilder::new(_fbb);
+    builder.add_rdma_link(args.rdma_link);
     builder.add_lease_id(args.lease_id);
     builder.add_request_id(args.request_id);
     builder.add_num_tokens(args.num_tokens);
@@ -671,6 +689,13 @@ impl<'a> Open<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u16>(Open::VT_STREAM_COUNT, Some(0)).unwrap()}
   }
+  #[inline]
+  pub fn rdma_link(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Open::VT_RDMA_LINK, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Open<'_> {
@@ -685,6 +710,7 @@ impl ::flatbuffers::Verifiable for Open<'_> {
      .visit_field::<u32>("num_tokens", Self::VT_NUM_TOKENS, false)?
      .visit_field::<u16>("stream_index", Self::VT_STREAM_INDEX, false)?
      .visit_field::<u16>("stream_count", Self::VT_STREAM_COUNT, false)?
+     .visit_field::<u64>("rdma_link", Self::VT_RDMA_LINK, false)?
      .finish();
     Ok(())
   }
@@ -696,6 +722,7 @@ pub struct OpenArgs<'a> {
     pub num_tokens: u32,
     pub stream_index: u16,
     pub stream_count: u16,
+    pub rdma_link: u64,
 }
 impl<'a> Default for OpenArgs<'a> {
   #[inline]
@@ -707,6 +734,7 @@ impl<'a> Default for OpenArgs<'a> {
       num_tokens: 0,
       stream_index: 0,
       stream_count: 0,
+      rdma_link: 0,
     }
   }
 }
@@ -741,6 +769,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> OpenBuilder<'a, 'b, A> {
     self.fbb_.push_slot::<u16>(Open::VT_STREAM_COUNT, stream_count, 0);
   }
   #[inline]
+  pub fn add_rdma_link(&mut self, rdma_link: u64) {
+    self.fbb_.push_slot::<u64>(Open::VT_RDMA_LINK, rdma_link, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> OpenBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     OpenBuilder {
@@ -764,6 +796,7 @@ impl ::core::fmt::Debug for Open<'_> {
       ds.field("num_tokens", &self.num_tokens());
       ds.field("stream_index", &self.stream_index());
       ds.field("stream_count", &self.stream_count());
+      ds.field("rdma_link", &self.rdma_link());
       ds.finish()
   }
 }
@@ -784,6 +817,7 @@ impl<'a> ::flatbuffers::Follow<'a> for Accept<'a> {
 
 impl<'a> Accept<'a> {
   pub const VT_LEASE_ID: ::flatbuffers::VOffsetT = 4;
+  pub const VT_RDMA_TAG: ::flatbuffers::VOffsetT = 6;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -796,6 +830,7 @@ impl<'a> Accept<'a> {
   ) -> ::flatbuffers::WIPOffset<Accept<'bldr>> {
     let mut builder = AcceptBuilder::new(_fbb);
     builder.add_lease_id(args.lease_id);
+    if let Some(x) = args.rdma_tag { builder.add_rdma_tag(x); }
     builder.finish()
   }
 
@@ -807,6 +842,13 @@ impl<'a> Accept<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u64>(Accept::VT_LEASE_ID, Some(0)).unwrap()}
   }
+  #[inline]
+  pub fn rdma_tag(&self) -> Option<u16> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u16>(Accept::VT_RDMA_TAG, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Accept<'_> {
@@ -816,18 +858,21 @@ impl ::flatbuffers::Verifiable for Accept<'_> {
   ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
     v.visit_table(pos)?
      .visit_field::<u64>("lease_id", Self::VT_LEASE_ID, false)?
+     .visit_field::<u16>("rdma_tag", Self::VT_RDMA_TAG, false)?
      .finish();
     Ok(())
   }
 }
 pub struct AcceptArgs {
     pub lease_id: u64,
+    pub rdma_tag: Option<u16>,
 }
 impl<'a> Default for AcceptArgs {
   #[inline]
   fn default() -> Self {
     AcceptArgs {
       lease_id: 0,
+      rdma_tag: None,
     }
   }
 }
@@ -840,6 +885,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> AcceptBuilder<'a, 'b, A> {
   #[inline]
   pub fn add_lease_id(&mut self, lease_id: u64) {
     self.fbb_.push_slot::<u64>(Accept::VT_LEASE_ID, lease_id, 0);
+  }
+  #[inline]
+  pub fn add_rdma_tag(&mut self, rdma_tag: u16) {
+    self.fbb_.push_slot_always::<u16>(Accept::VT_RDMA_TAG, rdma_tag);
   }
   #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> AcceptBuilder<'a, 'b, A> {
@@ -860,6 +909,7 @@ impl ::core::fmt::Debug for Accept<'_> {
   fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
     let mut ds = f.debug_struct("Accept");
       ds.field("lease_id", &self.lease_id());
+      ds.field("rdma_tag", &self.rdma_tag());
       ds.finish()
   }
 }
@@ -1400,6 +1450,492 @@ impl ::core::fmt::Debug for Abort<'_> {
       ds.finish()
   }
 }
+pub enum LandedOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct Landed<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Landed<'a> {
+  type Inner = Landed<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Landed<'a> {
+  pub const VT_LEASE_ID: ::flatbuffers::VOffsetT = 4;
+  pub const VT_LAYER: ::flatbuffers::VOffsetT = 6;
+  pub const VT_TOKEN_START: ::flatbuffers::VOffsetT = 8;
+  pub const VT_TOKEN_COUNT: ::flatbuffers::VOffsetT = 10;
+  pub const VT_CHUNK: ::flatbuffers::VOffsetT = 12;
+  pub const VT_CRC32: ::flatbuffers::VOffsetT = 14;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Landed { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args LandedArgs
+  ) -> ::flatbuffers::WIPOffset<Landed<'bldr>> {
+    let mut builder = LandedBuilder::new(_fbb);
+    builder.add_lease_id(args.lease_id);
+    builder.add_crc32(args.crc32);
+    builder.add_chunk(args.chunk);
+    builder.add_token_count(args.token_count);
+    builder.add_token_start(args.token_start);
+    builder.add_layer(args.layer);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn lease_id(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Landed::VT_LEASE_ID, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn layer(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Landed::VT_LAYER, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn token_start(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Landed::VT_TOKEN_START, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn token_count(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Landed::VT_TOKEN_COUNT, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn chunk(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Landed::VT_CHUNK, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn crc32(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Landed::VT_CRC32, Some(0)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Landed<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<u64>("lease_id", Self::VT_LEASE_ID, false)?
+     .visit_field::<u32>("layer", Self::VT_LAYER, false)?
+     .visit_field::<u32>("token_start", Self::VT_TOKEN_START, false)?
+     .visit_field::<u32>("token_count", Self::VT_TOKEN_COUNT, false)?
+     .visit_field::<u32>("chunk", Self::VT_CHUNK, false)?
+     .visit_field::<u32>("crc32", Self::VT_CRC32, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct LandedArgs {
+    pub lease_id: u64,
+    pub layer: u32,
+    pub token_start: u32,
+    pub token_count: u32,
+    pub chunk: u32,
+    pub crc32: u32,
+}
+impl<'a> Default for LandedArgs {
+  #[inline]
+  fn default() -> Self {
+    LandedArgs {
+      lease_id: 0,
+      layer: 0,
+      token_start: 0,
+      token_count: 0,
+      chunk: 0,
+      crc32: 0,
+    }
+  }
+}
+
+pub struct LandedBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LandedBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_lease_id(&mut self, lease_id: u64) {
+    self.fbb_.push_slot::<u64>(Landed::VT_LEASE_ID, lease_id, 0);
+  }
+  #[inline]
+  pub fn add_layer(&mut self, layer: u32) {
+    self.fbb_.push_slot::<u32>(Landed::VT_LAYER, layer, 0);
+  }
+  #[inline]
+  pub fn add_token_start(&mut self, token_start: u32) {
+    self.fbb_.push_slot::<u32>(Landed::VT_TOKEN_START, token_start, 0);
+  }
+  #[inline]
+  pub fn add_token_count(&mut self, token_count: u32) {
+    self.fbb_.push_slot::<u32>(Landed::VT_TOKEN_COUNT, token_count, 0);
+  }
+  #[inline]
+  pub fn add_chunk(&mut self, chunk: u32) {
+    self.fbb_.push_slot::<u32>(Landed::VT_CHUNK, chunk, 0);
+  }
+  #[inline]
+  pub fn add_crc32(&mut self, crc32: u32) {
+    self.fbb_.push_slot::<u32>(Landed::VT_CRC32, crc32, 0);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LandedBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    LandedBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Landed<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Landed<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Landed");
+      ds.field("lease_id", &self.lease_id());
+      ds.field("layer", &self.layer());
+      ds.field("token_start", &self.token_start());
+      ds.field("token_count", &self.token_count());
+      ds.field("chunk", &self.chunk());
+      ds.field("crc32", &self.crc32());
+      ds.finish()
+  }
+}
+pub enum LinkOfferOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct LinkOffer<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for LinkOffer<'a> {
+  type Inner = LinkOffer<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> LinkOffer<'a> {
+  pub const VT_METADATA: ::flatbuffers::VOffsetT = 4;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    LinkOffer { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args LinkOfferArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<LinkOffer<'bldr>> {
+    let mut builder = LinkOfferBuilder::new(_fbb);
+    if let Some(x) = args.metadata { builder.add_metadata(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn metadata(&self) -> Option<::flatbuffers::Vector<'a, u8>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u8>>>(LinkOffer::VT_METADATA, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for LinkOffer<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u8>>>("metadata", Self::VT_METADATA, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct LinkOfferArgs<'a> {
+    pub metadata: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u8>>>,
+}
+impl<'a> Default for LinkOfferArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    LinkOfferArgs {
+      metadata: None,
+    }
+  }
+}
+
+pub struct LinkOfferBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LinkOfferBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_metadata(&mut self, metadata: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u8>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(LinkOffer::VT_METADATA, metadata);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LinkOfferBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    LinkOfferBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<LinkOffer<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for LinkOffer<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("LinkOffer");
+      ds.field("metadata", &self.metadata());
+      ds.finish()
+  }
+}
+pub enum LinkAnswerOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct LinkAnswer<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for LinkAnswer<'a> {
+  type Inner = LinkAnswer<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> LinkAnswer<'a> {
+  pub const VT_LINK_ID: ::flatbuffers::VOffsetT = 4;
+  pub const VT_METADATA: ::flatbuffers::VOffsetT = 6;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    LinkAnswer { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args LinkAnswerArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<LinkAnswer<'bldr>> {
+    let mut builder = LinkAnswerBuilder::new(_fbb);
+    builder.add_link_id(args.link_id);
+    if let Some(x) = args.metadata { builder.add_metadata(x); }
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn link_id(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LinkAnswer::VT_LINK_ID, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn metadata(&self) -> Option<::flatbuffers::Vector<'a, u8>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u8>>>(LinkAnswer::VT_METADATA, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for LinkAnswer<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<u64>("link_id", Self::VT_LINK_ID, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u8>>>("metadata", Self::VT_METADATA, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct LinkAnswerArgs<'a> {
+    pub link_id: u64,
+    pub metadata: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u8>>>,
+}
+impl<'a> Default for LinkAnswerArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    LinkAnswerArgs {
+      link_id: 0,
+      metadata: None,
+    }
+  }
+}
+
+pub struct LinkAnswerBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LinkAnswerBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_link_id(&mut self, link_id: u64) {
+    self.fbb_.push_slot::<u64>(LinkAnswer::VT_LINK_ID, link_id, 0);
+  }
+  #[inline]
+  pub fn add_metadata(&mut self, metadata: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u8>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(LinkAnswer::VT_METADATA, metadata);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LinkAnswerBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    LinkAnswerBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<LinkAnswer<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for LinkAnswer<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("LinkAnswer");
+      ds.field("link_id", &self.link_id());
+      ds.field("metadata", &self.metadata());
+      ds.finish()
+  }
+}
+pub enum DrainedOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct Drained<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Drained<'a> {
+  type Inner = Drained<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Drained<'a> {
+  pub const VT_TAG: ::flatbuffers::VOffsetT = 4;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Drained { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args DrainedArgs
+  ) -> ::flatbuffers::WIPOffset<Drained<'bldr>> {
+    let mut builder = DrainedBuilder::new(_fbb);
+    builder.add_tag(args.tag);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn tag(&self) -> u16 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u16>(Drained::VT_TAG, Some(0)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Drained<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<u16>("tag", Self::VT_TAG, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct DrainedArgs {
+    pub tag: u16,
+}
+impl<'a> Default for DrainedArgs {
+  #[inline]
+  fn default() -> Self {
+    DrainedArgs {
+      tag: 0,
+    }
+  }
+}
+
+pub struct DrainedBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> DrainedBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_tag(&mut self, tag: u16) {
+    self.fbb_.push_slot::<u16>(Drained::VT_TAG, tag, 0);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> DrainedBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    DrainedBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Drained<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Drained<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Drained");
+      ds.field("tag", &self.tag());
+      ds.finish()
+  }
+}
 pub enum FrameOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -1548,6 +2084,66 @@ impl<'a> Frame<'a> {
     }
   }
 
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_landed(&self) -> Option<Landed<'a>> {
+    if self.body_type() == Body::Landed {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { Landed::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_link_offer(&self) -> Option<LinkOffer<'a>> {
+    if self.body_type() == Body::LinkOffer {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { LinkOffer::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_link_answer(&self) -> Option<LinkAnswer<'a>> {
+    if self.body_type() == Body::LinkAnswer {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { LinkAnswer::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_drained(&self) -> Option<Drained<'a>> {
+    if self.body_type() == Body::Drained {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { Drained::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
 }
 
 impl ::flatbuffers::Verifiable for Frame<'_> {
@@ -1565,6 +2161,10 @@ impl ::flatbuffers::Verifiable for Frame<'_> {
           Body::Complete => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Complete>>("Body::Complete", pos),
           Body::Ack => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Ack>>("Body::Ack", pos),
           Body::Abort => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Abort>>("Body::Abort", pos),
+          Body::Landed => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Landed>>("Body::Landed", pos),
+          Body::LinkOffer => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<LinkOffer>>("Body::LinkOffer", pos),
+          Body::LinkAnswer => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<LinkAnswer>>("Body::LinkAnswer", pos),
+          Body::Drained => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Drained>>("Body::Drained", pos),
           _ => Ok(()),
         }
      })?
@@ -1663,6 +2263,34 @@ impl ::core::fmt::Debug for Frame<'_> {
         },
         Body::Abort => {
           if let Some(x) = self.body_as_abort() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::Landed => {
+          if let Some(x) = self.body_as_landed() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::LinkOffer => {
+          if let Some(x) = self.body_as_link_offer() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::LinkAnswer => {
+          if let Some(x) = self.body_as_link_answer() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::Drained => {
+          if let Some(x) = self.body_as_drained() {
             ds.field("body", &x)
           } else {
             ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")

@@ -42,6 +42,20 @@ pub trait RecvOps {
     fn reset(&mut self) -> Result<()>;
 }
 
+impl<T: RecvOps + ?Sized> RecvOps for Box<T> {
+    fn post_recvs(&mut self, count: u32) -> Result<()> {
+        (**self).post_recvs(count)
+    }
+
+    fn poll_recv(&mut self, out: &mut Vec<RecvCompletion>) -> Result<()> {
+        (**self).poll_recv(out)
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        (**self).reset()
+    }
+}
+
 /// Sizes of a [`SendLink`].
 #[derive(Debug, Clone, Copy)]
 pub struct SendLinkConfig {

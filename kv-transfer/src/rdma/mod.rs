@@ -11,15 +11,17 @@
 //! 1. Link setup, once per peer pair ([`setup`]): each side creates a queue pair and sends its
 //!    [`QpMetadata`] over the QUIC control stream (the decode side with its [`RemoteRegion`]:
 //!    address, length, rkey and [`PoolLayout`] of the pool); both [`verbs::QueuePair::connect`].
-//! 2. Per lease: the decode side reserves blocks, assigns a 12-bit lease tag unused on this
-//!    queue pair, opens it in its [`RecvTracker`] and posts one receive per expected immediate;
-//!    the ticket (over QUIC) carries the tag and the block ids.
+//! 2. Per lease: the decode side reserves blocks (the ticket carries the block ids); the
+//!    sender's `Open` names the link, and the receiver assigns a 12-bit lease tag unused on
+//!    this queue pair, opens it in its [`RecvTracker`] (one receive stays posted per expected
+//!    immediate) and answers `Accept` with the tag.
 //! 3. Per computed (layer, chunk): the prefill side builds the writes with [`plan_chunk`] (runs
 //!    of adjacent blocks merged, the last write carrying the [`Imm`]), claims wr_ids from its
-//!    [`SendTracker`] and posts them.
-//! 4. After the last chunk, the prefill side sends the chunk count over QUIC
-//!    ([`RecvTracker::set_chunks`]) and finishes the lease in its tracker. The receiver reports
-//!    Done when every (layer, chunk) immediate arrived; the sender when every write completed.
+//!    [`SendTracker`], posts them, and sends a `Landed` notice (with the chunk's CRC-32) on the
+//!    control stream.
+//! 4. Once every write completed, the prefill side sends `Complete`; the receiver gives the
+//!    chunk count to its tracker ([`RecvTracker::set_chunks`]), which reports Done when every
+//!    (layer, chunk) immediate arrived; then every notice's CRC is checked against the pool.
 //! 5. Faults: see [`completion`] for the lease state machine and who frees blocks when.
 //!
 //! [`link`] drives it all (one end per queue pair) over a small operations trait, implemented
@@ -27,14 +29,19 @@
 //! in tests without a device. [`driver`] gives each link end an owner task with a handle (posting
 //! in order under back-pressure, `finish` and `cancel` that wait for the outcome or the drain).
 //!
-//! Not yet done: the handoff ([`crate::sender`], the receiver actor) does not pick RDMA as a
-//! transport, and the decode node's KV pool is not one registered region.
+//! [`handoff`] makes it a transport a handoff can pick: [`RdmaTransport`] on the sender, the
+//! receiver actor's links ([`RdmaReceive`]) on the decode side.
+//!
+//! Not yet done: the decode node's engine KV pool is not one registered region (the engine keeps
+//! a pool per layer), so a decode node receives over QUIC or TCP; [`crate::MemoryPool`] is the
+//! pool an RDMA receiver writes into today (tests, `cleave bench transfer`).
 //!
 //! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`] and [`sim`]
 //! depend on no verbs type; [`verbs`] is the only module with `unsafe`.
 
 pub mod completion;
 pub mod driver;
+pub mod handoff;
 pub mod layout;
 pub mod link;
 pub mod meta;
@@ -47,8 +54,9 @@ pub use completion::{
     FailReason, LeaseEvent, Outcome, RecvCompletion, RecvTracker, SendCompletion, SendTracker, WcStatus,
 };
 pub use driver::{DriverConfig, RecvDriver, SendChunk, SendDriver};
+pub use handoff::{RdmaReceive, RdmaSendConfig, RdmaTransport, SendPath};
 pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{PathMtu, QpMetadata};
 pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
-pub use setup::{accept as accept_link, connect as connect_link, read_metadata, write_metadata, Provider};
+pub use setup::{accept as accept_link, connect as connect_link, Acceptor, DynRecvLink, Provider};

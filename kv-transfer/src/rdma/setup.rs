@@ -2,23 +2,26 @@
 //! metadata over a control stream (a QUIC stream between the nodes, mutually authenticated like
 //! every other), each connects its queue pair to the other's, and each gets its link end.
 //!
-//! On the stream, in order: the sender writes its [`QpMetadata`] (no region), the receiver
-//! answers with its own, which carries the KV pool's [`super::RemoteRegion`]. Each message is a
-//! 2-byte big-endian length and the flatbuffer ([`QpMetadata::encode`]); a length over
-//! [`MAX_METADATA_BYTES`], a truncated message, an unknown version, invalid fields, a receiver
-//! without a region, or a peer silent past the limit is a clear error on that side, and nothing
-//! is left half set up: a queue pair not handed out is dropped (destroyed) with the error.
+//! On the stream, as handoff frames ([`crate::frame`]): the sender writes
+//! [`Control::LinkOffer`] with its [`QpMetadata`] (no region); the receiver answers
+//! [`Control::LinkAnswer`] with the link's id (which later `Open`s name) and its own metadata,
+//! which carries the KV pool's [`super::RemoteRegion`], or [`Control::Abort`] when it cannot
+//! take the link. The stream then stays open for the link's life: the sender sends
+//! [`Control::Drained`] on it, and its end tells each side that the other dropped the link.
+//!
+//! A malformed frame, garbage or invalid metadata, a receiver without a region, an abort, or a
+//! peer silent past the limit is a clear error on that side, and nothing is left half set up: a
+//! queue pair not handed out is dropped (destroyed) with the error.
 //!
 //! Queue pairs come from a [`Provider`]: [`super::verbs`] on a device and [`super::sim`] in
 //! memory are its two implementations.
 
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-
 use super::link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
-use super::meta::{QpMetadata, MAX_METADATA_BYTES};
+use super::meta::QpMetadata;
 use crate::error::{KvTransferError, Result};
+use crate::frame::{read_frame, write_control, Control, Frame, Limits};
 use crate::net::DuplexStream;
 
 /// Where queue pairs come from. Creating one yields its metadata for the peer; connecting it to
@@ -36,47 +39,26 @@ pub trait Provider: Send + Sync {
     fn connect_recv(&self, pending: Self::PendingRecv, remote: &QpMetadata) -> Result<Self::Recv>;
 }
 
-/// Writes one metadata message.
-pub async fn write_metadata<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, m: &QpMetadata) -> Result<()> {
-    let body = m.encode()?;
-    let len = u16::try_from(body.len())
-        .ok()
-        .filter(|n| (*n as usize) <= MAX_METADATA_BYTES)
-        .ok_or_else(|| KvTransferError::RdmaMetadata { reason: format!("{} bytes is too long to send", body.len()) })?;
-    let io = |source| KvTransferError::Io { what: "rdma metadata".into(), source };
-    w.write_all(&len.to_be_bytes()).await.map_err(io)?;
-    w.write_all(&body).await.map_err(io)?;
-    w.flush().await.map_err(io)
+/// A receiving link end whose queue pair's type is erased: a receiver holds links of one
+/// provider, chosen at run time (device or memory).
+pub type DynRecvLink = RecvLink<Box<dyn RecvOps + Send>>;
+
+/// The receiving side of setup without the stream, for a receiver that reads its frames
+/// elsewhere: takes the sender's offer (the encoded metadata of a [`Control::LinkOffer`]),
+/// creates and connects a queue pair, and returns the link end with the encoded metadata to
+/// answer with.
+pub trait Acceptor: Send + Sync {
+    fn answer(&self, offer: &[u8], cfg: RecvLinkConfig) -> Result<(DynRecvLink, Vec<u8>)>;
 }
 
-/// Reads one metadata message; it is validated (see [`QpMetadata::decode`]).
-pub async fn read_metadata<R: AsyncRead + Unpin + ?Sized>(r: &mut R) -> Result<QpMetadata> {
-    let mut prefix = [0u8; 2];
-    read_exact(r, &mut prefix, 0).await?;
-    let len = u16::from_be_bytes(prefix) as usize;
-    if len == 0 || len > MAX_METADATA_BYTES {
-        return Err(KvTransferError::RdmaMetadata {
-            reason: format!("message of {len} bytes (1..={MAX_METADATA_BYTES} expected)"),
-        });
+impl<P: Provider> Acceptor for P {
+    fn answer(&self, offer: &[u8], cfg: RecvLinkConfig) -> Result<(DynRecvLink, Vec<u8>)> {
+        let remote = QpMetadata::decode(offer)?;
+        let (pending, local) = self.create_recv()?;
+        let answer = local.encode()?;
+        let ops = self.connect_recv(pending, &remote)?;
+        Ok((RecvLink::new(Box::new(ops) as Box<dyn RecvOps + Send>, cfg)?, answer))
     }
-    let mut body = vec![0u8; len];
-    read_exact(r, &mut body, 2).await?;
-    QpMetadata::decode(&body)
-}
-
-async fn read_exact<R: AsyncRead + Unpin + ?Sized>(r: &mut R, buf: &mut [u8], before: usize) -> Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let n = r
-            .read(&mut buf[got..])
-            .await
-            .map_err(|source| KvTransferError::Io { what: "rdma metadata".into(), source })?;
-        if n == 0 {
-            return Err(KvTransferError::Truncated { expected: before + buf.len(), got: before + got });
-        }
-        got += n;
-    }
-    Ok(())
 }
 
 async fn bounded<T>(limit: Duration, what: &str, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
@@ -85,42 +67,64 @@ async fn bounded<T>(limit: Duration, what: &str, f: impl std::future::Future<Out
         .map_err(|_| KvTransferError::Timeout { what: what.into(), ms: limit.as_millis() as u64 })?
 }
 
-/// The sending side (prefill node): sends its metadata, reads the receiver's, connects.
+fn link_limits() -> Limits {
+    Limits { max_payload: 0, layout: None }
+}
+
+/// The sending side (prefill node): offers its metadata, reads the receiver's answer, connects.
+/// Returns the link's id (to name in `Open`) and the link end.
 pub async fn connect<P: Provider>(
     stream: &mut DuplexStream,
     provider: &P,
     cfg: SendLinkConfig,
     limit: Duration,
-) -> Result<SendLink<P::Send>> {
+) -> Result<(u64, SendLink<P::Send>)> {
     let (pending, local) = provider.create_send()?;
     bounded(limit, "rdma link setup (sender)", async {
-        write_metadata(&mut stream.send, &local).await?;
-        let remote = read_metadata(&mut stream.recv).await?;
+        write_control(&mut stream.send, &Control::LinkOffer { metadata: local.encode()? }).await?;
+        let (link_id, remote) = match read_frame(&mut stream.recv, &link_limits()).await? {
+            Some(Frame::Control(Control::LinkAnswer { link_id, metadata })) => {
+                (link_id, QpMetadata::decode(&metadata)?)
+            }
+            Some(Frame::Control(Control::Abort { lease_id, code, reason })) => {
+                return Err(KvTransferError::PeerAborted { lease: lease_id, code: code.to_string(), reason })
+            }
+            Some(other) => {
+                return Err(KvTransferError::Protocol { reason: format!("{other:?} in answer to a link offer") })
+            }
+            None => return Err(KvTransferError::Truncated { expected: 1, got: 0 }),
+        };
         if remote.region.is_none() {
             return Err(KvTransferError::RdmaMetadata {
                 reason: "the receiver's metadata describes no memory region".into(),
             });
         }
         let ops = provider.connect_send(pending, &remote)?;
-        SendLink::new(ops, &remote, cfg)
+        Ok((link_id, SendLink::new(ops, &remote, cfg)?))
     })
     .await
 }
 
-/// The receiving side (decode node): reads the sender's metadata, answers with its own (and the
-/// pool's region), connects.
-pub async fn accept<P: Provider>(
+/// The receiving side (decode node) on a stream of its own: reads the offer, answers with
+/// `link_id` and its metadata (with the pool's region), connects.
+pub async fn accept(
     stream: &mut DuplexStream,
-    provider: &P,
+    acceptor: &dyn Acceptor,
+    link_id: u64,
     cfg: RecvLinkConfig,
     limit: Duration,
-) -> Result<RecvLink<P::Recv>> {
+) -> Result<DynRecvLink> {
     bounded(limit, "rdma link setup (receiver)", async {
-        let remote = read_metadata(&mut stream.recv).await?;
-        let (pending, local) = provider.create_recv()?;
-        write_metadata(&mut stream.send, &local).await?;
-        let ops = provider.connect_recv(pending, &remote)?;
-        RecvLink::new(ops, cfg)
+        let offer = match read_frame(&mut stream.recv, &link_limits()).await? {
+            Some(Frame::Control(Control::LinkOffer { metadata })) => metadata,
+            Some(other) => {
+                return Err(KvTransferError::Protocol { reason: format!("{other:?} instead of a link offer") })
+            }
+            None => return Err(KvTransferError::Truncated { expected: 1, got: 0 }),
+        };
+        let (link, metadata) = acceptor.answer(&offer, cfg)?;
+        write_control(&mut stream.send, &Control::LinkAnswer { link_id, metadata }).await?;
+        Ok(link)
     })
     .await
 }

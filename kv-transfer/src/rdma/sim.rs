@@ -29,9 +29,57 @@ struct Posted {
     write: RdmaWrite,
 }
 
+/// The receiver's memory: a buffer of its own, or a [`crate::MemoryPool`] (writes land in the
+/// pool a receiver actor reads, as on a device where the pool is the registered region).
+#[derive(Clone)]
+enum Region {
+    Own(Vec<u8>),
+    Pool(crate::MemoryPool),
+}
+
+impl Default for Region {
+    fn default() -> Self {
+        Region::Own(Vec::new())
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Region::Own(b) => write!(f, "Own({} bytes)", b.len()),
+            Region::Pool(p) => write!(f, "Pool({} bytes)", p.region_len()),
+        }
+    }
+}
+
+impl Region {
+    fn len(&self) -> usize {
+        match self {
+            Region::Own(b) => b.len(),
+            Region::Pool(p) => p.region_len(),
+        }
+    }
+
+    fn write(&mut self, at: usize, bytes: &[u8]) {
+        match self {
+            Region::Own(b) => b[at..at + bytes.len()].copy_from_slice(bytes),
+            Region::Pool(p) => {
+                p.write_region(at, bytes);
+            }
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        match self {
+            Region::Own(b) => b.clone(),
+            Region::Pool(p) => p.region_bytes(),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
-    region: Vec<u8>,
+    region: Region,
     addr: u64,
     rkey: u32,
     recvs: u32,
@@ -53,8 +101,19 @@ pub struct SimNet {
 impl SimNet {
     /// A connection whose receiver exposes a zeroed region of `len` bytes at `addr`.
     pub fn new(addr: u64, len: usize, rkey: u32) -> Self {
-        let state = State { region: vec![0; len], addr, rkey, ..State::default() };
+        let state = State { region: Region::Own(vec![0; len]), addr, rkey, ..State::default() };
         Self { state: Arc::new(Mutex::new(state)) }
+    }
+
+    /// A connection whose receiver's region is `pool`'s memory.
+    pub fn over_pool(addr: u64, pool: crate::MemoryPool, rkey: u32) -> Self {
+        let state = State { region: Region::Pool(pool), addr, rkey, ..State::default() };
+        Self { state: Arc::new(Mutex::new(state)) }
+    }
+
+    /// True once the connection failed (an error completion, a reset, a dropped receiver).
+    pub fn is_broken(&self) -> bool {
+        self.lock().error
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -72,7 +131,7 @@ impl SimNet {
 
     /// A copy of the receiver's region.
     pub fn region(&self) -> Vec<u8> {
-        self.lock().region.clone()
+        self.lock().region.bytes()
     }
 
     /// Writes executed so far.
@@ -146,7 +205,7 @@ impl State {
             return self.break_connection();
         }
         let at = at.unwrap_or(0);
-        self.region[at..at + w.len as usize].copy_from_slice(&p.src);
+        self.region.write(at, &p.src);
         self.landed_writes += 1;
         if let Some(imm) = w.imm {
             self.recvs -= 1;
@@ -223,12 +282,21 @@ impl RecvOps for SimReceiver {
     }
 }
 
+impl Drop for SimReceiver {
+    /// A destroyed queue pair: nothing lands any more, the sender's writes fail.
+    fn drop(&mut self) {
+        self.net.lock().break_connection();
+    }
+}
+
 /// A [`super::setup::Provider`] in memory: each receiving queue pair is a fresh [`SimNet`]
 /// whose region has the pool's layout, found by the sender through the queue-pair number in the
 /// receiver's metadata (as a device finds the peer's queue pair through its address).
 #[derive(Debug, Clone)]
 pub struct SimFabric {
     inner: Arc<Mutex<Fabric>>,
+    /// When set, every receiving queue pair's region is this pool's memory.
+    pool: Option<crate::MemoryPool>,
     layout: super::layout::PoolLayout,
     addr: u64,
     rkey: u32,
@@ -245,7 +313,19 @@ impl SimFabric {
     /// Receivers expose a pool of `layout` at `addr` with `rkey`; senders get `staging_len`
     /// bytes of staging memory.
     pub fn new(layout: super::layout::PoolLayout, addr: u64, rkey: u32, staging_len: usize) -> Self {
-        Self { inner: Arc::default(), layout, addr, rkey, staging_len }
+        Self { inner: Arc::default(), pool: None, layout, addr, rkey, staging_len }
+    }
+
+    /// Receivers expose `pool` itself (block-major, as [`crate::MemoryPool`] lays its blocks
+    /// out): what lands is what a receiver actor over that pool reads.
+    pub fn over_pool(pool: crate::MemoryPool, layout: &cleave_protocol::KvLayout, staging_len: usize) -> Result<Self> {
+        let layout = super::layout::PoolLayout::block_major(layout, pool.total_blocks() as u32)?;
+        if layout.extent()? != pool.region_len() as u64 {
+            return Err(crate::error::KvTransferError::RdmaLayout {
+                reason: format!("pool of {} bytes, layout of {}", pool.region_len(), layout.extent()?),
+            });
+        }
+        Ok(Self { inner: Arc::default(), pool: Some(pool), layout, addr: 0x7f00_0000_0000, rkey: 0x5eed, staging_len })
     }
 
     /// The connection of the receiving queue pair `qp_num` (for faults and inspection).
@@ -292,7 +372,10 @@ impl super::setup::Provider for SimFabric {
     fn create_recv(&self) -> Result<(SimNet, super::meta::QpMetadata)> {
         let len = self.layout.extent()?;
         let qp = self.new_qp();
-        let net = SimNet::new(self.addr, len as usize, self.rkey);
+        let net = match &self.pool {
+            Some(pool) => SimNet::over_pool(self.addr, pool.clone(), self.rkey),
+            None => SimNet::new(self.addr, len as usize, self.rkey),
+        };
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).nets.insert(qp, net.clone());
         let region = super::plan::RemoteRegion { addr: self.addr, len, rkey: self.rkey, layout: self.layout };
         Ok((net, self.metadata(qp, Some(region))))
