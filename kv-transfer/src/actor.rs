@@ -559,9 +559,6 @@ impl<S: KvSink> Actor<S> {
                 Effect::Released { lease, request_id, blocks, error, rdma } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
                     m::record_failure("receiver", self.cfg.transport, &error);
-                    if let Some(w) = self.waiters.remove(&lease) {
-                        let _ = w.send(Err(error));
-                    }
                     #[cfg(feature = "rdma")]
                     let blocks = match (rdma, self.links.as_mut()) {
                         (Some((link, tag)), Some(links)) => {
@@ -575,6 +572,11 @@ impl<S: KvSink> Actor<S> {
                     let (blocks, _) = (Some(blocks), rdma);
                     if let Some(blocks) = blocks {
                         self.sink.release(request_id, &blocks);
+                    }
+                    // After the release: a waiter that sees the error finds the blocks free
+                    // (or, over RDMA, still counted reserved until no write can land).
+                    if let Some(w) = self.waiters.remove(&lease) {
+                        let _ = w.send(Err(error));
                     }
                 }
                 Effect::BindRdma { lease, link, stream, num_layers, deadline } => {
@@ -616,7 +618,7 @@ impl<S: KvSink> Actor<S> {
         let Some(links) = self.links.as_mut() else { return Some(item) };
         if links.is_link_stream(stream) {
             let out = match item {
-                Ok(Some(Frame::Control(Control::Drained { tag }))) => links.drained(stream, tag),
+                Ok(Some(Frame::Control(Control::Drained { lease_id, tag }))) => links.drained(stream, lease_id, tag),
                 Ok(None) => links.stream_ended(stream, "its stream ended"),
                 Ok(Some(other)) => {
                     let why = format!("unexpected frame on the link's stream: {other:?}");

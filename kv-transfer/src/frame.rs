@@ -174,8 +174,9 @@ pub enum Control {
         link_id: u64,
         metadata: Vec<u8>,
     },
-    /// On a link's setup stream: no write of the lease tagged `tag` can still land.
+    /// On a link's setup stream: no write of `lease_id` (tagged `tag`) can still land.
     Drained {
+        lease_id: LeaseId,
         tag: u16,
     },
 }
@@ -327,8 +328,8 @@ pub fn encode_control(msg: &Control) -> Bytes {
             let t = fb::LinkAnswer::create(&mut fbb, &fb::LinkAnswerArgs { link_id: *link_id, metadata: Some(m) });
             (fb::Body::LinkAnswer, t.as_union_value())
         }
-        Control::Drained { tag } => {
-            let t = fb::Drained::create(&mut fbb, &fb::DrainedArgs { tag: *tag });
+        Control::Drained { lease_id, tag } => {
+            let t = fb::Drained::create(&mut fbb, &fb::DrainedArgs { lease_id: lease_id.0, tag: *tag });
             (fb::Body::Drained, t.as_union_value())
         }
         Control::Complete { lease_id, first_token } => {
@@ -479,7 +480,7 @@ pub fn parse_header(buf: &[u8], payload_len: usize, limits: &Limits) -> Result<H
         }
         fb::Body::Drained => {
             let d = f.body_as_drained().ok_or_else(|| missing("drained"))?;
-            no_payload(Header::Control(Control::Drained { tag: d.tag() }))
+            no_payload(Header::Control(Control::Drained { lease_id: LeaseId(d.lease_id()), tag: d.tag() }))
         }
         fb::Body::Complete => {
             let c = f.body_as_complete().ok_or_else(|| missing("complete"))?;
@@ -727,7 +728,7 @@ mod tests {
             }),
             Control::LinkOffer { metadata: vec![1, 2, 3] },
             Control::LinkAnswer { link_id: 5, metadata: vec![4; 300] },
-            Control::Drained { tag: 4095 },
+            Control::Drained { lease_id: LeaseId(3), tag: 4095 },
         ];
         let limits = Limits { layout: Some(layout()), ..Default::default() };
         for m in msgs {

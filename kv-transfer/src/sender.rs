@@ -166,6 +166,9 @@ pub struct KvSender {
     events: mpsc::Receiver<(usize, Result<Option<Frame>>)>,
     started: Instant,
     _tasks: Vec<AbortOnDrop<()>>,
+    /// Declared after the tasks: they are aborted before the lease is abandoned.
+    #[cfg(feature = "rdma")]
+    rdma_lease: Option<RdmaLease>,
 }
 
 impl KvSender {
@@ -273,6 +276,8 @@ impl KvSender {
             events,
             started,
             _tasks: tasks,
+            #[cfg(feature = "rdma")]
+            rdma_lease: None,
         };
         let mut accepted = 0;
         while accepted < n {
@@ -286,11 +291,11 @@ impl KvSender {
                                 reason: format!("Accept of {lease} over RDMA without a lease tag"),
                             });
                         };
-                        // From here until the lease completes, a failure tells the receiver
-                        // when our writes have drained (RdmaLease's drop).
-                        let guard = RdmaLease { path, tag, done: false };
+                        // From here until the Ack, a failure tells the receiver when our writes
+                        // have drained (RdmaLease's drop).
+                        this.rdma_lease = Some(RdmaLease { path: path.clone(), lease, tag, acked: false });
                         let ttl_end = Instant::now() + ticket.lease_ttl;
-                        tokio::time::timeout_at(deadline, guard.path.driver.open(tag, ttl_end))
+                        tokio::time::timeout_at(deadline, path.driver.open(tag, ttl_end))
                             .await
                             .map_err(|_| timed_out(format!("opening RDMA lease tag {tag}")))??;
                         let layers = local.num_layers as usize;
@@ -298,7 +303,7 @@ impl KvSender {
                         let Some(Out::Bytes(w)) = sends.pop() else {
                             return Err(KvTransferError::Protocol { reason: "RDMA control stream missing".into() });
                         };
-                        sends.push(Out::Rdma(Box::new(RdmaOut { w, lease: guard, blocks, counts: vec![0; layers] })));
+                        sends.push(Out::Rdma(Box::new(RdmaOut { w, path, tag, blocks, counts: vec![0; layers] })));
                     }
                     #[cfg(not(feature = "rdma"))]
                     let _ = rdma_tag;
@@ -400,7 +405,13 @@ impl KvSender {
         }
         let ack_deadline = tokio::time::Instant::now() + self.cfg.ack_timeout;
         match self.next_event(ack_deadline, "Ack").await {
-            Ok(Control::Ack { lease_id }) if lease_id == lease => {}
+            Ok(Control::Ack { lease_id }) if lease_id == lease =>
+            {
+                #[cfg(feature = "rdma")]
+                if let Some(l) = self.rdma_lease.as_mut() {
+                    l.acked = true;
+                }
+            }
             Ok(other) => return Err(unexpected(lease, &other)),
             Err(KvTransferError::Timeout { what, .. }) => {
                 return Err(KvTransferError::Timeout { what, ms: self.cfg.ack_timeout.as_millis() as u64 })
@@ -465,20 +476,23 @@ enum Out {
     Rdma(Box<RdmaOut>),
 }
 
-/// An RDMA lease of this sender: until it completed, dropping it (a failed or abandoned
-/// transfer) cancels the lease on the link and, once no write can land, tells the receiver.
+/// An RDMA lease of this sender: unless the receiver acknowledged it, dropping it (a failed or
+/// abandoned transfer) cancels the lease on the link and, once no write can land, tells the
+/// receiver, which frees the blocks without resetting the queue pair. After an `Ack` it sends
+/// nothing: the receiver holds nothing of the lease any more.
 #[cfg(feature = "rdma")]
 struct RdmaLease {
     path: crate::rdma::SendPath,
+    lease: LeaseId,
     tag: u16,
-    done: bool,
+    acked: bool,
 }
 
 #[cfg(feature = "rdma")]
 impl Drop for RdmaLease {
     fn drop(&mut self) {
-        if !self.done {
-            self.path.abandon(self.tag);
+        if !self.acked {
+            self.path.abandon(self.lease, self.tag);
         }
     }
 }
@@ -487,7 +501,8 @@ impl Drop for RdmaLease {
 struct RdmaOut {
     /// The control stream (notices, Complete).
     w: BufWriter<SendHalf>,
-    lease: RdmaLease,
+    path: crate::rdma::SendPath,
+    tag: u16,
     blocks: Arc<[u32]>,
     /// Chunks posted per layer: the next chunk index of each.
     counts: Vec<u32>,
@@ -500,16 +515,9 @@ impl RdmaOut {
         let layer = h.layer as usize;
         let chunk = self.counts[layer];
         let tokens = h.token_start..h.token_start + h.token_count;
-        let c = crate::rdma::SendChunk {
-            blocks: self.blocks.clone(),
-            layer: h.layer,
-            tokens,
-            tag: self.lease.tag,
-            chunk,
-            k,
-            v,
-        };
-        self.lease.path.driver.send(c).await.map_err(other)?;
+        let c =
+            crate::rdma::SendChunk { blocks: self.blocks.clone(), layer: h.layer, tokens, tag: self.tag, chunk, k, v };
+        self.path.driver.send(c).await.map_err(other)?;
         self.counts[layer] += 1;
         let notice = crate::frame::Landed {
             lease_id: h.lease_id,
@@ -529,14 +537,11 @@ impl RdmaOut {
                 reason: format!("{lease}: over RDMA every layer needs as many chunks (got {:?})", self.counts),
             });
         }
-        let e = self.lease.path.driver.finish(self.lease.tag).await?;
+        let e = self.path.driver.finish(self.tag).await?;
         match e.outcome {
-            crate::rdma::Outcome::Done => {
-                self.lease.done = true;
-                Ok(())
-            }
+            crate::rdma::Outcome::Done => Ok(()),
             crate::rdma::Outcome::Failed { reason, .. } => {
-                Err(KvTransferError::RdmaLink { link: self.lease.path.link_id, reason: reason.to_string() })
+                Err(KvTransferError::RdmaLink { link: self.path.link_id, reason: reason.to_string() })
             }
         }
     }

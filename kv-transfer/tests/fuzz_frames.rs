@@ -6,7 +6,8 @@ mod common;
 
 use bytes::BytesMut;
 use cleave_kv_transfer::frame::{
-    decode_frame, encode_chunk, encode_control, read_frame, AbortCode, ChunkHeader, Control, Frame, Limits, Open,
+    decode_frame, encode_chunk, encode_control, read_frame, AbortCode, ChunkHeader, Control, Frame, Landed, Limits,
+    Open,
 };
 use cleave_kv_transfer::KvTransferError;
 use cleave_protocol::{LeaseId, RequestId};
@@ -33,6 +34,11 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Control::Complete { lease_id: LeaseId(2), first_token: 17 },
         Control::Ack { lease_id: LeaseId(2) },
         Control::Abort { lease_id: LeaseId(2), code: AbortCode::Checksum, reason: "bad crc".into() },
+        Control::Accept { lease_id: LeaseId(2), rdma_tag: Some(7) },
+        Control::Landed(Landed { lease_id: LeaseId(2), layer: 1, token_start: 4, token_count: 3, chunk: 1, crc32: 9 }),
+        Control::LinkOffer { metadata: vec![0x11; 96] },
+        Control::LinkAnswer { link_id: 3, metadata: vec![0x22; 120] },
+        Control::Drained { lease_id: LeaseId(2), tag: 7 },
     ]
     .iter()
     .map(|c| encode_control(c).to_vec())

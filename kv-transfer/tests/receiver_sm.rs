@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use cleave_kv_transfer::frame::{AbortCode, Control, Frame, Open};
+use cleave_kv_transfer::frame::{AbortCode, Control, Frame, Landed, Open};
 use cleave_kv_transfer::receiver::{DropReason, Effect, LeaseSpec, Receiver};
 use cleave_kv_transfer::KvTransferError;
 use cleave_protocol::{KvDtype, LeaseId, RequestId};
@@ -291,4 +291,166 @@ fn lease_spec_must_fit_its_tokens() {
         .unwrap_err();
     assert!(matches!(err, KvTransferError::InvalidRequest { .. }), "{err}");
     assert_eq!(r.reserved_blocks(), 0);
+}
+
+// --- RDMA leases: notices on the stream, payload in the pool ---
+
+fn open_rdma(lease: LeaseId, num_tokens: u32, stream_count: u16) -> Frame {
+    Frame::Control(Control::Open(Open {
+        request_id: RequestId(7),
+        lease_id: lease,
+        layout: layout(),
+        num_tokens,
+        stream_index: 0,
+        stream_count,
+        rdma_link: Some(3),
+    }))
+}
+
+fn notice(lease: LeaseId, layer: u32, token_start: u32, token_count: u32, chunk: u32) -> Frame {
+    Frame::Control(Control::Landed(Landed {
+        lease_id: lease,
+        layer,
+        token_start,
+        token_count,
+        chunk,
+        crc32: 0x1000 * layer + token_start,
+    }))
+}
+
+/// Binds stream 1 to an RDMA lease with tag 9.
+fn bind_rdma(r: &mut Receiver, now: Instant, lease: LeaseId, num_tokens: u32) {
+    r.stream_opened(1);
+    let fx = r.on_frame(now, 1, open_rdma(lease, num_tokens, 1));
+    assert!(
+        matches!(&fx[..], [Effect::BindRdma { link: 3, stream: 1, num_layers: 3, .. }]),
+        "an RDMA Open asks for a tag before it is accepted: {fx:?}"
+    );
+    let fx = r.rdma_bound(lease, 1, Ok(9));
+    assert!(matches!(&fx[..], [Effect::Send { stream: 1, msg: Control::Accept { rdma_tag: Some(9), .. } }]), "{fx:?}");
+}
+
+/// Every layer of 6 tokens in two chunks (4 + 2): the notices the tests send.
+fn all_notices(lease: LeaseId) -> Vec<Frame> {
+    let mut v = Vec::new();
+    for (c, (start, n)) in [(0, 4), (4, 2)].into_iter().enumerate() {
+        for layer in 0..3 {
+            v.push(notice(lease, layer, start, n, c as u32));
+        }
+    }
+    v
+}
+
+/// What the pool holds, as the tests' `landed` callback sees it: the notice's own CRC unless
+/// `corrupt` names its (layer, token_start).
+fn pool_crc(corrupt: Option<(u32, u32)>) -> impl FnMut(&[u32], &Landed) -> Result<u32, KvTransferError> {
+    move |blocks, n| {
+        assert_eq!(blocks, &[10, 11][..]);
+        let good = 0x1000 * n.layer + n.token_start;
+        Ok(if corrupt == Some((n.layer, n.token_start)) { good ^ 1 } else { good })
+    }
+}
+
+#[test]
+fn rdma_lease_completes_only_after_every_group_landed_and_checked() {
+    let (mut r, now, lease) = setup(6);
+    bind_rdma(&mut r, now, lease, 6);
+    for f in all_notices(lease) {
+        assert!(r.on_frame(now, 1, f).is_empty());
+    }
+    let fx = r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
+    assert!(matches!(&fx[..], [Effect::SetChunks { tag: 9, chunks: 2, link: 3, .. }]), "{fx:?}");
+    assert_eq!(r.reserved_blocks(), 2, "still leased until the link reports every group landed");
+    let fx = r.rdma_landed(lease, pool_crc(None));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Completed { first_token: 5, .. })), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Send { msg: Control::Ack { .. }, .. })));
+    assert_eq!(r.reserved_blocks(), 0);
+    assert_eq!(r.stats().bytes_written, 2 * 6 * 3 * 32, "K and V of 6 tokens of 3 layers landed");
+}
+
+#[test]
+fn rdma_checksum_mismatch_releases_with_the_binding() {
+    let (mut r, now, lease) = setup(6);
+    bind_rdma(&mut r, now, lease, 6);
+    for f in all_notices(lease) {
+        r.on_frame(now, 1, f);
+    }
+    r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
+    let fx = r.rdma_landed(lease, pool_crc(Some((1, 4))));
+    assert!(
+        matches!(released(&fx), Some(KvTransferError::ChecksumMismatch { layer: 1, token_start: 4, .. })),
+        "{fx:?}"
+    );
+    assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: Some((3, 9)), .. })), "{fx:?}");
+    assert_eq!(aborts(&fx), vec![AbortCode::Checksum]);
+    assert_eq!(r.reserved_blocks(), 0);
+}
+
+#[test]
+fn rdma_notice_violations_release_the_lease() {
+    // setup() opens the first lease of a receiver seeded at 100.
+    let l = LeaseId(100);
+    let cases: Vec<(&str, Vec<Frame>)> = vec![
+        ("gap", vec![notice(l, 0, 0, 4, 0), notice(l, 0, 5, 1, 1)]),
+        ("out of bounds", vec![notice(l, 1, 4, 3, 0)]),
+        ("chunk index skipped", vec![notice(l, 0, 0, 4, 1)]),
+        ("payload chunk on an RDMA lease", vec![chunk_frame(&layout(), l, 0, 0, 4)]),
+        ("complete with a layer short", {
+            vec![
+                notice(l, 0, 0, 6, 0),
+                notice(l, 1, 0, 4, 0),
+                notice(l, 2, 0, 6, 0),
+                Frame::Control(Control::Complete { lease_id: l, first_token: 1 }),
+            ]
+        }),
+        ("unequal chunk counts", {
+            vec![
+                notice(l, 0, 0, 6, 0),
+                notice(l, 1, 0, 4, 0),
+                notice(l, 1, 4, 2, 1),
+                notice(l, 2, 0, 6, 0),
+                Frame::Control(Control::Complete { lease_id: l, first_token: 1 }),
+            ]
+        }),
+    ];
+    for (what, frames) in cases {
+        let (mut r, now, lease) = setup(6);
+        assert_eq!(lease, LeaseId(100));
+        bind_rdma(&mut r, now, lease, 6);
+        let mut fx = Vec::new();
+        for f in frames {
+            fx.extend(r.on_frame(now, 1, f));
+        }
+        let e = released(&fx).unwrap_or_else(|| panic!("{what}: not released: {fx:?}"));
+        println!("{what}: {e}");
+        assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: Some((3, 9)), .. })), "{what}");
+        assert_eq!(r.reserved_blocks(), 0, "{what}");
+    }
+}
+
+#[test]
+fn rdma_open_is_refused_on_several_streams_or_without_a_tag() {
+    // Several streams: the payload needs none, so it is a broken sender.
+    let (mut r, now, lease) = setup(6);
+    r.stream_opened(1);
+    let fx = r.on_frame(now, 1, open_rdma(lease, 6, 2));
+    assert!(released(&fx).is_some(), "{fx:?}");
+    // The link could not take the lease (no such link, no tag free): released, no binding.
+    let (mut r, now, lease) = setup(6);
+    r.stream_opened(1);
+    r.on_frame(now, 1, open_rdma(lease, 6, 1));
+    let fx = r.rdma_bound(lease, 1, Err(KvTransferError::RdmaLink { link: 3, reason: "gone".into() }));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: None, .. })), "{fx:?}");
+    assert_eq!(aborts(&fx), vec![AbortCode::Internal]);
+    // A notice before the tag: a protocol violation.
+    let (mut r, now, lease) = setup(6);
+    r.stream_opened(1);
+    r.on_frame(now, 1, open_rdma(lease, 6, 1));
+    let fx = r.on_frame(now, 1, notice(lease, 0, 0, 4, 0));
+    assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
+    // A notice on a byte-stream lease.
+    let (mut r, now, lease) = setup(6);
+    bind(&mut r, now, lease, 6);
+    let fx = r.on_frame(now, 1, notice(lease, 0, 0, 4, 0));
+    assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
 }

@@ -1856,7 +1856,8 @@ impl<'a> ::flatbuffers::Follow<'a> for Drained<'a> {
 }
 
 impl<'a> Drained<'a> {
-  pub const VT_TAG: ::flatbuffers::VOffsetT = 4;
+  pub const VT_LEASE_ID: ::flatbuffers::VOffsetT = 4;
+  pub const VT_TAG: ::flatbuffers::VOffsetT = 6;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1868,11 +1869,19 @@ impl<'a> Drained<'a> {
     args: &'args DrainedArgs
   ) -> ::flatbuffers::WIPOffset<Drained<'bldr>> {
     let mut builder = DrainedBuilder::new(_fbb);
+    builder.add_lease_id(args.lease_id);
     builder.add_tag(args.tag);
     builder.finish()
   }
 
 
+  #[inline]
+  pub fn lease_id(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Drained::VT_LEASE_ID, Some(0)).unwrap()}
+  }
   #[inline]
   pub fn tag(&self) -> u16 {
     // Safety:
@@ -1888,18 +1897,21 @@ impl ::flatbuffers::Verifiable for Drained<'_> {
     v: &mut ::flatbuffers::Verifier, pos: usize
   ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
     v.visit_table(pos)?
+     .visit_field::<u64>("lease_id", Self::VT_LEASE_ID, false)?
      .visit_field::<u16>("tag", Self::VT_TAG, false)?
      .finish();
     Ok(())
   }
 }
 pub struct DrainedArgs {
+    pub lease_id: u64,
     pub tag: u16,
 }
 impl<'a> Default for DrainedArgs {
   #[inline]
   fn default() -> Self {
     DrainedArgs {
+      lease_id: 0,
       tag: 0,
     }
   }
@@ -1910,6 +1922,10 @@ pub struct DrainedBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
   start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
 }
 impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> DrainedBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_lease_id(&mut self, lease_id: u64) {
+    self.fbb_.push_slot::<u64>(Drained::VT_LEASE_ID, lease_id, 0);
+  }
   #[inline]
   pub fn add_tag(&mut self, tag: u16) {
     self.fbb_.push_slot::<u16>(Drained::VT_TAG, tag, 0);
@@ -1932,6 +1948,7 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> DrainedBuilder<'a, 'b, A> {
 impl ::core::fmt::Debug for Drained<'_> {
   fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
     let mut ds = f.debug_struct("Drained");
+      ds.field("lease_id", &self.lease_id());
       ds.field("tag", &self.tag());
       ds.finish()
   }

@@ -193,14 +193,22 @@ struct PendingChunk {
 #[derive(Clone)]
 pub struct SendDriver {
     tx: mpsc::Sender<SendCmd>,
+    /// Set by the task once its queue pair broke (an error completion) or the task ended.
+    broken: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SendDriver {
     /// Spawns the owner task on the current tokio runtime.
     pub fn spawn<O: SendOps + Send + 'static>(link: SendLink<O>, cfg: DriverConfig) -> Self {
         let (tx, rx) = mpsc::channel(cfg.queue.max(1));
-        tokio::spawn(send_task(link, rx, cfg.poll_interval));
-        Self { tx }
+        let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        tokio::spawn(send_task(link, rx, cfg.poll_interval, broken.clone()));
+        Self { tx, broken }
+    }
+
+    /// True once the queue pair broke or the task stopped: nothing more can be sent on it.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T>>) -> SendCmd) -> Result<T> {
@@ -305,7 +313,12 @@ impl<O: SendOps> SendState<O> {
     }
 }
 
-async fn send_task<O: SendOps>(link: SendLink<O>, mut rx: mpsc::Receiver<SendCmd>, poll: Duration) {
+async fn send_task<O: SendOps>(
+    link: SendLink<O>,
+    mut rx: mpsc::Receiver<SendCmd>,
+    poll: Duration,
+    broken: Arc<std::sync::atomic::AtomicBool>,
+) {
     let mut s = SendState {
         link,
         pending: VecDeque::new(),
@@ -374,7 +387,11 @@ async fn send_task<O: SendOps>(link: SendLink<O>, mut rx: mpsc::Receiver<SendCmd
             s.finish_now(tag);
         }
         s.settle_cancels();
+        if s.link.tracker().broken().is_some() {
+            broken.store(true, std::sync::atomic::Ordering::Release);
+        }
     }
+    broken.store(true, std::sync::atomic::Ordering::Release);
     // Dropping the link destroys the queue pair: nothing of ours can land any more, so waiting
     // cancels are answered as drained; everything else learns the task is gone.
     let SendState { link, pending, finishing, cancelling, .. } = s;

@@ -84,7 +84,16 @@ pub(crate) struct RecvLinks {
     /// Live leases bound to a (link, tag).
     tags: HashMap<(u64, u16), LeaseId>,
     /// Released leases whose writes may still land: their blocks, freed on the safe event.
-    quarantine: HashMap<(u64, u16), (RequestId, Vec<u32>)>,
+    quarantine: HashMap<(u64, u16), Quarantined>,
+    /// Live leases whose sender already said `Drained` (its control stream's end may reach the
+    /// actor after the link stream's notice): released, they are safe at once.
+    drained_early: std::collections::HashSet<(u64, u16)>,
+}
+
+struct Quarantined {
+    lease: LeaseId,
+    request_id: RequestId,
+    blocks: Vec<u32>,
 }
 
 impl RecvLinks {
@@ -96,6 +105,7 @@ impl RecvLinks {
             by_stream: HashMap::new(),
             tags: HashMap::new(),
             quarantine: HashMap::new(),
+            drained_early: Default::default(),
         }
     }
 
@@ -114,7 +124,7 @@ impl RecvLinks {
 
     /// Blocks of released leases still waiting for their safe event.
     pub(crate) fn quarantined_blocks(&self) -> usize {
-        self.quarantine.values().map(|(_, b)| b.len()).sum()
+        self.quarantine.values().map(|q| q.blocks.len()).sum()
     }
 
     /// A sender's link offer on `stream`: a new link, and the answer to send.
@@ -158,18 +168,31 @@ impl RecvLinks {
         blocks: Vec<u32>,
         now: Instant,
     ) -> (Option<Vec<u32>>, Vec<LinkOutput>) {
-        if self.tags.remove(&(link, tag)).is_none() {
-            return (Some(blocks), Vec::new());
-        }
+        let Some(lease) = self.tags.remove(&(link, tag)) else { return (Some(blocks), Vec::new()) };
         let Some(entry) = self.links.get_mut(&link) else { return (Some(blocks), Vec::new()) };
-        self.quarantine.insert((link, tag), (request_id, blocks));
+        self.quarantine.insert((link, tag), Quarantined { lease, request_id, blocks });
         let r = entry.link.cancel(tag, now);
-        (None, self.settle(link, r))
+        let mut out = self.settle(link, r);
+        if self.drained_early.remove(&(link, tag)) {
+            let r = match self.links.get_mut(&link) {
+                Some(e) => e.link.drained(tag).map(|e| e.into_iter().collect()),
+                None => Ok(Vec::new()),
+            };
+            out.extend(self.settle(link, r));
+        }
+        (None, out)
     }
 
-    /// The sender's `Drained` on a link's stream.
-    pub(crate) fn drained(&mut self, stream: StreamId, tag: u16) -> Vec<LinkOutput> {
+    /// The sender's `Drained` on a link's stream. One for a lease that is not quarantined
+    /// under that tag (it completed, or the tag went to another lease since) changes nothing.
+    pub(crate) fn drained(&mut self, stream: StreamId, lease: LeaseId, tag: u16) -> Vec<LinkOutput> {
         let Some(&link) = self.by_stream.get(&stream) else { return Vec::new() };
+        if self.quarantine.get(&(link, tag)).is_none_or(|q| q.lease != lease) {
+            if self.tags.get(&(link, tag)) == Some(&lease) {
+                self.drained_early.insert((link, tag));
+            }
+            return Vec::new();
+        }
         let r = match self.links.get_mut(&link) {
             Some(e) => e.link.drained(tag).map(|e| e.into_iter().collect()),
             None => Ok(Vec::new()),
@@ -193,6 +216,7 @@ impl RecvLinks {
         let mut gone: Vec<(u64, u16)> = self.tags.keys().filter(|(l, _)| *l == link).copied().collect();
         gone.sort_unstable();
         for key in gone {
+            self.drained_early.remove(&key);
             if let Some(lease) = self.tags.remove(&key) {
                 out.push(LinkOutput::Failed(lease, KvTransferError::RdmaLink { link, reason: why.to_string() }));
             }
@@ -200,8 +224,8 @@ impl RecvLinks {
         let mut freed: Vec<(u64, u16)> = self.quarantine.keys().filter(|(l, _)| *l == link).copied().collect();
         freed.sort_unstable();
         for key in freed {
-            if let Some((req, blocks)) = self.quarantine.remove(&key) {
-                out.push(LinkOutput::Free(req, blocks));
+            if let Some(q) = self.quarantine.remove(&key) {
+                out.push(LinkOutput::Free(q.request_id, q.blocks));
             }
         }
         out
@@ -230,6 +254,7 @@ impl RecvLinks {
         let mut out = Vec::new();
         for e in events {
             let key = (link, e.tag);
+            self.drained_early.remove(&key);
             if let Some(lease) = self.tags.remove(&key) {
                 out.push(match e.outcome {
                     Outcome::Done => LinkOutput::Landed(lease),
@@ -237,8 +262,8 @@ impl RecvLinks {
                         LinkOutput::Failed(lease, KvTransferError::RdmaLink { link, reason: reason.to_string() })
                     }
                 });
-            } else if let Some((req, blocks)) = self.quarantine.remove(&key) {
-                out.push(LinkOutput::Free(req, blocks));
+            } else if let Some(q) = self.quarantine.remove(&key) {
+                out.push(LinkOutput::Free(q.request_id, q.blocks));
             }
         }
         out
@@ -262,25 +287,26 @@ pub struct RdmaSendConfig {
 pub struct SendPath {
     pub link_id: u64,
     pub driver: SendDriver,
-    drained: mpsc::UnboundedSender<u16>,
+    drained: mpsc::UnboundedSender<(LeaseId, u16)>,
     alive: Arc<AtomicBool>,
 }
 
 impl SendPath {
     /// Abandons a lease: once none of its writes can still land, tells the receiver so it frees
     /// the blocks without resetting the queue pair. Runs in the background (called from drops).
-    pub fn abandon(&self, tag: u16) {
+    pub fn abandon(&self, lease: LeaseId, tag: u16) {
         let (driver, drained) = (self.driver.clone(), self.drained.clone());
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
             if driver.cancel(tag).await.is_ok() {
-                let _ = drained.send(tag);
+                let _ = drained.send((lease, tag));
             }
         });
     }
 
+    /// False once the link's stream ended or its queue pair broke: set up a new one.
     fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire) && !self.drained.is_closed()
+        self.alive.load(Ordering::Acquire) && !self.drained.is_closed() && !self.driver.is_broken()
     }
 }
 
@@ -336,7 +362,7 @@ impl<P: Provider + 'static> RdmaTransport<P> {
 /// ends the stream (it dropped the link) or the stream breaks.
 async fn link_stream(
     mut stream: DuplexStream,
-    mut drained: mpsc::UnboundedReceiver<u16>,
+    mut drained: mpsc::UnboundedReceiver<(LeaseId, u16)>,
     alive: Arc<AtomicBool>,
     limit: Duration,
 ) {
@@ -344,8 +370,8 @@ async fn link_stream(
     loop {
         tokio::select! {
             tag = drained.recv() => match tag {
-                Some(tag) => {
-                    let msg = Control::Drained { tag };
+                Some((lease_id, tag)) => {
+                    let msg = Control::Drained { lease_id, tag };
                     let w = write_control(&mut stream.send, &msg);
                     if !matches!(tokio::time::timeout(limit, w).await, Ok(Ok(()))) {
                         break;
