@@ -296,6 +296,9 @@ async fn run_all(
                         push(&mut rows, crate::bench_handoff::measure(cfg, rx, kind, streams, tokens, &ids).await?);
                     }
                 }
+                // One control stream whatever `streams` says: the payload goes through the link.
+                #[cfg(feature = "rdma")]
+                push(&mut rows, crate::bench_handoff::measure(cfg, rx, TransportKind::Rdma, 1, tokens, &ids).await?);
             }
         }
         Ok(rows)

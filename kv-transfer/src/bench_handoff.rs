@@ -3,6 +3,10 @@
 //! each transport and in-process. Latency is per request, from `reserve` to the lease waiter's
 //! `Completed`; throughput is payload bytes over that latency. Chunks are built before the clock
 //! starts (slices of one payload, no copies), so the number is the transfer layer's alone.
+//!
+//! With the `rdma` feature one more row runs the RDMA handoff over [`crate::rdma::sim`]'s
+//! in-memory fabric: what it measures is this side of the NIC (staging copy, CRC on both ends,
+//! completion handling, control stream), since a device's DMA replaces the fabric's copy.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -87,11 +91,37 @@ pub(crate) async fn measure(
     rcfg.stream_idle_timeout = Duration::from_secs(60);
     // The receiver (its actor, listener and stream tasks) lives on the receiving side's runtime.
     let (receiver, transport): (ReceiverService, Arc<dyn Transport>) = match net_kind(kind) {
-        None => {
+        None if kind == TransportKind::InProcess => {
             let pool = pool.clone();
             let receiver = crate::bench::on(rx, async move { ReceiverService::spawn(rcfg, pool, None) }).await?;
             let t = Arc::new(receiver.handle().in_process());
             (receiver, t)
+        }
+        #[cfg(feature = "rdma")]
+        None if kind == TransportKind::Rdma => {
+            // The payload lands in `pool` through the in-memory fabric (no device here); the
+            // control streams are real QUIC.
+            use crate::rdma::{sim::SimFabric, DriverConfig, RdmaReceive, RdmaSendConfig, RdmaTransport};
+            use crate::rdma::{SendLinkConfig, SignalPolicy};
+            let slot = 2 * run_bytes(&layout, PREFILL_STEP.min(tokens)) as u64;
+            let fabric = SimFabric::over_pool(pool.clone(), &layout, 4 * slot as usize)?;
+            let net = |id: &NodeIdentity| NetConfig::new(NetKind::Quic, Some(id.clone()));
+            let local: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+            let (rnet, pool, rf) = (net(&ids[0]), pool.clone(), fabric.clone());
+            let receiver = crate::bench::on(rx, async move {
+                let listener = Listener::bind(&rnet, local).await?;
+                rcfg.advertise_addr = listener.local_addr();
+                let rdma = RdmaReceive::new(Arc::new(rf));
+                Ok::<_, KvTransferError>(ReceiverService::spawn_rdma(rcfg, pool, Some(listener), rdma))
+            })
+            .await??;
+            let scfg = RdmaSendConfig {
+                link: SendLinkConfig { slots: 4, slot_bytes: slot, sq_depth: 1024, policy: SignalPolicy::default() },
+                driver: DriverConfig::default(),
+                setup_timeout: Duration::from_secs(10),
+                write_timeout: Duration::from_secs(10),
+            };
+            (receiver, Arc::new(RdmaTransport::new(&net(&ids[1]), fabric, scfg)?))
         }
         Some(nk) => {
             let net = |id: &NodeIdentity| NetConfig {
@@ -109,6 +139,7 @@ pub(crate) async fn measure(
             .await??;
             (receiver, Arc::new(NetTransport::new(&net(&ids[1]))?))
         }
+        None => return Err(KvTransferError::Bench(format!("no handoff rows over {kind:?} in this build"))),
     };
     let payload = crate::bench::payload(2 * run_bytes(&layout, PREFILL_STEP.min(tokens)));
     let scfg = SendConfig { streams, ..SendConfig::default() };
@@ -137,6 +168,7 @@ pub(crate) async fn measure(
     }
     let label = match net_kind(kind) {
         Some(nk) => format!("handoff {} x{streams}", nk.name()),
+        None if kind == TransportKind::Rdma => "handoff rdma-sim x1".to_string(),
         None => format!("handoff in-process x{streams}"),
     };
     let m = Measurement::from_times(label, tokens as usize, bytes, times).with_cpu(cpu0, cfg.repeats);
