@@ -593,7 +593,7 @@ impl<S: KvSink> Actor<S> {
                 Effect::SetChunks { lease: _, link, tag, chunks } => {
                     #[cfg(feature = "rdma")]
                     if let Some(links) = self.links.as_mut() {
-                        let out = links.set_chunks(link, tag, chunks, now());
+                        let out = links.set_chunks(link, tag, &chunks, now());
                         queue.extend(self.link_effects(out));
                     }
                     #[cfg(not(feature = "rdma"))]

@@ -69,9 +69,9 @@ pub enum Effect {
     /// `deadline`) and report the tag with [`Receiver::rdma_bound`].
     BindRdma { lease: LeaseId, link: u64, stream: StreamId, num_layers: u32, deadline: Instant },
     /// Every notice of an RDMA lease arrived and the sender sent `Complete`: tell the link that
-    /// each layer has `chunks` write groups; its `Done` comes once they all landed, then call
+    /// layer `l` has `chunks[l]` write groups; its `Done` comes once they all landed, then call
     /// [`Receiver::rdma_landed`].
-    SetChunks { lease: LeaseId, link: u64, tag: u16, chunks: u32 },
+    SetChunks { lease: LeaseId, link: u64, tag: u16, chunks: Vec<u32> },
     /// A chunk that was dropped without being written (a duplicate, or late for a lease that is
     /// gone), reported for metrics and logs.
     Dropped { stream: StreamId, lease: LeaseId, layer: u32, token_start: u32, why: DropReason },
@@ -445,21 +445,21 @@ impl Receiver {
         }
     }
 
-    /// `Complete` on an RDMA lease: every layer must have every token in equally many chunks.
+    /// `Complete` on an RDMA lease: every layer must have every token (in any number of chunks:
+    /// a preempted prefill may have chunked its layers differently).
     fn rdma_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
         let Some(lease) = self.leases.get(&id) else { return };
         let Some(r) = lease.rdma.as_ref() else { return };
         let short = lease.next.iter().enumerate().find(|(_, n)| **n != lease.num_tokens);
-        let err = if let Some((layer, next)) = short {
-            Some(KvTransferError::ChunkGap { lease: id, layer: layer as u32, expected: *next, got: lease.num_tokens })
-        } else if r.chunks.iter().any(|c| *c != r.chunks[0]) {
-            Some(KvTransferError::Protocol { reason: format!("{id}: layers sent unequal chunk counts {:?}", r.chunks) })
-        } else {
-            None
-        };
+        let err = short.map(|(layer, next)| KvTransferError::ChunkGap {
+            lease: id,
+            layer: layer as u32,
+            expected: *next,
+            got: lease.num_tokens,
+        });
         match (err, r.tag) {
             (Some(err), _) => self.release(id, err, fx),
-            (None, Some(tag)) => fx.push(Effect::SetChunks { lease: id, link: r.link, tag, chunks: r.chunks[0] }),
+            (None, Some(tag)) => fx.push(Effect::SetChunks { lease: id, link: r.link, tag, chunks: r.chunks.clone() }),
             (None, None) => {}
         }
     }

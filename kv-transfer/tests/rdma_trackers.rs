@@ -226,6 +226,30 @@ fn receiver_completes_when_every_group_and_the_count_are_in_either_order() {
 }
 
 #[test]
+fn layers_with_different_chunk_counts_complete_on_their_own_counts() {
+    let dl = Instant::now() + Duration::from_secs(1);
+    let mut r = RecvTracker::new();
+    r.open(3, 2, dl).unwrap();
+    for (l, c) in [(0, 0), (1, 0)] {
+        assert_eq!(r.on_recv(imm(3, l, c)).unwrap(), vec![]);
+    }
+    assert_eq!(r.set_layer_chunks(3, &[1, 2]).unwrap(), None, "layer 1's second chunk is missing");
+    assert_eq!(r.on_recv(imm(3, 1, 1)).unwrap(), vec![done(3)]);
+    // A chunk beyond its own layer's count, or counts of the wrong length, fail the lease.
+    r.open(4, 2, dl).unwrap();
+    r.set_layer_chunks(4, &[1, 2]).unwrap();
+    let e = r.on_recv(imm(4, 0, 1)).unwrap();
+    assert!(matches!(&e[..], [LeaseEvent { tag: 4, outcome: Outcome::Failed { must_reset_qp: true, .. } }]), "{e:?}");
+    r.open(5, 2, dl).unwrap();
+    let e = r.set_layer_chunks(5, &[1]).unwrap();
+    assert!(matches!(e, Some(LeaseEvent { tag: 5, outcome: Outcome::Failed { .. } })), "{e:?}");
+    r.open(6, 2, dl).unwrap();
+    r.on_recv(imm(6, 0, 1)).unwrap();
+    let e = r.set_layer_chunks(6, &[1, 2]).unwrap();
+    assert!(matches!(e, Some(LeaseEvent { tag: 6, outcome: Outcome::Failed { .. } })), "{e:?}");
+}
+
+#[test]
 fn duplicate_and_out_of_range_immediates_fail_the_lease_and_ask_for_a_reset() {
     let dl = Instant::now() + Duration::from_secs(1);
     let mut r = RecvTracker::new();

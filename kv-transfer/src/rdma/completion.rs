@@ -389,8 +389,8 @@ pub struct RecvCompletion {
 #[derive(Debug)]
 struct RecvLease {
     num_layers: u32,
-    /// Total chunks, once the sender said (over the control stream).
-    chunks: Option<u32>,
+    /// Chunks (write groups) of each layer, once the sender said (over the control stream).
+    chunks: Option<Vec<u32>>,
     deadline: Instant,
     arrived: HashSet<(u16, u8)>,
     /// Failed and waiting for `release` (late immediates are absorbed meanwhile).
@@ -433,8 +433,15 @@ impl RecvTracker {
         Ok(())
     }
 
-    /// The sender announced `chunks` chunks in all (each of them `num_layers` groups).
+    /// The sender announced `chunks` chunks in all, the same for every layer.
     pub fn set_chunks(&mut self, tag: u16, chunks: u32) -> Result<Option<LeaseEvent>> {
+        let layers = self.leases.get(&tag).map_or(1, |l| l.num_layers as usize);
+        self.set_layer_chunks(tag, &vec![chunks; layers])
+    }
+
+    /// The sender announced `chunks[l]` chunks (write groups) of layer `l`: layers may have been
+    /// chunked differently (a prefill preempted between two layers resumes where each stopped).
+    pub fn set_layer_chunks(&mut self, tag: u16, chunks: &[u32]) -> Result<Option<LeaseEvent>> {
         let l =
             self.leases.get_mut(&tag).ok_or_else(|| tracker_err(format!("chunk count for unknown lease tag {tag}")))?;
         if l.failed {
@@ -443,14 +450,20 @@ impl RecvTracker {
         if l.chunks.is_some() {
             return Ok(self.fail(tag, protocol("chunk count announced twice".into()), true));
         }
-        if chunks == 0 || chunks > Imm::MAX_CHUNK as u32 + 1 {
-            return Ok(self.fail(tag, protocol(format!("chunk count {chunks} out of range")), true));
+        let bad_len = chunks.len() != l.num_layers as usize;
+        if bad_len || chunks.iter().any(|c| *c == 0 || *c > Imm::MAX_CHUNK as u32 + 1) {
+            return Ok(self.fail(tag, protocol(format!("chunk counts {chunks:?} out of range")), true));
         }
-        if let Some((c, _)) = l.arrived.iter().find(|(c, _)| *c as u32 >= chunks) {
-            let c = *c;
-            return Ok(self.fail(tag, protocol(format!("chunk {c} arrived but only {chunks} announced")), true));
+        if let Some((c, layer)) = l.arrived.iter().find(|(c, layer)| *c as u32 >= chunks[*layer as usize]) {
+            let (c, layer) = (*c, *layer);
+            let n = chunks[layer as usize];
+            return Ok(self.fail(
+                tag,
+                protocol(format!("layer {layer} chunk {c} arrived but only {n} announced")),
+                true,
+            ));
         }
-        l.chunks = Some(chunks);
+        l.chunks = Some(chunks.to_vec());
         Ok(self.settle(tag))
     }
 
@@ -474,7 +487,7 @@ impl RecvTracker {
             let r = protocol(format!("layer {} of {}", imm.layer, l.num_layers));
             return Ok(self.fail(imm.tag, r, true).into_iter().collect());
         }
-        if l.chunks.is_some_and(|n| imm.chunk as u32 >= n) {
+        if l.chunks.as_ref().is_some_and(|n| imm.chunk as u32 >= n[imm.layer as usize]) {
             let r = protocol(format!("chunk {} beyond the announced count", imm.chunk));
             return Ok(self.fail(imm.tag, r, true).into_iter().collect());
         }
@@ -493,7 +506,7 @@ impl RecvTracker {
         due.into_iter()
             .filter_map(|t| {
                 let l = &self.leases[&t];
-                let expected = l.chunks.map_or(0, |c| c as u64 * l.num_layers as u64);
+                let expected = l.chunks.as_ref().map_or(0, |c| c.iter().map(|n| *n as u64).sum());
                 let missing = expected.saturating_sub(l.arrived.len() as u64).max(1);
                 self.fail(t, FailReason::TimedOut { missing }, true)
             })
@@ -548,8 +561,8 @@ impl RecvTracker {
 
     fn settle(&mut self, tag: u16) -> Option<LeaseEvent> {
         let l = self.leases.get(&tag)?;
-        let n = l.chunks? as usize;
-        if l.failed || l.arrived.len() < n * l.num_layers as usize {
+        let n: u64 = l.chunks.as_ref()?.iter().map(|c| *c as u64).sum();
+        if l.failed || (l.arrived.len() as u64) < n {
             return None;
         }
         self.leases.remove(&tag);

@@ -149,9 +149,9 @@ impl RecvLinks {
         Ok(tag)
     }
 
-    pub(crate) fn set_chunks(&mut self, link: u64, tag: u16, chunks: u32, now: Instant) -> Vec<LinkOutput> {
+    pub(crate) fn set_chunks(&mut self, link: u64, tag: u16, chunks: &[u32], now: Instant) -> Vec<LinkOutput> {
         let r = match self.links.get_mut(&link) {
-            Some(e) => e.link.set_chunks(tag, chunks, now),
+            Some(e) => e.link.set_layer_chunks(tag, chunks, now),
             None => Err(KvTransferError::RdmaLink { link, reason: "gone".into() }),
         };
         self.settle(link, r)

@@ -246,6 +246,12 @@ impl<O: RecvOps> RecvLink<O> {
         self.settle(e.into_iter().collect(), now)
     }
 
+    /// The sender's chunk count of each layer arrived (see [`RecvTracker::set_layer_chunks`]).
+    pub fn set_layer_chunks(&mut self, tag: u16, chunks: &[u32], now: Instant) -> Result<Vec<LeaseEvent>> {
+        let e = self.tracker.set_layer_chunks(tag, chunks)?;
+        self.settle(e.into_iter().collect(), now)
+    }
+
     /// Cancels a lease; its blocks are reported free after the sender drains or a reset.
     pub fn cancel(&mut self, tag: u16, now: Instant) -> Result<Vec<LeaseEvent>> {
         let e = self.tracker.cancel(tag);
