@@ -18,6 +18,13 @@
 //! request, which frees them when it ends, is cancelled (the rpc stream closing drops its
 //! [`TokenStream`], which cancels it) or fails. A completed lease whose request cannot be
 //! submitted is released here.
+//!
+//! Over RDMA (feature `rdma`, [`RdmaLanding`]) prefill nodes write the KV one-sided into a
+//! landing pool registered once at start; the node reserves engine blocks and landing blocks
+//! together ([`LandingSink`]), and when the lease completes copies the KV from the landing
+//! blocks into the engine's cache (one copy, on the engine thread, as the QUIC path's block
+//! write is) and frees the landing blocks. The engine's own cache is not a registered region:
+//! it is one buffer per layer, and a device backend keeps it in device memory.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -72,6 +79,82 @@ pub struct DecodeNodeConfig {
     pub lease_ttl: Duration,
     /// Bound on reading a request's first message.
     pub request_timeout: Duration,
+    /// Receive KV over RDMA instead of streams (`net` must then be QUIC: control streams).
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<RdmaLanding>,
+}
+
+/// A decode node's RDMA side: the registered landing pool (its layout must be the engine's)
+/// and where its queue pairs come from (a device, or the in-memory fabric in tests).
+#[cfg(feature = "rdma")]
+#[derive(Clone)]
+pub struct RdmaLanding {
+    pub pool: cleave_kv_transfer::MemoryPool,
+    pub receive: cleave_kv_transfer::rdma::RdmaReceive,
+}
+
+/// The sink of an RDMA decode node: reservations take engine blocks and landing blocks (the
+/// ticket names the landing blocks: that is where the writes go); a failed lease gives both
+/// back. A completed lease's KV is moved into the engine by [`land_into_engine`].
+pub struct LandingSink {
+    engine: EngineSink,
+    landing: cleave_kv_transfer::MemoryPool,
+}
+
+impl LandingSink {
+    pub fn new(engine: EngineHandle, landing: cleave_kv_transfer::MemoryPool) -> Self {
+        Self { engine: EngineSink { engine }, landing }
+    }
+}
+
+impl KvSink for LandingSink {
+    fn reserve(
+        &mut self,
+        request_id: RequestId,
+        num_tokens: u32,
+        num_blocks: usize,
+    ) -> cleave_kv_transfer::Result<Vec<u32>> {
+        self.engine.reserve(request_id, num_tokens, num_blocks)?;
+        self.landing.reserve(request_id, num_tokens, num_blocks).inspect_err(|_| self.engine.release(request_id, &[]))
+    }
+
+    fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
+        // A byte-stream chunk goes to the engine directly (RDMA leases never take one).
+        self.engine.write(w)
+    }
+
+    fn release(&mut self, request_id: RequestId, blocks: &[u32]) {
+        self.engine.release(request_id, &[]);
+        self.landing.release(request_id, blocks);
+    }
+
+    fn landed_checksum(
+        &self,
+        blocks: &[u32],
+        layer: u32,
+        tokens: std::ops::Range<u32>,
+    ) -> cleave_kv_transfer::Result<u32> {
+        self.landing.landed_checksum(blocks, layer, tokens)
+    }
+}
+
+/// Copies a completed lease's KV (`num_tokens` tokens of every layer) from its landing blocks
+/// into the engine's reservation of the same request, then frees the landing blocks. The
+/// engine applies the copies in order before the request it is then given.
+pub fn land_into_engine(
+    engine: &EngineHandle,
+    landing: &cleave_kv_transfer::MemoryPool,
+    request_id: RequestId,
+    blocks: &[u32],
+    num_tokens: u32,
+) -> Result<(), NodeError> {
+    let layers = engine.info().kv_layout.num_layers;
+    let r = (0..layers).try_for_each(|layer| {
+        let (k, v) = landing.gather(blocks, layer, 0, num_tokens);
+        engine.import_kv(request_id, layer, 0, bytes::Bytes::from(k), bytes::Bytes::from(v)).map(|_| ())
+    });
+    landing.free_request(blocks);
+    r.map_err(NodeError::from)
 }
 
 /// The node's [`KvSink`]: reservations and writes go to the engine thread in order.
@@ -150,6 +233,19 @@ impl DecodeNode {
         };
         let mut rcfg = ReceiverConfig::new(layout.clone(), kv_addr, transport);
         rcfg.lease_ttl = cfg.lease_ttl;
+        #[cfg(feature = "rdma")]
+        let receiver = match &cfg.rdma {
+            None => ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv)),
+            Some(r) => {
+                if cfg.net.kind != NetKind::Quic {
+                    return Err(NodeError::Setup("RDMA needs QUIC for its control streams".into()));
+                }
+                rcfg.transport = TransportKind::Rdma;
+                let sink = LandingSink::new(engine.clone(), r.pool.clone());
+                ReceiverService::spawn_rdma(rcfg, sink, Some(kv), r.receive.clone())
+            }
+        };
+        #[cfg(not(feature = "rdma"))]
         let receiver = ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv));
         let reg = Register {
             role: cfg.role,
@@ -201,6 +297,17 @@ struct Shared {
     engine: EngineHandle,
     receiver: ReceiverHandle,
     cfg: DecodeNodeConfig,
+}
+
+impl Shared {
+    /// Gives a completed lease's landing blocks back (RDMA) when its request goes no further.
+    fn free_landing(&self, blocks: &[u32]) {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.cfg.rdma {
+            r.pool.free_request(blocks);
+        }
+        let _ = blocks;
+    }
 }
 
 async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
@@ -279,6 +386,7 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
                     // completed meanwhile is released below through its waiter).
                     let _ = shared.receiver.cancel(lease).await;
                     if let Ok(c) = wait.await {
+                        shared.free_landing(&c.blocks);
                         let _ = shared.engine.release_import(c.request_id);
                     }
                     return Ok(None);
@@ -292,6 +400,13 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
         format!("kv handoff failed: {e}")
     })?;
     metrics::histogram!(metric::KV_WAIT_SECONDS).record(ticket_sent.elapsed().as_secs_f64());
+    #[cfg(feature = "rdma")]
+    if let Some(r) = &shared.cfg.rdma {
+        if let Err(e) = land_into_engine(&shared.engine, &r.pool, id, &completed.blocks, num_tokens) {
+            let _ = shared.engine.release_import(id);
+            return Err(format!("moving the landed kv into the engine: {e}"));
+        }
+    }
     tracing::debug!(wait_us = started.elapsed().as_micros() as u64, "kv complete");
     let start = ImportStart { first_token: completed.first_token, sampler_seed: None, cached_tokens: 0 };
     // On Err the command never reached the engine: give the blocks back ourselves.

@@ -510,24 +510,44 @@ struct RdmaOut {
 
 #[cfg(feature = "rdma")]
 impl RdmaOut {
+    /// Posts a chunk as one write group per staging slot's worth of tokens (a prefix-cache hit
+    /// can be longer than a prefill step), each with its own notice and checksum.
     async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
         let other = |e: KvTransferError| std::io::Error::other(e.to_string());
         let layer = h.layer as usize;
-        let chunk = self.counts[layer];
-        let tokens = h.token_start..h.token_start + h.token_count;
-        let c =
-            crate::rdma::SendChunk { blocks: self.blocks.clone(), layer: h.layer, tokens, tag: self.tag, chunk, k, v };
-        self.path.driver.send(c).await.map_err(other)?;
-        self.counts[layer] += 1;
-        let notice = crate::frame::Landed {
-            lease_id: h.lease_id,
-            layer: h.layer,
-            token_start: h.token_start,
-            token_count: h.token_count,
-            chunk,
-            crc32: h.crc32,
-        };
-        self.w.write_all(&crate::frame::encode_control(&Control::Landed(notice))).await
+        let token_bytes = k.len() / h.token_count.max(1) as usize;
+        let per_piece = self.path.max_chunk_tokens(token_bytes).max(1);
+        let mut start = 0;
+        while start < h.token_count {
+            let n = per_piece.min(h.token_count - start);
+            let bytes = start as usize * token_bytes..(start + n) as usize * token_bytes;
+            let (pk, pv) = (k.slice(bytes.clone()), v.slice(bytes));
+            let chunk = self.counts[layer];
+            let crc32 = checksum(&pk, &pv);
+            let first = h.token_start + start;
+            let c = crate::rdma::SendChunk {
+                blocks: self.blocks.clone(),
+                layer: h.layer,
+                tokens: first..first + n,
+                tag: self.tag,
+                chunk,
+                k: pk,
+                v: pv,
+            };
+            self.path.driver.send(c).await.map_err(other)?;
+            self.counts[layer] += 1;
+            let notice = crate::frame::Landed {
+                lease_id: h.lease_id,
+                layer: h.layer,
+                token_start: first,
+                token_count: n,
+                chunk,
+                crc32,
+            };
+            self.w.write_all(&crate::frame::encode_control(&Control::Landed(notice))).await?;
+            start += n;
+        }
+        Ok(())
     }
 
     /// Waits until every write of the lease completed; after that nothing of it is in flight.
@@ -552,17 +572,23 @@ impl Out {
             // QUIC takes the payload by reference count: header (tiny) through the buffer, K
             // and V handed over whole, no copy.
             Out::Bytes(w) if w.get_ref().zero_copy() => {
+                let h = ChunkHeader { crc32: checksum(&k, &v), ..h };
                 w.write_all(&encode_chunk_header(&h)).await?;
                 w.flush().await?;
                 w.get_mut().write_bytes(k).await?;
                 w.get_mut().write_bytes(v).await
             }
             Out::Bytes(w) => {
+                let h = ChunkHeader { crc32: checksum(&k, &v), ..h };
                 w.write_all(&encode_chunk_header(&h)).await?;
                 w.write_all(&k).await?;
                 w.write_all(&v).await
             }
-            Out::Frames(tx) => tx.send(Frame::Chunk { header: h, k, v }).await.map_err(|_| pipe_closed()),
+            Out::Frames(tx) => {
+                let header = ChunkHeader { crc32: checksum(&k, &v), ..h };
+                tx.send(Frame::Chunk { header, k, v }).await.map_err(|_| pipe_closed())
+            }
+            // Checksums per write group.
             #[cfg(feature = "rdma")]
             Out::Rdma(r) => r.chunk(h, k, v).await,
         }
@@ -625,7 +651,8 @@ async fn write_items(lease: LeaseId, mut w: Out, mut rx: mpsc::Receiver<Item>, l
                     token_count: c.token_count,
                     k_len: c.k.len() as u32,
                     v_len: c.v.len() as u32,
-                    crc32: checksum(&c.k, &c.v),
+                    // Filled in by `Out::chunk` (RDMA checksums each write group instead).
+                    crc32: 0,
                 };
                 let n = (c.k.len() + c.v.len()) as u64;
                 let write = w.chunk(h, c.k, c.v);

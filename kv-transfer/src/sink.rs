@@ -116,6 +116,14 @@ impl MemoryPool {
         }
     }
 
+    /// Address and length of the pool's memory, for registering it with an RDMA device. The
+    /// buffer is allocated once and never moves while any clone of the pool lives.
+    #[cfg(feature = "rdma")]
+    pub(crate) fn raw_region(&self) -> (*mut u8, usize) {
+        let mut p = self.lock();
+        (p.data.as_mut_ptr(), p.data.len())
+    }
+
     /// A copy of the pool's memory.
     pub fn region_bytes(&self) -> Vec<u8> {
         self.lock().data.clone()

@@ -341,3 +341,42 @@ async fn a_receiver_that_dies_mid_transfer_fails_the_sender_without_a_hang() {
     assert!(failed || e.is_err(), "the transfer to a dead receiver succeeded");
     let _ = r.addr;
 }
+
+/// A chunk longer than a staging slot (a prefix-cache hit sent at once) goes as several write
+/// groups, and layers chunked differently (a preempted prefill) complete all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_and_unevenly_chunked_layers_land() {
+    let r = rig(Duration::from_secs(5)).await;
+    let tokens = 45u32;
+    let res = r.handle.reserve(RequestId(21), tokens, None).await.unwrap();
+    let s = timeout(WAIT, KvSender::start(&*r.transport, &res.ticket, &layout(), &SendConfig::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    for layer in 0..4u32 {
+        // Layer 0 whole (3 slots' worth), layer 1 in two uneven pieces, the others in steps.
+        let cuts: Vec<u32> = match layer {
+            0 => vec![0, tokens],
+            1 => vec![0, 7, tokens],
+            _ => (0..tokens).step_by(CHUNK as usize).chain([tokens]).collect(),
+        };
+        for w in cuts.windows(2) {
+            let c = LayerChunk {
+                layer,
+                token_start: w[0],
+                token_count: w[1] - w[0],
+                k: Bytes::from(kv(21, layer, w[0]..w[1], false)),
+                v: Bytes::from(kv(21, layer, w[0]..w[1], true)),
+            };
+            timeout(WAIT, s.send(c)).await.unwrap().unwrap();
+        }
+    }
+    timeout(WAIT, s.finish(3)).await.unwrap().unwrap();
+    let done = res.done.wait(WAIT).await.unwrap();
+    for layer in 0..4 {
+        let (k, v) = r.pool.gather(&done.blocks, layer, 0, tokens);
+        assert!(k == kv(21, layer, 0..tokens, false) && v == kv(21, layer, 0..tokens, true), "layer {layer}");
+    }
+    r.pool.free_request(&done.blocks);
+    settled(&r, 0).await;
+}

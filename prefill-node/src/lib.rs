@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent};
 use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
 use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
-use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig};
+use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, NodeRole, PrefillRequest, Register};
 use cleave_protocol::{HandoffTicket, KvLayout, TokenEvent};
 use tokio::sync::{mpsc, oneshot};
@@ -66,6 +66,9 @@ pub struct PrefillNodeConfig {
     /// Bound on reading a request's first message, and on waiting for its ticket.
     pub request_timeout: Duration,
     pub send: SendConfig,
+    /// Transports besides `net`'s (RDMA): a ticket names the one to use, and a ticket for one
+    /// this node lacks fails its handoff with a clear error, never a silent fallback.
+    pub extra_transports: Vec<Arc<dyn Transport>>,
 }
 
 /// A running prefill node.
@@ -81,7 +84,8 @@ const MAX_REPORTED_HASHES: usize = 4096;
 
 struct Shared {
     engine: EngineHandle,
-    transport: NetTransport,
+    /// The node's stream transport and `extra_transports`; each ticket picks one.
+    transports: TransportSet,
     layout: KvLayout,
     cfg: PrefillNodeConfig,
 }
@@ -110,7 +114,10 @@ impl PrefillNode {
         link_cfg.report_interval = cfg.report_interval;
         let shared = Arc::new(Shared {
             engine: engine.clone(),
-            transport: NetTransport::new(&cfg.net)?,
+            transports: cfg
+                .extra_transports
+                .iter()
+                .fold(TransportSet::new().with(Arc::new(NetTransport::new(&cfg.net)?)), |set, t| set.with(t.clone())),
             layout,
             cfg: cfg.clone(),
         });
@@ -272,7 +279,8 @@ async fn ship(
         .map_err(|_| "request ended before its ticket arrived".to_string())?;
     let ticket_wait = waited.elapsed();
     let started = Instant::now();
-    let sender = KvSender::start(&shared.transport, &ticket, &shared.layout, &shared.cfg.send)
+    let transport = shared.transports.pick(&ticket).map_err(|e| e.to_string())?;
+    let sender = KvSender::start(transport.as_ref(), &ticket, &shared.layout, &shared.cfg.send)
         .await
         .map_err(|e| format!("opening the transfer to {}: {e}", ticket.receiver_addr))?;
     while let Some(ev) = chunks.recv().await {

@@ -11,6 +11,8 @@ mod certs;
 mod generate;
 mod make_model;
 mod model_source;
+#[cfg(feature = "rdma")]
+mod rdma;
 mod serve;
 mod up;
 

@@ -127,6 +127,16 @@ pub struct NodeCmd {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub net: ClusterNetArgs,
+    /// Move KV by one-sided RDMA writes through this device (`ibv_devices` lists them): a
+    /// prefill node sends that way, a decode node receives into a landing pool registered at
+    /// start. Control streams stay on QUIC. Builds with the `rdma` feature only.
+    #[cfg(feature = "rdma")]
+    #[arg(long)]
+    pub rdma_device: Option<String>,
+    /// Blocks of a decode node's RDMA landing pool (default: a quarter of the engine's blocks).
+    #[cfg(feature = "rdma")]
+    #[arg(long, requires = "rdma_device")]
+    pub rdma_landing_blocks: Option<usize>,
 }
 
 /// `cleave node --role`.
@@ -279,6 +289,16 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
                     report_interval: Duration::from_millis(200),
                     request_timeout: Duration::from_secs(60),
                     send: SendConfig::default(),
+                    extra_transports: Vec::new(),
+                };
+                #[cfg(feature = "rdma")]
+                let cfg = {
+                    let mut cfg = cfg;
+                    if let Some(dev) = &cmd.rdma_device {
+                        let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
+                        cfg.extra_transports.push(t);
+                    }
+                    cfg
                 };
                 let mut node = PrefillNode::start(handle, cfg, shutdown).await?;
                 let id = registered(node.registered.take()).await?;
@@ -286,6 +306,11 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
                 node.wait().await?;
             }
             RoleArg::Decode | RoleArg::Both => {
+                #[cfg(feature = "rdma")]
+                let rdma = match &cmd.rdma_device {
+                    Some(dev) => Some(super::rdma::landing(dev, &net, handle.info(), cmd.rdma_landing_blocks)?),
+                    None => None,
+                };
                 let cfg = DecodeNodeConfig {
                     name: name.clone(),
                     role: if role == RoleArg::Both { NodeRole::Both } else { NodeRole::Decode },
@@ -297,6 +322,8 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
                     report_interval: Duration::from_millis(200),
                     lease_ttl: Duration::from_secs(60),
                     request_timeout: Duration::from_secs(60),
+                    #[cfg(feature = "rdma")]
+                    rdma,
                 };
                 let mut node = DecodeNode::start(handle, cfg, shutdown).await?;
                 let id = registered(node.registered.take()).await?;

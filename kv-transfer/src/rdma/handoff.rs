@@ -287,6 +287,8 @@ pub struct RdmaSendConfig {
 pub struct SendPath {
     pub link_id: u64,
     pub driver: SendDriver,
+    /// Bytes of one staging slot: K and V of one write group must fit.
+    slot_bytes: u64,
     drained: mpsc::UnboundedSender<(LeaseId, u16)>,
     alive: Arc<AtomicBool>,
 }
@@ -302,6 +304,12 @@ impl SendPath {
                 let _ = drained.send((lease, tag));
             }
         });
+    }
+
+    /// Tokens of one write group whose K and V fit a staging slot (`token_bytes` per token of
+    /// K, and as many of V).
+    pub fn max_chunk_tokens(&self, token_bytes: usize) -> u32 {
+        (self.slot_bytes / (2 * token_bytes.max(1) as u64)).min(u32::MAX as u64) as u32
     }
 
     /// False once the link's stream ended or its queue pair broke: set up a new one.
@@ -351,7 +359,7 @@ impl<P: Provider + 'static> RdmaTransport<P> {
         let (tx, rx) = mpsc::unbounded_channel();
         let alive = Arc::new(AtomicBool::new(true));
         tokio::spawn(link_stream(stream, rx, alive.clone(), self.cfg.write_timeout));
-        let path = SendPath { link_id, driver, drained: tx, alive };
+        let path = SendPath { link_id, driver, slot_bytes: self.cfg.link.slot_bytes, drained: tx, alive };
         links.insert(peer, path.clone());
         tracing::debug!(%peer, link_id, "kv sender: rdma link set up");
         Ok(path)

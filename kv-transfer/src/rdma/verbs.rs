@@ -219,12 +219,16 @@ pub enum Access {
     RemoteWrite,
 }
 
-/// A registered memory region. Does not own the memory: see [`MemoryRegion::register_raw`].
+/// A registered memory region. Does not own the memory: see [`MemoryRegion::register_raw`]
+/// ([`MemoryRegion::register_pool`] keeps its pool alive instead).
 pub struct MemoryRegion {
     mr: NonNull<ibv_mr>,
     addr: u64,
     len: u64,
     _pd: Arc<ProtectionDomain>,
+    /// What owns the memory, when the region keeps it alive; dropped after deregistration
+    /// (`Drop::drop` runs before the fields are dropped).
+    _owner: Option<crate::MemoryPool>,
 }
 
 // SAFETY: see the module docs.
@@ -246,8 +250,26 @@ impl MemoryRegion {
         // SAFETY: the caller guarantees the range; the domain is live.
         let mr = unsafe { ibv_reg_mr(pd.pd.as_ptr(), addr.cast(), len, flags.0 as i32) };
         NonNull::new(mr)
-            .map(|mr| Self { mr, addr: addr as u64, len: len as u64, _pd: pd.clone() })
+            .map(|mr| Self { mr, addr: addr as u64, len: len as u64, _pd: pd.clone(), _owner: None })
             .ok_or_else(|| last_os_error("ibv_reg_mr"))
+    }
+
+    /// Registers `pool`'s whole memory for remote writes (a receiver's pool, registered once)
+    /// and keeps the pool alive while the region exists.
+    ///
+    /// Peers then write into the pool without its lock, which is what one-sided writes are:
+    /// the receiver reads a lease's blocks ([`crate::KvSink::landed_checksum`], `gather`) only
+    /// after the lease's last immediate arrived, and frees them only once no write of the lease
+    /// can land (see [`super::handoff`]), so no byte is read while the NIC writes it unless a
+    /// peer breaks the protocol, and then the checksum fails.
+    pub fn register_pool(pd: &Arc<ProtectionDomain>, pool: &crate::MemoryPool) -> Result<Self> {
+        let (addr, len) = pool.raw_region();
+        // SAFETY: the pool's buffer is allocated once, never resized or moved, and freed only
+        // when the last clone of the pool is dropped; the region holds a clone until after it
+        // is deregistered.
+        let mut mr = unsafe { Self::register_raw(pd, addr, len, Access::RemoteWrite)? };
+        mr._owner = Some(pool.clone());
+        Ok(mr)
     }
 
     pub fn addr(&self) -> u64 {

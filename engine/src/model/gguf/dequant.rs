@@ -206,7 +206,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, Dequ
         return Err(DequantError::Unsupported);
     }
     let (block, size) = ty.block_layout();
-    if n % block != 0 || (n / block).checked_mul(size) != Some(bytes.len()) {
+    if !n.is_multiple_of(block) || (n / block).checked_mul(size) != Some(bytes.len()) {
         return Err(DequantError::BadLength { n, bytes: bytes.len() });
     }
     let mut out = vec![0f32; n];

@@ -273,7 +273,11 @@ fn rope_scaling(file: &GgufFile, arch: &str) -> Result<Option<GgufRopeScaling>> 
 /// `[heads * head_dim, in]` or bias `[heads * head_dim]`): GGUF row `h*hd + 2*i + half` holds
 /// HF row `h*hd + half*hd/2 + i`.
 pub fn unpermute_rows(data: &[f32], rows: usize, heads: usize) -> Option<Vec<f32>> {
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || data.len() % rows.max(1) != 0 {
+    if heads == 0
+        || !rows.is_multiple_of(heads)
+        || !(rows / heads).is_multiple_of(2)
+        || !data.len().is_multiple_of(rows.max(1))
+    {
         return None;
     }
     let cols = data.len() / rows;
