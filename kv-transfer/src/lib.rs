@@ -11,7 +11,8 @@
 //! - [`sender`]: the prefill side, layer chunks over several streams;
 //! - [`sink`]: the block-pool interface the receiver writes through;
 //! - [`transport`]: the per-peer transport trait;
-//! - `rdma` (feature `rdma`): one-sided RDMA WRITE WITH IMMEDIATE into leased blocks.
+//! - `rdma` (feature `rdma`): one-sided RDMA WRITE WITH IMMEDIATE into leased blocks, a
+//!   transport a ticket can name (`TransportKind::Rdma`).
 //!
 //! # The handoff
 //!
@@ -62,6 +63,16 @@
 //! | gap, out-of-bounds chunk, malformed frame    | receiver         | `ChunkGap` / `ChunkOutOfBounds` / `MalformedFrame` | `PeerAborted(..)` |
 //! | layout, request or token-count mismatch at `Open` | receiver    | `LayoutMismatch` / `InvalidRequest` | `PeerAborted(LayoutMismatch)` |
 //! | block write fails (`sink.write`)             | receiver         | `SinkWrite`       | `PeerAborted(Internal)` |
+//!
+//! Over RDMA (`rdma::handoff`, feature `rdma`) the payload never passes through the receiver:
+//! the sender writes it one-sided into the leased blocks and sends a `Landed` notice (with the
+//! CRC-32) per write group, and the receiver checks the notices against its pool once every
+//! group's immediate arrived. Every row above holds, with one more rule: a failed lease's
+//! blocks go back to the pool only once no write of it can land any more: at once when the link
+//! itself failed the lease (an error completion), else after the sender's `Drained` (it cancels
+//! and waits for its writes first), a queue-pair reset when that does not come within the
+//! quarantine, or the link's stream ending (the receiver then drops the queue pair). Until
+//! then they count in `reserved_blocks`.
 //!
 //! A duplicate chunk (tokens already received) is dropped and reported, not an error; a chunk
 //! for a lease that already ended is late: dropped and reported. A sender whose layout differs

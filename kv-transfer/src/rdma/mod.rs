@@ -32,9 +32,10 @@
 //! [`handoff`] makes it a transport a handoff can pick: [`RdmaTransport`] on the sender, the
 //! receiver actor's links ([`RdmaReceive`]) on the decode side.
 //!
-//! Not yet done: the decode node's engine KV pool is not one registered region (the engine keeps
-//! a pool per layer), so a decode node receives over QUIC or TCP; [`crate::MemoryPool`] is the
-//! pool an RDMA receiver writes into today (tests, `cleave bench transfer`).
+//! The pool an RDMA receiver exposes is a [`crate::MemoryPool`] registered whole
+//! ([`verbs::MemoryRegion::register_pool`]). A decode node uses one as its landing pool and
+//! copies each completed lease into the engine's cache: the engine keeps one buffer per layer
+//! (device memory on a GPU backend), which is not one registrable region.
 //!
 //! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`] and [`sim`]
 //! depend on no verbs type; [`verbs`] is the only module with `unsafe`.
