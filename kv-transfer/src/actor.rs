@@ -674,6 +674,7 @@ impl<S: KvSink> Actor<S> {
                 }
                 LinkOutput::Failed(lease, err) => fx.extend(self.sm.fail(lease, err)),
                 LinkOutput::Free(request_id, blocks) => self.sink.release(request_id, &blocks),
+                LinkOutput::CloseStream(stream) => fx.push(Effect::Close { stream }),
             }
         }
         fx

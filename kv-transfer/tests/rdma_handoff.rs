@@ -246,6 +246,20 @@ async fn stuck_writes_are_fenced_off_by_a_queue_pair_reset() {
     assert!(k.iter().chain(&v).all(|b| *b == 0), "a fenced write landed after the blocks were freed");
     let (k, _) = r.pool.gather(&blocks, 0, 0, 16);
     assert!(k == kv(11, 0, 0..16, false), "the first chunk landed before the hold");
+    // The reset link was dropped and its stream closed: the next transfer sets up a new one.
+    let res = r.handle.reserve(RequestId(12), 5, None).await.unwrap();
+    let s = timeout(WAIT, KvSender::start(&*r.transport, &res.ticket, &layout(), &SendConfig::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    for c in chunks(12, 5) {
+        timeout(WAIT, s.send(c)).await.unwrap().unwrap();
+    }
+    timeout(WAIT, s.finish(1)).await.unwrap().unwrap();
+    let done = res.done.wait(WAIT).await.unwrap();
+    assert!(r.fabric.net(4).is_some(), "a second receiving queue pair");
+    r.pool.free_request(&done.blocks);
+    settled(&r, 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

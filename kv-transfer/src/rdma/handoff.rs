@@ -68,6 +68,9 @@ pub(crate) enum LinkOutput {
     Failed(LeaseId, KvTransferError),
     /// A failed lease's blocks are safe to free now.
     Free(RequestId, Vec<u32>),
+    /// A link was dropped (its queue pair failed): close its stream, which tells the sender to
+    /// set up a new one.
+    CloseStream(StreamId),
 }
 
 struct LinkEntry {
@@ -231,7 +234,8 @@ impl RecvLinks {
         out
     }
 
-    /// Polls every busy link.
+    /// Polls every busy link. A link whose queue pair was reset or failed is dropped once its
+    /// leases are reported (they are safe: nothing lands on it any more), and its stream closed.
     pub(crate) fn poll(&mut self, now: Instant) -> Vec<LinkOutput> {
         let busy: Vec<u64> = self.links.iter().filter(|(_, e)| e.link.open_leases() > 0).map(|(id, _)| *id).collect();
         let mut out = Vec::new();
@@ -241,6 +245,10 @@ impl RecvLinks {
                 None => continue,
             };
             out.extend(self.settle(link, r));
+            if let Some(stream) = self.links.get(&link).filter(|e| e.link.is_broken()).map(|e| e.stream) {
+                out.extend(self.drop_link(link, "its queue pair failed"));
+                out.push(LinkOutput::CloseStream(stream));
+            }
         }
         out
     }

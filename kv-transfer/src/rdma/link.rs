@@ -279,6 +279,11 @@ impl<O: RecvOps> RecvLink<O> {
         self.reset_done
     }
 
+    /// True once the queue pair was reset or failed: it takes no new lease; drop the link.
+    pub fn is_broken(&self) -> bool {
+        self.reset_done || self.tracker.broken().is_some()
+    }
+
     /// Applies the receive completions available now and the deadlines at `now`; keeps
     /// `recv_depth` receives posted.
     pub fn poll(&mut self, now: Instant) -> Result<Vec<LeaseEvent>> {
