@@ -701,15 +701,27 @@ async fn forward_frames(id: StreamId, mut rx: mpsc::Receiver<Frame>, idle: Durat
     }
 }
 
+/// Reads a stream's frames for the actor. A stream silent for `idle` is an error, except an
+/// RDMA link's stream (its first frame a `LinkOffer`): it is quiet by design while the link
+/// carries transfers, and ends with its connection.
 async fn read_loop(id: StreamId, mut recv: RecvHalf, limits: Limits, idle: Duration, tx: mpsc::Sender<Cmd>) {
     let mut buf = bytes::BytesMut::new();
+    let mut idle = Some(idle);
     loop {
-        let item = match timeout(idle, read_frame_recycling(&mut recv, &limits, &mut buf)).await {
-            Err(_) => {
-                Err(KvTransferError::Timeout { what: format!("a frame on stream {id}"), ms: idle.as_millis() as u64 })
-            }
-            Ok(r) => r,
+        let read = read_frame_recycling(&mut recv, &limits, &mut buf);
+        let item = match idle {
+            Some(limit) => match timeout(limit, read).await {
+                Err(_) => Err(KvTransferError::Timeout {
+                    what: format!("a frame on stream {id}"),
+                    ms: limit.as_millis() as u64,
+                }),
+                Ok(r) => r,
+            },
+            None => read.await,
         };
+        if let Ok(Some(Frame::Control(Control::LinkOffer { .. }))) = &item {
+            idle = None;
+        }
         let last = !matches!(item, Ok(Some(_)));
         if tx.send(Cmd::Frame { stream: id, item }).await.is_err() || last {
             return;

@@ -75,7 +75,9 @@ async fn rig(quarantine: Duration) -> Rig {
     let fabric = SimFabric::over_pool(pool.clone(), &layout, staging()).unwrap();
     let mut rdma = RdmaReceive::new(Arc::new(fabric.clone()));
     rdma.link.quarantine = quarantine;
-    let cfg = ReceiverConfig::new(layout, addr, TransportKind::Rdma);
+    let mut cfg = ReceiverConfig::new(layout, addr, TransportKind::Rdma);
+    // Short, so that the reuse test sees the link outlive it (the link's stream is quiet).
+    cfg.stream_idle_timeout = Duration::from_millis(800);
     let service = ReceiverService::spawn_rdma(cfg, pool.clone(), Some(listener), rdma);
     let handle = service.handle().clone();
     let send_cfg = RdmaSendConfig {
@@ -150,6 +152,8 @@ async fn kv_lands_in_the_leased_blocks_and_the_link_is_reused() {
             assert!(v == kv(seed, layer, 0..tokens, true), "V of request {seed} layer {layer} differs");
         }
         adopted.extend(done.blocks);
+        // Quiet for longer than the receiver's stream idle timeout: the link must survive it.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
     }
     // The data went through one-sided writes, not the pool's write path, over one link.
     assert_eq!(r.pool.writes(), 0);
