@@ -393,15 +393,7 @@ impl Receiver {
     }
 
     fn on_landed(&mut self, stream: StreamId, state: StreamState, n: Landed, fx: &mut Vec<Effect>) {
-        if state == StreamState::Idle && !self.leases.contains_key(&n.lease_id) {
-            self.stats.late_dropped += 1;
-            fx.push(Effect::Dropped {
-                stream,
-                lease: n.lease_id,
-                layer: n.layer,
-                token_start: n.token_start,
-                why: DropReason::Late,
-            });
+        if self.dropped_late(stream, state, n.lease_id, n.layer, n.token_start, fx) {
             return;
         }
         let Some(id) = self.bound_lease(stream, state, n.lease_id, fx) else { return };
@@ -519,16 +511,7 @@ impl Receiver {
         fx: &mut Vec<Effect>,
     ) {
         let _ = now;
-        if state == StreamState::Idle && !self.leases.contains_key(&h.lease_id) {
-            // Late: the lease this stream carried is gone. Drop quietly.
-            self.stats.late_dropped += 1;
-            fx.push(Effect::Dropped {
-                stream,
-                lease: h.lease_id,
-                layer: h.layer,
-                token_start: h.token_start,
-                why: DropReason::Late,
-            });
+        if self.dropped_late(stream, state, h.lease_id, h.layer, h.token_start, fx) {
             return;
         }
         let Some(id) = self.bound_lease(stream, state, h.lease_id, fx) else { return };
@@ -600,6 +583,25 @@ impl Receiver {
             v,
         }));
         self.maybe_complete(id, fx);
+    }
+
+    /// A chunk or notice on an unbound stream for a lease that is gone is late: dropped quietly
+    /// (true) rather than treated as a violation.
+    fn dropped_late(
+        &mut self,
+        stream: StreamId,
+        state: StreamState,
+        lease: LeaseId,
+        layer: u32,
+        token_start: u32,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        if state != StreamState::Idle || self.leases.contains_key(&lease) {
+            return false;
+        }
+        self.stats.late_dropped += 1;
+        fx.push(Effect::Dropped { stream, lease, layer, token_start, why: DropReason::Late });
+        true
     }
 
     /// The lease a frame on `stream` may touch, or `None` after handling the violation.

@@ -65,6 +65,21 @@ fn staging() -> usize {
     4 * 2 * CHUNK as usize * 32
 }
 
+/// Four staging slots of one prefill step each.
+fn send_cfg() -> RdmaSendConfig {
+    RdmaSendConfig {
+        link: SendLinkConfig {
+            slots: 4,
+            slot_bytes: 2 * CHUNK as u64 * 32,
+            sq_depth: 256,
+            policy: SignalPolicy::default(),
+        },
+        driver: DriverConfig::default(),
+        setup_timeout: WAIT,
+        write_timeout: WAIT,
+    }
+}
+
 async fn rig(quarantine: Duration) -> Rig {
     let layout = layout();
     let ids = NodeIdentity::generate_test_cluster(&["decode", "prefill"]).unwrap();
@@ -80,18 +95,7 @@ async fn rig(quarantine: Duration) -> Rig {
     cfg.stream_idle_timeout = Duration::from_millis(800);
     let service = ReceiverService::spawn_rdma(cfg, pool.clone(), Some(listener), rdma);
     let handle = service.handle().clone();
-    let send_cfg = RdmaSendConfig {
-        link: SendLinkConfig {
-            slots: 4,
-            slot_bytes: 2 * CHUNK as u64 * 32,
-            sq_depth: 256,
-            policy: SignalPolicy::default(),
-        },
-        driver: DriverConfig::default(),
-        setup_timeout: WAIT,
-        write_timeout: WAIT,
-    };
-    let transport = Arc::new(RdmaTransport::new(&net(&ids[1]), fabric.clone(), send_cfg).unwrap());
+    let transport = Arc::new(RdmaTransport::new(&net(&ids[1]), fabric.clone(), send_cfg()).unwrap());
     Rig { pool, fabric, service: Some(service), handle, transport, addr }
 }
 
@@ -318,17 +322,7 @@ async fn a_receiver_without_rdma_refuses_the_link() {
     let service =
         ReceiverService::spawn(ReceiverConfig::new(layout(), addr, TransportKind::Quic), pool.clone(), Some(listener));
     let fabric = SimFabric::over_pool(MemoryPool::new(layout(), BLOCKS), &layout(), staging()).unwrap();
-    let cfg = RdmaSendConfig {
-        link: SendLinkConfig {
-            slots: 4,
-            slot_bytes: 2 * CHUNK as u64 * 32,
-            sq_depth: 256,
-            policy: SignalPolicy::default(),
-        },
-        driver: DriverConfig::default(),
-        setup_timeout: WAIT,
-        write_timeout: WAIT,
-    };
+    let cfg = send_cfg();
     let transport = RdmaTransport::new(&net(&ids[1]), fabric, cfg).unwrap();
     let mut res = service.handle().reserve(RequestId(1), 5, None).await.unwrap();
     res.ticket.transport = TransportKind::Rdma;
