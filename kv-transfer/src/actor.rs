@@ -402,7 +402,7 @@ impl<S: KvSink> Actor<S> {
                 cmd = rx.recv() => match cmd {
                     Some(cmd) => {
                         self.command(cmd);
-                        metrics::gauge!(m::LEASED_BLOCKS).set(self.sm.reserved_blocks() as f64);
+                        metrics::gauge!(m::LEASED_BLOCKS).set(self.reserved_blocks() as f64);
                     }
                     None => break,
                 },
@@ -414,6 +414,7 @@ impl<S: KvSink> Actor<S> {
                         let out = links.poll(now());
                         self.link_outputs(out);
                     }
+                    metrics::gauge!(m::LEASED_BLOCKS).set(self.reserved_blocks() as f64);
                 }
             }
         }
@@ -431,12 +432,7 @@ impl<S: KvSink> Actor<S> {
                 self.apply(fx);
             }
             Cmd::Stats { reply } => {
-                #[allow(unused_mut)]
-                let mut stats = self.sm.stats();
-                #[cfg(feature = "rdma")]
-                if let Some(links) = &self.links {
-                    stats.reserved_blocks += links.quarantined_blocks();
-                }
+                let stats = ReceiverStats { reserved_blocks: self.reserved_blocks(), ..self.sm.stats() };
                 let _ = reply.send(stats);
             }
             Cmd::Stream { stream, peer } => self.add_stream(stream, peer),
@@ -464,6 +460,18 @@ impl<S: KvSink> Actor<S> {
                 self.apply(fx);
             }
         }
+    }
+
+    /// Blocks out of the pool for leases: live ones, and (RDMA) released ones whose writes may
+    /// still land.
+    fn reserved_blocks(&self) -> usize {
+        #[allow(unused_mut)]
+        let mut n = self.sm.reserved_blocks();
+        #[cfg(feature = "rdma")]
+        if let Some(links) = &self.links {
+            n += links.quarantined_blocks();
+        }
+        n
     }
 
     fn reserve(&mut self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
@@ -668,9 +676,13 @@ impl<S: KvSink> Actor<S> {
             match o {
                 LinkOutput::Landed(lease) => {
                     let sink = &self.sink;
+                    let before = self.sm.stats().bytes_written;
                     fx.extend(self.sm.rdma_landed(lease, |blocks, n| {
                         sink.landed_checksum(blocks, n.layer, n.token_start..n.token_start + n.token_count)
                     }));
+                    let landed = self.sm.stats().bytes_written - before;
+                    metrics::counter!(m::BYTES_TOTAL, "side" => "receiver", "transport" => m::transport_label(self.cfg.transport))
+                        .increment(landed);
                 }
                 LinkOutput::Failed(lease, err) => fx.extend(self.sm.fail(lease, err)),
                 LinkOutput::Free(request_id, blocks) => self.sink.release(request_id, &blocks),
