@@ -356,6 +356,9 @@ impl ReceiverService {
 /// was queued is written (each write bounded), so an Abort still reaches the peer.
 struct StreamTasks {
     writer: mpsc::Sender<Control>,
+    /// The peer's certificate name (None in-process and over plain TCP): an RDMA link serves
+    /// only `Open`s from the peer that set it up.
+    peer: Option<String>,
     _reader: AbortOnDrop<()>,
 }
 
@@ -511,12 +514,13 @@ impl<S: KvSink> Actor<S> {
         let id = self.next_stream;
         self.next_stream += 1;
         tracing::debug!(stream = id, peer = ?peer.as_ref().map(|p| p.addr), "kv receiver: stream accepted");
+        let peer_name = peer.and_then(|p| p.name);
         let DuplexStream { send, recv } = stream;
         let reader =
             tokio::spawn(read_loop(id, recv, self.limits.clone(), self.cfg.stream_idle_timeout, self.tx.clone()));
         let (wtx, wrx) = mpsc::channel(16);
         tokio::spawn(write_loop(send, wrx, self.cfg.write_timeout));
-        self.streams.insert(id, StreamTasks { writer: wtx, _reader: AbortOnDrop(reader) });
+        self.streams.insert(id, StreamTasks { writer: wtx, peer: peer_name, _reader: AbortOnDrop(reader) });
         self.sm.stream_opened(id);
     }
 
@@ -533,7 +537,7 @@ impl<S: KvSink> Actor<S> {
                 }
             }
         });
-        self.streams.insert(id, StreamTasks { writer: wtx, _reader: AbortOnDrop(reader) });
+        self.streams.insert(id, StreamTasks { writer: wtx, peer: None, _reader: AbortOnDrop(reader) });
         self.sm.stream_opened(id);
     }
 
@@ -588,11 +592,12 @@ impl<S: KvSink> Actor<S> {
                     }
                 }
                 Effect::BindRdma { lease, link, stream, num_layers, deadline } => {
+                    let peer = self.streams.get(&stream).and_then(|t| t.peer.clone());
                     let tag = match self.links.as_mut() {
                         #[cfg(feature = "rdma")]
-                        Some(links) => links.open_tag(link, lease, num_layers, deadline),
+                        Some(links) => links.open_tag(link, lease, num_layers, deadline, peer.as_deref()),
                         _ => {
-                            let _ = (num_layers, deadline);
+                            let _ = (num_layers, deadline, peer);
                             Err(KvTransferError::RdmaLink { link, reason: "this receiver takes no RDMA links".into() })
                         }
                     };
@@ -642,7 +647,8 @@ impl<S: KvSink> Actor<S> {
         if let Ok(Some(Frame::Control(Control::LinkOffer { metadata }))) = &item {
             // A link stream holds no lease: the state machine forgets it (its Close is not ours).
             let _ = self.sm.on_stream_closed(now(), stream);
-            let msg = match links.offer(stream, metadata) {
+            let peer = self.streams.get(&stream).and_then(|t| t.peer.clone());
+            let msg = match links.offer(stream, metadata, peer) {
                 Ok(answer) => answer,
                 Err(e) => {
                     tracing::warn!(stream, error = %e, "kv receiver: rdma link refused");

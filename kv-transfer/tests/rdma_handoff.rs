@@ -52,6 +52,8 @@ fn kv(seed: u64, layer: u32, tokens: std::ops::Range<u32>, v: bool) -> Vec<u8> {
 }
 
 struct Rig {
+    /// A third node of the same cluster (valid certificate, not the link's owner).
+    intruder: NodeIdentity,
     pool: MemoryPool,
     fabric: SimFabric,
     service: Option<ReceiverService>,
@@ -82,7 +84,7 @@ fn send_cfg() -> RdmaSendConfig {
 
 async fn rig(quarantine: Duration) -> Rig {
     let layout = layout();
-    let ids = NodeIdentity::generate_test_cluster(&["decode", "prefill"]).unwrap();
+    let ids = NodeIdentity::generate_test_cluster(&["decode", "prefill", "intruder"]).unwrap();
     let net = |id: &NodeIdentity| NetConfig::new(NetKind::Quic, Some(id.clone()));
     let listener = Listener::bind(&net(&ids[0]), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr();
@@ -96,7 +98,7 @@ async fn rig(quarantine: Duration) -> Rig {
     let service = ReceiverService::spawn_rdma(cfg, pool.clone(), Some(listener), rdma);
     let handle = service.handle().clone();
     let transport = Arc::new(RdmaTransport::new(&net(&ids[1]), fabric.clone(), send_cfg()).unwrap());
-    Rig { pool, fabric, service: Some(service), handle, transport, addr }
+    Rig { intruder: ids[2].clone(), pool, fabric, service: Some(service), handle, transport, addr }
 }
 
 fn chunks(seed: u64, tokens: u32) -> Vec<LayerChunk> {
@@ -390,5 +392,38 @@ async fn long_and_unevenly_chunked_layers_land() {
         assert!(k == kv(21, layer, 0..tokens, false) && v == kv(21, layer, 0..tokens, true), "layer {layer}");
     }
     r.pool.free_request(&done.blocks);
+    settled(&r, 0).await;
+}
+
+/// A link serves only the peer that set it up: another node of the cluster naming it in an
+/// `Open` is refused, and the lease it named is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_named_by_another_peer_is_refused() {
+    use cleave_kv_transfer::frame::{read_frame, write_control, Control, Limits, Open};
+    use cleave_kv_transfer::net::Connector;
+    use cleave_kv_transfer::Transport;
+    let r = rig(Duration::from_secs(60)).await;
+    let link = r.transport.rdma_path(r.addr).unwrap().await.unwrap().link_id;
+    let res = r.handle.reserve(RequestId(31), 8, None).await.unwrap();
+    let intruder = Connector::new(&NetConfig::new(NetKind::Quic, Some(r.intruder.clone()))).unwrap();
+    let mut s = intruder.open(r.addr).await.unwrap();
+    let open = Control::Open(Open {
+        request_id: RequestId(31),
+        lease_id: res.ticket.lease_id,
+        layout: layout(),
+        num_tokens: 8,
+        stream_index: 0,
+        stream_count: 1,
+        rdma_link: Some(link),
+    });
+    write_control(&mut s.send, &open).await.unwrap();
+    let answer = timeout(WAIT, read_frame(&mut s.recv, &Limits::default())).await.unwrap().unwrap();
+    match answer {
+        Some(cleave_kv_transfer::frame::Frame::Control(Control::Abort { reason, .. })) => {
+            assert!(reason.contains("set up by"), "{reason}")
+        }
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    assert!(res.done.wait(WAIT).await.is_err());
     settled(&r, 0).await;
 }

@@ -76,6 +76,8 @@ pub(crate) enum LinkOutput {
 struct LinkEntry {
     link: DynRecvLink,
     stream: StreamId,
+    /// The certificate name of the peer that set the link up.
+    peer: Option<String>,
 }
 
 /// The receiver's links, owned by its actor (no task of their own: the actor polls them).
@@ -101,9 +103,13 @@ struct Quarantined {
 
 impl RecvLinks {
     pub(crate) fn new(cfg: RdmaReceive) -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        // A random start, so that a sender still holding a link id of this receiver's previous
+        // life names no link of this one.
+        let base = std::collections::hash_map::RandomState::new().build_hasher().finish() >> 1;
         Self {
             cfg,
-            next_id: 1,
+            next_id: base.max(1),
             links: HashMap::new(),
             by_stream: HashMap::new(),
             tags: HashMap::new(),
@@ -131,22 +137,36 @@ impl RecvLinks {
     }
 
     /// A sender's link offer on `stream`: a new link, and the answer to send.
-    pub(crate) fn offer(&mut self, stream: StreamId, metadata: &[u8]) -> Result<Control> {
+    pub(crate) fn offer(&mut self, stream: StreamId, metadata: &[u8], peer: Option<String>) -> Result<Control> {
         let (link, answer) = self.cfg.acceptor.answer(metadata, self.cfg.link)?;
         let id = self.next_id;
-        self.next_id += 1;
-        self.links.insert(id, LinkEntry { link, stream });
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        self.links.insert(id, LinkEntry { link, stream, peer });
         self.by_stream.insert(stream, id);
         tracing::debug!(link = id, stream, "kv receiver: rdma link set up");
         Ok(Control::LinkAnswer { link_id: id, metadata: answer })
     }
 
-    /// Opens `lease` on `link`'s queue pair; its tag goes to the sender in the `Accept`.
-    pub(crate) fn open_tag(&mut self, link: u64, lease: LeaseId, num_layers: u32, deadline: Instant) -> Result<u16> {
+    /// Opens `lease` on `link`'s queue pair for an `Open` from `peer`; the tag goes to the sender
+    /// in the `Accept`. A link serves only the peer that set it up.
+    pub(crate) fn open_tag(
+        &mut self,
+        link: u64,
+        lease: LeaseId,
+        num_layers: u32,
+        deadline: Instant,
+        peer: Option<&str>,
+    ) -> Result<u16> {
         let entry = self
             .links
             .get_mut(&link)
             .ok_or_else(|| KvTransferError::RdmaLink { link, reason: "no such link on this receiver".into() })?;
+        if entry.peer.as_deref() != peer {
+            return Err(KvTransferError::RdmaLink {
+                link,
+                reason: format!("set up by {:?}, named by {peer:?}", entry.peer),
+            });
+        }
         let tag = entry.link.open_lease(num_layers, deadline)?;
         self.tags.insert((link, tag), lease);
         Ok(tag)
