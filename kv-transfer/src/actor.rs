@@ -632,14 +632,16 @@ impl<S: KvSink> Actor<S> {
         if links.is_link_stream(stream) {
             let out = match item {
                 Ok(Some(Frame::Control(Control::Drained { lease_id, tag }))) => links.drained(stream, lease_id, tag),
-                Ok(None) => links.stream_ended(stream, "its stream ended"),
-                Ok(Some(other)) => {
-                    let why = format!("unexpected frame on the link's stream: {other:?}");
+                ended => {
+                    let why = match ended {
+                        Ok(None) => "its stream ended".to_string(),
+                        Ok(Some(other)) => format!("unexpected frame on the link's stream: {other:?}"),
+                        Err(e) => e.to_string(),
+                    };
                     let out = links.stream_ended(stream, &why);
                     self.close_stream(stream);
                     out
                 }
-                Err(e) => links.stream_ended(stream, &e.to_string()),
             };
             self.link_outputs(out);
             return None;
