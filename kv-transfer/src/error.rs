@@ -88,6 +88,8 @@ pub enum KvTransferError {
     RdmaTracker { reason: String },
     #[error("rdma: link {link} failed: {reason}")]
     RdmaLink { link: u64, reason: String },
+    #[error("rdma: no link {link} on this receiver (it restarted or dropped the link)")]
+    RdmaUnknownLink { link: u64 },
     #[error("refused by the coordinator: {reason}")]
     Refused { reason: String },
     #[error("control message: {0}")]

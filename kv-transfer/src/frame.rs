@@ -51,6 +51,7 @@ pub enum AbortCode {
     SenderGone,
     OutOfBounds,
     Internal,
+    UnknownLink,
 }
 
 impl AbortCode {
@@ -68,6 +69,7 @@ impl AbortCode {
             AbortCode::SenderGone => fb::AbortCode::SenderGone,
             AbortCode::OutOfBounds => fb::AbortCode::OutOfBounds,
             AbortCode::Internal => fb::AbortCode::Internal,
+            AbortCode::UnknownLink => fb::AbortCode::UnknownLink,
         }
     }
 
@@ -84,6 +86,7 @@ impl AbortCode {
             fb::AbortCode::SenderGone => AbortCode::SenderGone,
             fb::AbortCode::OutOfBounds => AbortCode::OutOfBounds,
             fb::AbortCode::Internal => AbortCode::Internal,
+            fb::AbortCode::UnknownLink => AbortCode::UnknownLink,
             _ => AbortCode::Unknown,
         }
     }
@@ -103,6 +106,7 @@ impl AbortCode {
             E::Cancelled { .. } => AbortCode::Cancelled,
             E::SenderGone { .. } => AbortCode::SenderGone,
             E::ChunkOutOfBounds { .. } => AbortCode::OutOfBounds,
+            E::RdmaUnknownLink { .. } => AbortCode::UnknownLink,
             _ => AbortCode::Internal,
         }
     }

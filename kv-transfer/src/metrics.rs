@@ -65,7 +65,7 @@ pub fn cause(e: &KvTransferError) -> &'static str {
         E::SenderGone { .. } => "sender_gone",
         E::SinkWrite { .. } => "sink_write",
         E::Closed { .. } => "closed",
-        E::RdmaLink { .. } | E::RdmaCompletion { .. } | E::RdmaTracker { .. } => "rdma",
+        E::RdmaLink { .. } | E::RdmaUnknownLink { .. } | E::RdmaCompletion { .. } | E::RdmaTracker { .. } => "rdma",
         _ => "other",
     }
 }

@@ -387,6 +387,17 @@ impl Receiver {
                 r.tag = Some(tag);
                 fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: lease, rdma_tag: Some(tag) } });
             }
+            // A link this receiver does not know (a sender's stale id after a restart or a
+            // dropped link): the stream is refused but the lease stays, for the sender to open
+            // again over a new link. Nothing was written, so nothing needs freeing.
+            Err(err @ KvTransferError::RdmaUnknownLink { .. }) => {
+                l.rdma = None;
+                l.streams.retain(|s| *s != stream);
+                self.streams.remove(&stream);
+                let msg = Control::Abort { lease_id: lease, code: AbortCode::of(&err), reason: err.to_string() };
+                fx.push(Effect::Send { stream, msg });
+                fx.push(Effect::Close { stream });
+            }
             Err(err) => self.release(lease, err, &mut fx),
         }
         fx

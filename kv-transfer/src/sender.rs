@@ -179,7 +179,13 @@ impl KvSender {
         local: &KvLayout,
         cfg: &SendConfig,
     ) -> Result<Self> {
-        let r = Self::start_inner(transport, ticket, local, cfg).await;
+        let mut r = Self::start_inner(transport, ticket, local, cfg).await;
+        if matches!(&r, Err(KvTransferError::PeerAborted { code, .. }) if code == "UnknownLink") {
+            // The receiver did not know our RDMA link (it restarted, or dropped the link before
+            // we noticed) and kept the lease: once more, over a new link.
+            tracing::debug!(lease = %ticket.lease_id, "kv sender: receiver lost the rdma link; setting up a new one");
+            r = Self::start_inner(transport, ticket, local, cfg).await;
+        }
         if let Err(e) = &r {
             crate::metrics::record_failure("sender", transport.kind(), e);
         }
@@ -281,7 +287,14 @@ impl KvSender {
         };
         let mut accepted = 0;
         while accepted < n {
-            match this.next_event(deadline, "Accept").await? {
+            let ev = this.next_event(deadline, "Accept").await;
+            #[cfg(feature = "rdma")]
+            if let (Err(KvTransferError::PeerAborted { code, .. }), Some(path)) = (&ev, &rdma) {
+                if code == "UnknownLink" {
+                    path.invalidate();
+                }
+            }
+            match ev? {
                 Control::Accept { lease_id, rdma_tag } if lease_id == lease => {
                     accepted += 1;
                     #[cfg(feature = "rdma")]

@@ -7,6 +7,8 @@
 //! queue pair, or at once when the link itself failed.
 #![cfg(feature = "rdma")]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +54,7 @@ fn kv(seed: u64, layer: u32, tokens: std::ops::Range<u32>, v: bool) -> Vec<u8> {
 }
 
 struct Rig {
+    decode: NodeIdentity,
     /// A third node of the same cluster (valid certificate, not the link's owner).
     intruder: NodeIdentity,
     pool: MemoryPool,
@@ -98,7 +101,16 @@ async fn rig(quarantine: Duration) -> Rig {
     let service = ReceiverService::spawn_rdma(cfg, pool.clone(), Some(listener), rdma);
     let handle = service.handle().clone();
     let transport = Arc::new(RdmaTransport::new(&net(&ids[1]), fabric.clone(), send_cfg()).unwrap());
-    Rig { intruder: ids[2].clone(), pool, fabric, service: Some(service), handle, transport, addr }
+    Rig {
+        decode: ids[0].clone(),
+        intruder: ids[2].clone(),
+        pool,
+        fabric,
+        service: Some(service),
+        handle,
+        transport,
+        addr,
+    }
 }
 
 fn chunks(seed: u64, tokens: u32) -> Vec<LayerChunk> {
@@ -425,5 +437,40 @@ async fn a_link_named_by_another_peer_is_refused() {
         other => panic!("expected an abort, got {other:?}"),
     }
     assert!(res.done.wait(WAIT).await.is_err());
+    settled(&r, 0).await;
+}
+
+/// The receiver restarts on the same address: the sender's link to its previous life is stale
+/// (the new receiver does not know its id). The next transfer sets up a new link, whether the
+/// sender noticed the old one's end first or learns it from the receiver's refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_restart_on_the_same_address_gets_a_new_link() {
+    let mut r = rig(Duration::from_secs(60)).await;
+    let send = |handle: cleave_kv_transfer::ReceiverHandle, t: Arc<RdmaTransport<SimFabric>>, seed: u64| async move {
+        let res = handle.reserve(RequestId(seed), 9, None).await.unwrap();
+        let s =
+            timeout(WAIT, KvSender::start(&*t, &res.ticket, &layout(), &SendConfig::default())).await.unwrap().unwrap();
+        for c in chunks(seed, 9) {
+            timeout(WAIT, s.send(c)).await.unwrap().unwrap();
+        }
+        timeout(WAIT, s.finish(1)).await.unwrap().unwrap();
+        res.done.wait(WAIT).await.unwrap()
+    };
+    let done = send(r.handle.clone(), r.transport.clone(), 41).await;
+    r.pool.free_request(&done.blocks);
+    r.service.take().unwrap().shutdown(WAIT).await;
+    let cfg = NetConfig::new(NetKind::Quic, Some(r.decode.clone()));
+    let listener = common::rebind(&cfg, r.addr).await;
+    let rdma = RdmaReceive::new(Arc::new(r.fabric.clone()));
+    let rcfg = ReceiverConfig::new(layout(), r.addr, TransportKind::Rdma);
+    let service = ReceiverService::spawn_rdma(rcfg, r.pool.clone(), Some(listener), rdma);
+    r.handle = service.handle().clone();
+    r.service = Some(service);
+    let done = send(r.handle.clone(), r.transport.clone(), 42).await;
+    for layer in 0..4 {
+        let (k, _) = r.pool.gather(&done.blocks, layer, 0, 9);
+        assert!(k == kv(42, layer, 0..9, false), "layer {layer}");
+    }
+    r.pool.free_request(&done.blocks);
     settled(&r, 0).await;
 }

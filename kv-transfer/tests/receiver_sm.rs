@@ -460,3 +460,20 @@ fn rdma_layers_may_be_chunked_differently() {
     let fx = r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
     assert!(matches!(&fx[..], [Effect::SetChunks { chunks, .. }] if chunks == &[1, 2, 1]), "{fx:?}");
 }
+
+#[test]
+fn rdma_open_naming_an_unknown_link_keeps_the_lease_for_a_new_link() {
+    let (mut r, now, lease) = setup(6);
+    r.stream_opened(1);
+    r.on_frame(now, 1, open_rdma(lease, 6, 1));
+    let fx = r.rdma_bound(lease, 1, Err(KvTransferError::RdmaUnknownLink { link: 3 }));
+    assert_eq!(aborts(&fx), vec![AbortCode::UnknownLink]);
+    assert!(released(&fx).is_none(), "the lease stays: {fx:?}");
+    assert_eq!(r.reserved_blocks(), 2);
+    // The sender comes back over another stream (and link) and completes.
+    r.stream_opened(2);
+    let fx = r.on_frame(now, 2, open_rdma(lease, 6, 1));
+    assert!(matches!(&fx[..], [Effect::BindRdma { stream: 2, .. }]), "{fx:?}");
+    let fx = r.rdma_bound(lease, 2, Ok(5));
+    assert!(matches!(&fx[..], [Effect::Send { stream: 2, msg: Control::Accept { rdma_tag: Some(5), .. } }]), "{fx:?}");
+}

@@ -104,10 +104,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for Dtype {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_ABORT_CODE: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_ABORT_CODE: u8 = 11;
+pub const ENUM_MAX_ABORT_CODE: u8 = 12;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_ABORT_CODE: [AbortCode; 12] = [
+pub const ENUM_VALUES_ABORT_CODE: [AbortCode; 13] = [
   AbortCode::Unknown,
   AbortCode::VersionUnsupported,
   AbortCode::LayoutMismatch,
@@ -120,6 +120,7 @@ pub const ENUM_VALUES_ABORT_CODE: [AbortCode; 12] = [
   AbortCode::SenderGone,
   AbortCode::OutOfBounds,
   AbortCode::Internal,
+  AbortCode::UnknownLink,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -139,9 +140,10 @@ impl AbortCode {
   pub const SenderGone: Self = Self(9);
   pub const OutOfBounds: Self = Self(10);
   pub const Internal: Self = Self(11);
+  pub const UnknownLink: Self = Self(12);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 11;
+  pub const ENUM_MAX: u8 = 12;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::Unknown,
     Self::VersionUnsupported,
@@ -155,6 +157,7 @@ impl AbortCode {
     Self::SenderGone,
     Self::OutOfBounds,
     Self::Internal,
+    Self::UnknownLink,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -171,6 +174,7 @@ impl AbortCode {
       Self::SenderGone => Some("SenderGone"),
       Self::OutOfBounds => Some("OutOfBounds"),
       Self::Internal => Some("Internal"),
+      Self::UnknownLink => Some("UnknownLink"),
       _ => None,
     }
   }

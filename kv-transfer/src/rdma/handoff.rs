@@ -157,10 +157,7 @@ impl RecvLinks {
         deadline: Instant,
         peer: Option<&str>,
     ) -> Result<u16> {
-        let entry = self
-            .links
-            .get_mut(&link)
-            .ok_or_else(|| KvTransferError::RdmaLink { link, reason: "no such link on this receiver".into() })?;
+        let entry = self.links.get_mut(&link).ok_or(KvTransferError::RdmaUnknownLink { link })?;
         if entry.peer.as_deref() != peer {
             return Err(KvTransferError::RdmaLink {
                 link,
@@ -338,6 +335,11 @@ impl SendPath {
     /// K, and as many of V).
     pub fn max_chunk_tokens(&self, token_bytes: usize) -> u32 {
         (self.slot_bytes / (2 * token_bytes.max(1) as u64)).min(u32::MAX as u64) as u32
+    }
+
+    /// Marks the link dead (the receiver does not know it): the next transfer sets up a new one.
+    pub fn invalidate(&self) {
+        self.alive.store(false, Ordering::Release);
     }
 
     /// False once the link's stream ended or its queue pair broke: set up a new one.

@@ -196,7 +196,7 @@ impl Pair {
 
 /// Binds `addr` again once the previous listener let go of it (a dropped listener's socket is
 /// closed by its task, which the runtime runs shortly; the wait is bounded).
-async fn rebind(cfg: &NetConfig, addr: SocketAddr) -> Listener {
+pub async fn rebind(cfg: &NetConfig, addr: SocketAddr) -> Listener {
     let mut last = None;
     for _ in 0..10_000 {
         match Listener::bind(cfg, addr).await {
