@@ -72,7 +72,10 @@
 //! itself failed the lease (an error completion), else after the sender's `Drained` (it cancels
 //! and waits for its writes first), a queue-pair reset when that does not come within the
 //! quarantine, or the link's stream ending (the receiver then drops the queue pair). Until
-//! then they count in `reserved_blocks`.
+//! then they count in `reserved_blocks`. An `Open` naming a link the receiver does not know (it
+//! restarted, or dropped the link) is refused with `UnknownLink` and the lease kept: the sender
+//! sets up a new link and opens again, once. A link serves only the peer (certificate name)
+//! that set it up.
 //!
 //! A duplicate chunk (tokens already received) is dropped and reported, not an error; a chunk
 //! for a lease that already ended is late: dropped and reported. A sender whose layout differs
