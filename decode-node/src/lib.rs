@@ -318,12 +318,21 @@ async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
             tracing::warn!(message = other.name(), "decode node expects DecodeRequest first");
             return;
         }
-        Ok(Ok(None)) => return,
+        Ok(Ok(None)) => {
+            tracing::debug!("rpc stream closed before its request");
+            return;
+        }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "bad rpc stream");
             return;
         }
-        Err(_) => return,
+        Err(_) => {
+            tracing::warn!(
+                timeout_ms = shared.cfg.request_timeout.as_millis() as u64,
+                "no request on an rpc stream in time; closing it"
+            );
+            return;
+        }
     };
     let id = req.work.id;
     let span = tracing::info_span!("decode", request_id = %id, local = req.local_prefill);
@@ -371,7 +380,8 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
     tracing::debug!(lease = %res.ticket.lease_id, reserve_us = started.elapsed().as_micros() as u64, "leased");
     let ticket_sent = Instant::now();
     let lease = res.ticket.lease_id;
-    if write_msg(&mut s.send, &ControlMsg::Ticket(res.ticket)).await.is_err() {
+    if let Err(e) = write_msg(&mut s.send, &ControlMsg::Ticket(res.ticket)).await {
+        tracing::warn!(error = %e, "sending the ticket failed; releasing the lease");
         let _ = shared.receiver.cancel(lease).await;
         return Ok(None);
     }
@@ -381,9 +391,13 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
         tokio::select! {
             r = &mut wait => break r,
             m = read_msg(&mut s.recv) => match m {
-                Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => {
+                m @ (Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_)) => {
                     // Cancelled or the coordinator went away: free the lease (a lease that
                     // completed meanwhile is released below through its waiter).
+                    match m {
+                        Err(e) => tracing::warn!(error = %e, "rpc stream broke while waiting for kv"),
+                        _ => tracing::debug!("cancelled while waiting for kv"),
+                    }
                     let _ = shared.receiver.cancel(lease).await;
                     if let Ok(c) = wait.await {
                         shared.free_landing(&c.blocks);
