@@ -21,9 +21,9 @@
 //!
 //! Over RDMA (feature `rdma`, [`RdmaLanding`]) prefill nodes write the KV one-sided into a
 //! landing pool registered once at start; the node reserves engine blocks and landing blocks
-//! together ([`LandingSink`]), and when the lease completes copies the KV from the landing
-//! blocks into the engine's cache (one copy, on the engine thread, as the QUIC path's block
-//! write is) and frees the landing blocks. The engine's own cache is not a registered region:
+//! together ([`LandingSink`]), and when the lease completes copies the KV out of the landing
+//! blocks (one gather per layer) into the engine's cache (one more copy, on the engine thread,
+//! as the QUIC path's block write is) and frees the landing blocks. The engine's own cache is not a registered region:
 //! it is one buffer per layer, and a device backend keeps it in device memory.
 
 use std::net::SocketAddr;

@@ -58,7 +58,7 @@ pub fn sender(
 /// registered once with the device.
 pub fn landing(device: &str, net: &NetConfig, info: &EngineInfo, blocks: Option<usize>) -> anyhow::Result<RdmaLanding> {
     need_quic(net)?;
-    let blocks = blocks.unwrap_or(info.kv_blocks_total / 4).max(1);
+    let blocks = blocks.unwrap_or((info.kv_blocks_total / 4).max(1));
     let pool = MemoryPool::new(info.kv_layout.clone(), blocks);
     let pd = domain(device)?;
     let mr = MemoryRegion::register_pool(&pd, &pool).context("registering the landing pool")?;

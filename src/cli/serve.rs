@@ -135,7 +135,7 @@ pub struct NodeCmd {
     pub rdma_device: Option<String>,
     /// Blocks of a decode node's RDMA landing pool (default: a quarter of the engine's blocks).
     #[cfg(feature = "rdma")]
-    #[arg(long, requires = "rdma_device")]
+    #[arg(long, requires = "rdma_device", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub rdma_landing_blocks: Option<usize>,
 }
 
