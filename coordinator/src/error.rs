@@ -85,6 +85,15 @@ pub enum CoordinatorError {
     /// No such route.
     #[error("no route for {path}")]
     NotFound { path: String },
+    /// Missing or wrong admin token (`Authorization: Bearer`), or no admin token configured.
+    #[error("{reason}")]
+    AdminUnauthorized { reason: &'static str },
+    /// An admin operation on a node that cannot be done (unknown node, leaving, bad budget).
+    #[error(transparent)]
+    NodeOp(#[from] crate::cluster::registry::NodeOpError),
+    /// A planner setting refused.
+    #[error("invalid planner setting: {0}")]
+    Planner(String),
 }
 
 /// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
@@ -114,7 +123,13 @@ impl CoordinatorError {
             | E::ContextLength { .. } => StatusCode::BAD_REQUEST,
             E::BodyRejected { too_large: true, .. } => StatusCode::PAYLOAD_TOO_LARGE,
             E::BodyRejected { too_large: false, .. } => StatusCode::BAD_REQUEST,
-            E::Unauthorized => StatusCode::UNAUTHORIZED,
+            E::Unauthorized | E::AdminUnauthorized { .. } => StatusCode::UNAUTHORIZED,
+            E::NodeOp(crate::cluster::registry::NodeOpError::UnknownNode(_)) => StatusCode::NOT_FOUND,
+            E::NodeOp(crate::cluster::registry::NodeOpError::Leaving { .. }) => StatusCode::CONFLICT,
+            E::NodeOp(crate::cluster::registry::NodeOpError::BadStepBudget { .. }) | E::Planner(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            E::NodeOp(crate::cluster::registry::NodeOpError::ShuttingDown) => StatusCode::SERVICE_UNAVAILABLE,
             E::NotFound { .. } => StatusCode::NOT_FOUND,
             E::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             E::RouterGone | E::Unavailable { .. } | E::NotReady { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -134,7 +149,9 @@ impl CoordinatorError {
     pub fn to_response_body(&self) -> ErrorResponse {
         use CoordinatorError as E;
         let kind = match self.status() {
-            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::CONFLICT => {
+                "invalid_request_error"
+            }
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
@@ -170,7 +187,7 @@ impl IntoResponse for CoordinatorError {
             CoordinatorError::QueueFull { retry_after_secs, .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
             }
-            CoordinatorError::Unauthorized => {
+            CoordinatorError::Unauthorized | CoordinatorError::AdminUnauthorized { .. } => {
                 headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
             _ => {}

@@ -1,4 +1,4 @@
-//! decode-node: the thin async shell around an engine that decodes.
+//! decode-node: the decode side of a node: receive KV (or prefill locally) and decode.
 //!
 //! ```text
 //! coordinator ──DecodeRequest──▶ rpc stream ─┬─ local prefill: engine.submit ─────────────┐
@@ -8,9 +8,11 @@
 //! coordinator ◀──────────────── TokenMsg per token ◀──────────────────────────────────────┘
 //! ```
 //!
-//! The node also registers with the coordinator and reports its load (see
-//! [`cleave_kv_transfer::cluster`]). A colocated node (`--role both`) is the same shell: the
-//! coordinator simply sends it every request with `local_prefill`.
+//! The node shell (`cleave-node`) owns registration, the control link and the accept loop, and
+//! hands each `DecodeRequest` stream to [`Decoder::serve`]. Every node runs a decoder (its KV
+//! receiver listens from the start), whatever its role: a role is what the coordinator routes
+//! to a node, so a prefill node can be switched to decode without a restart. A colocated node
+//! (`--role both`) is simply sent every request with `local_prefill`.
 //!
 //! Ownership of KV blocks: a remote request's blocks are reserved in the engine through the
 //! [`EngineSink`] when the receiver grants the lease; the receiver releases them on every failed
@@ -31,12 +33,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
-use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
-use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig, NetKind};
+use cleave_kv_transfer::net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, NodeRole, Register};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
 use cleave_protocol::{RequestId, TokenEvent, TransportKind};
-use tokio::sync::oneshot;
+use tracing::Instrument;
 
 /// Metric names of a decode node (on its own /metrics).
 pub mod metric {
@@ -62,23 +63,14 @@ pub enum NodeError {
     Setup(String),
 }
 
-/// Settings of a decode (or colocated) node.
+/// Settings of the decode side of a node.
 #[derive(Clone)]
-pub struct DecodeNodeConfig {
-    pub name: String,
-    pub role: NodeRole,
-    pub model_name: String,
-    pub coordinator: SocketAddr,
-    /// Where the coordinator's per-request streams arrive (port 0: any).
-    pub rpc_bind: SocketAddr,
-    /// Where prefill nodes push KV (port 0: any).
+pub struct DecodeConfig {
+    /// Where prefill nodes push KV (port 0: any), and over what.
     pub kv_bind: SocketAddr,
     pub net: NetConfig,
-    pub report_interval: Duration,
     /// How long a lease waits for its KV before the blocks are freed.
     pub lease_ttl: Duration,
-    /// Bound on reading a request's first message.
-    pub request_timeout: Duration,
     /// Receive KV over RDMA instead of streams (`net` must then be QUIC: control streams).
     #[cfg(feature = "rdma")]
     pub rdma: Option<RdmaLanding>,
@@ -205,33 +197,27 @@ fn sink_err(e: cleave_engine::EngineError) -> KvTransferError {
     }
 }
 
-/// A running decode node.
-pub struct DecodeNode {
-    pub rpc_addr: SocketAddr,
-    pub kv_addr: SocketAddr,
-    /// Resolves with the node id once the coordinator accepted the node.
-    pub registered: Option<oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
-    task: tokio::task::JoinHandle<Result<(), NodeError>>,
+/// The decode side of a node: the KV receiver (always running, so that any node can be
+/// switched to decode) and the handler of `DecodeRequest` streams.
+pub struct Decoder {
+    shared: Arc<Shared>,
+    kv_addr: SocketAddr,
+    /// Stops the receiver when the decoder is dropped.
+    _receiver: ReceiverService,
 }
 
-impl DecodeNode {
-    /// Binds, starts the KV receiver and the control link, and serves until the control link
-    /// ends (refused, or `shutdown`).
-    pub async fn start(
-        engine: EngineHandle,
-        cfg: DecodeNodeConfig,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<Self, NodeError> {
-        let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
+impl Decoder {
+    /// Binds the KV listener and starts the receiver.
+    pub async fn start(engine: EngineHandle, cfg: DecodeConfig) -> Result<Self, NodeError> {
         let kv = Listener::bind(&cfg.net, cfg.kv_bind).await?;
-        let (rpc_addr, kv_addr) = (rpc.local_addr(), kv.local_addr());
+        let kv_addr = kv.local_addr();
         let layout = engine.info().kv_layout.clone();
         let transport = match cfg.net.kind {
             NetKind::Quic => TransportKind::Quic,
             NetKind::TcpTls => TransportKind::TcpTls,
             NetKind::TcpPlain => TransportKind::TcpPlain,
         };
-        let mut rcfg = ReceiverConfig::new(layout.clone(), kv_addr, transport);
+        let mut rcfg = ReceiverConfig::new(layout, kv_addr, transport);
         rcfg.lease_ttl = cfg.lease_ttl;
         #[cfg(feature = "rdma")]
         let receiver = match &cfg.rdma {
@@ -247,56 +233,27 @@ impl DecodeNode {
         };
         #[cfg(not(feature = "rdma"))]
         let receiver = ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv));
-        let reg = Register {
-            role: cfg.role,
-            name: cfg.name.clone(),
-            model_name: cfg.model_name.clone(),
-            layout,
-            kv_capacity_blocks: engine.info().kv_blocks_total as u32,
-            max_model_len: engine.info().max_model_len as u32,
-            rpc_addr,
-            kv_addr: Some(kv_addr),
-        };
-        let connector = Connector::new(&cfg.net)?;
-        let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);
-        link_cfg.report_interval = cfg.report_interval;
-        let (reg_tx, reg_rx) = oneshot::channel();
-        let shared = Arc::new(Shared { engine: engine.clone(), receiver: receiver.handle().clone(), cfg: cfg.clone() });
-        let task = tokio::spawn(async move {
-            let accept = tokio::spawn(rpc.serve(move |s, _peer| serve_stream(s, shared.clone())));
-            let load_engine = engine.clone();
-            let r = run_control_link(
-                connector,
-                link_cfg,
-                reg,
-                move || {
-                    let e = load_engine.clone();
-                    async move { e.load_report(MAX_REPORTED_HASHES).await }
-                },
-                reg_tx,
-                shutdown,
-            )
-            .await;
-            accept.abort();
-            drop(receiver);
-            r.map_err(NodeError::from)
-        });
-        Ok(Self { rpc_addr, kv_addr, registered: Some(reg_rx), task })
+        let shared = Arc::new(Shared { engine, receiver: receiver.handle().clone(), cfg });
+        Ok(Self { shared, kv_addr, _receiver: receiver })
     }
 
-    /// Waits for the node to stop.
-    pub async fn wait(self) -> Result<(), NodeError> {
-        self.task.await.map_err(|e| NodeError::Setup(format!("node task: {e}")))?
+    /// Where prefill nodes push KV.
+    pub fn kv_addr(&self) -> SocketAddr {
+        self.kv_addr
+    }
+
+    /// Serves one request: prefills locally or receives its KV, then streams its tokens until
+    /// the last one, a `Cancel`, or the stream closing.
+    pub async fn serve(&self, req: DecodeRequest, s: &mut DuplexStream) {
+        let span = tracing::info_span!("decode", request_id = %req.work.id, local = req.local_prefill);
+        serve_request(req, s, &self.shared).instrument(span).await
     }
 }
-
-/// Cap on prefix hashes per load report (4096 x 8 bytes = 32 KiB per report interval).
-pub const MAX_REPORTED_HASHES: usize = 4096;
 
 struct Shared {
     engine: EngineHandle,
     receiver: ReceiverHandle,
-    cfg: DecodeNodeConfig,
+    cfg: DecodeConfig,
 }
 
 impl Shared {
@@ -310,37 +267,12 @@ impl Shared {
     }
 }
 
-async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
-    let first = tokio::time::timeout(shared.cfg.request_timeout, read_msg(&mut s.recv)).await;
-    let req = match first {
-        Ok(Ok(Some(ControlMsg::DecodeRequest(d)))) => d,
-        Ok(Ok(Some(other))) => {
-            tracing::warn!(message = other.name(), "decode node expects DecodeRequest first");
-            return;
-        }
-        Ok(Ok(None)) => {
-            tracing::debug!("rpc stream closed before its request");
-            return;
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "bad rpc stream");
-            return;
-        }
-        Err(_) => {
-            tracing::warn!(
-                timeout_ms = shared.cfg.request_timeout.as_millis() as u64,
-                "no request on an rpc stream in time; closing it"
-            );
-            return;
-        }
-    };
+async fn serve_request(req: DecodeRequest, s: &mut DuplexStream, shared: &Shared) {
     let id = req.work.id;
-    let span = tracing::info_span!("decode", request_id = %id, local = req.local_prefill);
-    let _enter = span.enter();
     let prompt_tokens = req.work.prompt.len() as u32;
-    let stream = if req.local_prefill { local(&shared, req) } else { remote(&shared, req, &mut s).await };
+    let stream = if req.local_prefill { local(shared, req) } else { remote(shared, req, s).await };
     match stream {
-        Ok(Some(ts)) => forward(ts, &mut s).await,
+        Ok(Some(ts)) => forward(ts, s).await,
         Ok(None) => {}
         Err(msg) => {
             let ev = TokenEvent::failed(id, prompt_tokens, 0, msg);

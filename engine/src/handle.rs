@@ -57,6 +57,7 @@ enum Control {
     Cancel(RequestId),
     Snapshot(oneshot::Sender<EngineSnapshot>),
     PrefixHashes(oneshot::Sender<Vec<u64>>),
+    SetStepBudget(usize, oneshot::Sender<Result<()>>),
     /// Imports are waiting in the import channel (see [`EngineHandle::import_kv`]).
     Wake,
     Shutdown,
@@ -246,6 +247,13 @@ impl EngineHandle {
         })
     }
 
+    /// Changes the engine's step budget (most tokens per step) from the next step on.
+    pub async fn set_step_budget(&self, tokens: usize) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Control(Control::SetStepBudget(tokens, tx)))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
     /// Cancels a request; its blocks are freed at the next step.
     pub fn cancel(&self, id: RequestId) {
         let _ = self.tx.try_send(Command::Control(Control::Cancel(id)));
@@ -275,6 +283,7 @@ impl EngineHandle {
             cached_blocks: n(snap.kv_blocks_cached),
             total_blocks: n(snap.kv_blocks_total),
             prefix_hashes: hashes.into_iter().take(max_hashes).collect(),
+            steps: snap.step_totals,
         })
     }
 }
@@ -432,7 +441,10 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, inbox: &Inbox) -> Result<()> {
         if !core.has_work() {
             continue;
         }
-        let events = match core.step(Instant::now()) {
+        let started = Instant::now();
+        let stepped = core.step(started);
+        core.note_step_time(started.elapsed());
+        let events = match stepped {
             Ok(events) => events,
             Err(e) => {
                 // The engine cannot go on: tell every live request why before the loop exits.
@@ -475,6 +487,9 @@ fn control<B: Backend>(core: &mut EngineCore<B>, cmd: Control) -> bool {
         }
         Control::PrefixHashes(reply) => {
             let _ = reply.send(core.cached_prefix_hashes());
+        }
+        Control::SetStepBudget(tokens, reply) => {
+            let _ = reply.send(core.set_step_budget(tokens));
         }
         Control::Shutdown => return true,
     }

@@ -88,7 +88,6 @@
 pub mod actor;
 pub mod bench;
 pub mod bench_handoff;
-pub mod cluster;
 pub mod error;
 pub mod frame;
 #[allow(clippy::all)]

@@ -1,4 +1,6 @@
-//! prefill-node: the thin async shell around an engine that prefills and hands the KV off.
+//! prefill-node: the prefill side of a node: prefill a request and hand its KV off. The node
+//! shell (`cleave-node`) owns registration, the control link and the accept loop, and hands
+//! each `PrefillRequest` stream to [`Prefiller::serve`].
 //!
 //! ```text
 //! coordinator ──PrefillRequest (+ Ticket, now or later)──▶ rpc stream
@@ -20,12 +22,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent};
-use cleave_kv_transfer::cluster::{run_control_link, ControlLinkConfig};
-use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
+use cleave_kv_transfer::net::{DuplexStream, NetConfig};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, NodeRole, PrefillRequest, Register};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, PrefillRequest};
 use cleave_protocol::{HandoffTicket, KvLayout, TokenEvent};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 /// Metric names of a prefill node (on its own /metrics).
 pub mod metric {
@@ -49,21 +51,14 @@ pub enum NodeError {
     Transfer(#[from] KvTransferError),
     #[error(transparent)]
     Engine(#[from] cleave_engine::EngineError),
-    #[error("node task: {0}")]
-    Task(String),
 }
 
-/// Settings of a prefill node.
+/// Settings of the prefill side of a node.
 #[derive(Clone)]
-pub struct PrefillNodeConfig {
-    pub name: String,
-    pub model_name: String,
-    pub coordinator: SocketAddr,
-    /// Where the coordinator's per-request streams arrive (port 0: any).
-    pub rpc_bind: SocketAddr,
+pub struct PrefillConfig {
+    /// The node's stream transport (QUIC, TLS over TCP, plain TCP), for KV it pushes.
     pub net: NetConfig,
-    pub report_interval: Duration,
-    /// Bound on reading a request's first message, and on waiting for its ticket.
+    /// Bound on waiting for a request's ticket.
     pub request_timeout: Duration,
     pub send: SendConfig,
     /// Transports besides `net`'s (RDMA): a ticket names the one to use, and a ticket for one
@@ -71,100 +66,31 @@ pub struct PrefillNodeConfig {
     pub extra_transports: Vec<Arc<dyn Transport>>,
 }
 
-/// A running prefill node.
-pub struct PrefillNode {
-    pub rpc_addr: SocketAddr,
-    /// Resolves with the node id once the coordinator accepted the node.
-    pub registered: Option<oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
-    task: tokio::task::JoinHandle<Result<(), NodeError>>,
-}
-
-/// Cap on prefix hashes per load report (4096 x 8 bytes = 32 KiB per report interval).
-const MAX_REPORTED_HASHES: usize = 4096;
-
-struct Shared {
+/// The prefill side of a node: serves `PrefillRequest` streams (the node shell reads the first
+/// message and hands the stream over).
+pub struct Prefiller {
     engine: EngineHandle,
     /// The node's stream transport and `extra_transports`; each ticket picks one.
     transports: TransportSet,
     layout: KvLayout,
-    cfg: PrefillNodeConfig,
+    cfg: PrefillConfig,
 }
 
-impl PrefillNode {
-    pub async fn start(
-        engine: EngineHandle,
-        cfg: PrefillNodeConfig,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<Self, NodeError> {
-        let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
-        let rpc_addr = rpc.local_addr();
-        let layout = engine.info().kv_layout.clone();
-        let reg = Register {
-            role: NodeRole::Prefill,
-            name: cfg.name.clone(),
-            model_name: cfg.model_name.clone(),
-            layout: layout.clone(),
-            kv_capacity_blocks: engine.info().kv_blocks_total as u32,
-            max_model_len: engine.info().max_model_len as u32,
-            rpc_addr,
-            kv_addr: None,
-        };
-        let connector = Connector::new(&cfg.net)?;
-        let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);
-        link_cfg.report_interval = cfg.report_interval;
-        let shared = Arc::new(Shared {
-            engine: engine.clone(),
-            transports: cfg
-                .extra_transports
-                .iter()
-                .fold(TransportSet::new().with(Arc::new(NetTransport::new(&cfg.net)?)), |set, t| set.with(t.clone())),
-            layout,
-            cfg: cfg.clone(),
-        });
-        let (reg_tx, reg_rx) = oneshot::channel();
-        let task = tokio::spawn(async move {
-            let accept = tokio::spawn(rpc.serve(move |s, _peer| serve_stream(s, shared.clone())));
-            let load_engine = engine.clone();
-            let r = run_control_link(
-                connector,
-                link_cfg,
-                reg,
-                move || {
-                    let e = load_engine.clone();
-                    async move { e.load_report(MAX_REPORTED_HASHES).await }
-                },
-                reg_tx,
-                shutdown,
-            )
-            .await;
-            accept.abort();
-            r.map_err(NodeError::from)
-        });
-        Ok(Self { rpc_addr, registered: Some(reg_rx), task })
+impl Prefiller {
+    pub fn new(engine: EngineHandle, cfg: PrefillConfig) -> Result<Self, NodeError> {
+        let transports = cfg
+            .extra_transports
+            .iter()
+            .fold(TransportSet::new().with(Arc::new(NetTransport::new(&cfg.net)?)), |set, t| set.with(t.clone()));
+        Ok(Self { layout: engine.info().kv_layout.clone(), engine, transports, cfg })
     }
 
-    pub async fn wait(self) -> Result<(), NodeError> {
-        self.task.await.map_err(|e| NodeError::Task(e.to_string()))?
+    /// Prefills one request and hands its KV off; returns when the stream's work is done (the
+    /// caller drops the stream, which the coordinator reads as the end).
+    pub async fn serve(&self, req: PrefillRequest, s: &mut DuplexStream) {
+        let span = tracing::info_span!("prefill", request_id = %req.work.id);
+        prefill(req, s, self).instrument(span).await
     }
-}
-
-async fn serve_stream(mut s: DuplexStream, shared: Arc<Shared>) {
-    let first = tokio::time::timeout(shared.cfg.request_timeout, read_msg(&mut s.recv)).await;
-    let req = match first {
-        Ok(Ok(Some(ControlMsg::PrefillRequest(p)))) => p,
-        Ok(Ok(Some(other))) => {
-            tracing::warn!(message = other.name(), "prefill node expects PrefillRequest first");
-            return;
-        }
-        Ok(Ok(None)) | Err(_) => return,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "bad rpc stream");
-            return;
-        }
-    };
-    let span = tracing::info_span!("prefill", request_id = %req.work.id);
-    let _enter = span.enter();
-    prefill(req, &mut s, &shared).await;
 }
 
 /// What the shipper reports when the KV has landed (or not).
@@ -176,7 +102,7 @@ struct Shipped {
     tail: Duration,
 }
 
-async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
+async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) {
     let id = req.work.id;
     let prompt_tokens = req.work.prompt.len() as u32;
     let submitted = Instant::now();
@@ -268,7 +194,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Shared) {
 /// Waits for the ticket, opens the transfer, forwards every chunk, and completes it with the
 /// first token. Chunks produced before the ticket wait in the channel.
 async fn ship(
-    shared: &Shared,
+    shared: &Prefiller,
     ticket: oneshot::Receiver<HandoffTicket>,
     mut chunks: mpsc::UnboundedReceiver<KvExportEvent>,
 ) -> Result<Shipped, String> {

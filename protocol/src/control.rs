@@ -75,8 +75,11 @@ pub struct Register {
     pub max_model_len: u32,
     /// Where the coordinator opens per-request streams.
     pub rpc_addr: SocketAddr,
-    /// Where prefill nodes push KV (decode and colocated nodes only).
+    /// Where prefill nodes push KV (every node of the unified shell has one: a prefill node can
+    /// be switched to decode).
     pub kv_addr: Option<SocketAddr>,
+    /// Most tokens per engine step the node runs with now (None: not said).
+    pub step_budget: Option<u32>,
 }
 
 /// The coordinator's answer to [`Register`]: a node id, or why the node is refused.
@@ -97,6 +100,31 @@ pub struct LoadReport {
     pub total_blocks: u32,
     /// Hashes of full prompt blocks in the prefix cache (most recently used first, capped).
     pub prefix_hashes: Vec<u64>,
+    /// Cumulative step timings since the node started.
+    pub steps: StepTotals,
+}
+
+/// Cumulative engine step timings of a node (monotonic; the coordinator differences two
+/// reports to calibrate the planner's cost model against what the node really does).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTotals {
+    /// Prompt tokens computed, and the wall time of the steps that computed them.
+    pub prefill_tokens: u64,
+    pub prefill_us: u64,
+    /// Decode-only steps, the sequences they carried (sum of batch sizes), the context tokens
+    /// those sequences held (sum over steps), and their wall time.
+    pub decode_steps: u64,
+    pub decode_seqs: u64,
+    pub decode_context: u64,
+    pub decode_us: u64,
+}
+
+/// Coordinator -> node: the node's role from now on, and its engine's step budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetRole {
+    pub role: NodeRole,
+    /// Most tokens per engine step (None: keep the current budget).
+    pub step_budget: Option<u32>,
 }
 
 /// Everything a node needs to generate for a request (stop strings stay in the coordinator,
@@ -154,6 +182,10 @@ pub enum ControlMsg {
     /// `text` is not carried: the coordinator detokenizes.
     Token(TokenEvent),
     HandoffDone(HandoffDone),
+    /// Coordinator -> node on the control stream.
+    SetRole(SetRole),
+    /// Coordinator -> node on the control stream: stop, the node has drained (`reason` says why).
+    Leave(String),
 }
 
 impl ControlMsg {
@@ -168,6 +200,8 @@ impl ControlMsg {
             ControlMsg::Cancel(_) => "Cancel",
             ControlMsg::Token(_) => "TokenMsg",
             ControlMsg::HandoffDone(_) => "HandoffDone",
+            ControlMsg::SetRole(_) => "SetRole",
+            ControlMsg::Leave(_) => "Leave",
         }
     }
 }
@@ -179,11 +213,7 @@ impl ControlMsg {
 pub fn encode(msg: &ControlMsg) -> Vec<u8> {
     let body = match msg {
         ControlMsg::Register(r) => fb::BodyT::Register(Box::new(fb::RegisterT {
-            role: match r.role {
-                NodeRole::Prefill => fb::Role::Prefill,
-                NodeRole::Decode => fb::Role::Decode,
-                NodeRole::Both => fb::Role::Both,
-            },
+            role: role_to_fb(r.role),
             name: Some(r.name.clone()),
             model_name: Some(r.model_name.clone()),
             layout: Some(Box::new(layout_to_fb(&r.layout))),
@@ -191,6 +221,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             max_model_len: r.max_model_len,
             rpc_addr: Some(r.rpc_addr.to_string()),
             kv_addr: r.kv_addr.map(|a| a.to_string()),
+            step_budget: r.step_budget.unwrap_or(0),
         })),
         ControlMsg::RegisterReply(r) => fb::BodyT::RegisterReply(Box::new(match r {
             RegisterReply::Accepted { node_id } => {
@@ -208,6 +239,12 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             cached_blocks: l.cached_blocks,
             total_blocks: l.total_blocks,
             prefix_hashes: Some(l.prefix_hashes.clone()),
+            prefill_tokens_total: l.steps.prefill_tokens,
+            prefill_us_total: l.steps.prefill_us,
+            decode_steps_total: l.steps.decode_steps,
+            decode_seqs_total: l.steps.decode_seqs,
+            decode_context_total: l.steps.decode_context,
+            decode_us_total: l.steps.decode_us,
         })),
         ControlMsg::PrefillRequest(p) => fb::BodyT::PrefillRequest(Box::new(fb::PrefillRequestT {
             request_id: p.work.id.0,
@@ -256,12 +293,34 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             transfer_us: h.transfer_us,
             tail_us: h.tail_us,
         })),
+        ControlMsg::SetRole(r) => fb::BodyT::SetRole(Box::new(fb::SetRoleT {
+            role: role_to_fb(r.role),
+            step_budget: r.step_budget.unwrap_or(0),
+        })),
+        ControlMsg::Leave(reason) => fb::BodyT::Leave(Box::new(fb::LeaveT { reason: Some(reason.clone()) })),
     };
     let env = fb::EnvelopeT { version: CONTROL_VERSION, body };
     let mut b = flatbuffers::FlatBufferBuilder::with_capacity(256);
     let root = env.pack(&mut b);
     b.finish(root, None);
     b.finished_data().to_vec()
+}
+
+fn role_to_fb(r: NodeRole) -> fb::Role {
+    match r {
+        NodeRole::Prefill => fb::Role::Prefill,
+        NodeRole::Decode => fb::Role::Decode,
+        NodeRole::Both => fb::Role::Both,
+    }
+}
+
+fn role_from_fb(m: &'static str, r: fb::Role) -> Result<NodeRole, WireError> {
+    match r {
+        fb::Role::Prefill => Ok(NodeRole::Prefill),
+        fb::Role::Decode => Ok(NodeRole::Decode),
+        fb::Role::Both => Ok(NodeRole::Both),
+        other => Err(invalid(m, "role", format!("unknown role {}", other.0))),
+    }
 }
 
 fn layout_to_fb(l: &KvLayout) -> fb::KvLayoutT {
@@ -330,12 +389,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
         fb::BodyT::NONE => Err(WireError::Malformed("envelope without a body (or an unknown message type)".into())),
         fb::BodyT::Register(r) => {
             const M: &str = "Register";
-            let role = match r.role {
-                fb::Role::Prefill => NodeRole::Prefill,
-                fb::Role::Decode => NodeRole::Decode,
-                fb::Role::Both => NodeRole::Both,
-                other => return Err(invalid(M, "role", format!("unknown role {}", other.0))),
-            };
+            let role = role_from_fb(M, r.role)?;
             let kv_addr = r.kv_addr.as_deref().map(|a| parse_addr(M, "kv_addr", a)).transpose()?;
             Ok(ControlMsg::Register(Register {
                 role,
@@ -346,6 +400,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 max_model_len: r.max_model_len,
                 rpc_addr: parse_addr(M, "rpc_addr", r.rpc_addr.as_deref().ok_or(missing(M, "rpc_addr"))?)?,
                 kv_addr,
+                step_budget: (r.step_budget > 0).then_some(r.step_budget),
             }))
         }
         fb::BodyT::RegisterReply(r) => Ok(ControlMsg::RegisterReply(if r.accepted {
@@ -361,6 +416,14 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             cached_blocks: l.cached_blocks,
             total_blocks: l.total_blocks,
             prefix_hashes: l.prefix_hashes.unwrap_or_default(),
+            steps: StepTotals {
+                prefill_tokens: l.prefill_tokens_total,
+                prefill_us: l.prefill_us_total,
+                decode_steps: l.decode_steps_total,
+                decode_seqs: l.decode_seqs_total,
+                decode_context: l.decode_context_total,
+                decode_us: l.decode_us_total,
+            },
         })),
         fb::BodyT::PrefillRequest(p) => {
             const M: &str = "PrefillRequest";
@@ -428,6 +491,11 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             transfer_us: h.transfer_us,
             tail_us: h.tail_us,
         })),
+        fb::BodyT::SetRole(r) => Ok(ControlMsg::SetRole(SetRole {
+            role: role_from_fb("SetRole", r.role)?,
+            step_budget: (r.step_budget > 0).then_some(r.step_budget),
+        })),
+        fb::BodyT::Leave(l) => Ok(ControlMsg::Leave(l.reason.unwrap_or_default())),
     }
 }
 

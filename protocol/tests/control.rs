@@ -51,6 +51,7 @@ fn samples() -> Vec<ControlMsg> {
             max_model_len: 2048,
             rpc_addr: "127.0.0.1:1234".parse().unwrap(),
             kv_addr: Some("[::1]:99".parse().unwrap()),
+            step_budget: Some(128),
         }),
         ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: 3 }),
         ControlMsg::RegisterReply(RegisterReply::Refused { reason: "model fingerprint differs".into() }),
@@ -62,7 +63,18 @@ fn samples() -> Vec<ControlMsg> {
             cached_blocks: 4,
             total_blocks: 5,
             prefix_hashes: vec![1, u64::MAX],
+            steps: StepTotals {
+                prefill_tokens: 1,
+                prefill_us: 2,
+                decode_steps: 3,
+                decode_seqs: 4,
+                decode_context: 5,
+                decode_us: u64::MAX,
+            },
         }),
+        ControlMsg::SetRole(SetRole { role: NodeRole::Both, step_budget: Some(256) }),
+        ControlMsg::SetRole(SetRole { role: NodeRole::Prefill, step_budget: None }),
+        ControlMsg::Leave("drained".into()),
         ControlMsg::PrefillRequest(PrefillRequest {
             work: work(1, vec![1, 2, 3], Some(9), Some(2)),
             ticket: Some(ticket(9)),
@@ -202,7 +214,7 @@ proptest! {
     }
 
     #[test]
-    fn mutated_messages_never_panic(which in 0usize..12, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+    fn mutated_messages_never_panic(which in 0usize..15, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
         let all = samples();
         let mut b = encode(&all[which % all.len()]);
         for (at, x) in flips {

@@ -1,6 +1,7 @@
 //! Command-line interface: argument structs (their doc comments are the `--help` text) and the
 //! dispatch to each subcommand's module.
 
+mod admin;
 mod bench_engine;
 mod bench_profile;
 mod bench_serve;
@@ -51,6 +52,8 @@ enum Command {
     Decode(serve::NodeCmd),
     /// Run a node with an explicit role (prefill, decode, or both = colocated).
     Node(serve::NodeRoleCmd),
+    /// Operate a running cluster through the coordinator's admin API (needs --admin-token).
+    Admin(admin::AdminArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -84,6 +87,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Simulate(args)) => bench_simulate::run(args),
         Command::Bench(BenchCommand::Profile(args)) => bench_profile::run(args),
         Command::Certs(args) => certs::run(args),
+        Command::Admin(args) => admin::run(args),
         // A hub id is fetched once here; the children find it in the cache and keep its name.
         Command::Up(args) => {
             if let Some(model) = &args.model {

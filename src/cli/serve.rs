@@ -11,14 +11,12 @@ use anyhow::Context;
 use cleave_coordinator::cluster::registry::RoutingConfig;
 use cleave_coordinator::cluster::{Cluster, ClusterConfig};
 use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, ModelInfo};
-use cleave_decode_node::{DecodeNode, DecodeNodeConfig};
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineCore, EngineThread};
 use cleave_kernels::cpu::CpuBackend;
 use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
 use cleave_kv_transfer::tls::NodeIdentity;
-use cleave_kv_transfer::SendConfig;
-use cleave_prefill_node::{PrefillNode, PrefillNodeConfig};
+use cleave_node::{Exit, Node, NodeConfig};
 use cleave_protocol::control::NodeRole;
 
 use super::EngineArgs;
@@ -100,6 +98,74 @@ pub struct CoordinatorCmd {
     /// first node that registers).
     #[arg(long)]
     pub no_fingerprint: bool,
+    /// Token the admin API (`/admin/...`) requires as `Authorization: Bearer`; distinct from
+    /// the API key. Without it the admin API is closed (every admin route answers 401).
+    #[arg(long, env = "CLEAVE_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Serve the admin API on this address instead of the API's listener.
+    #[arg(long)]
+    pub admin_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub planner: PlannerArgs,
+}
+
+/// The SLO planner's settings at start (`PUT /admin/planner` changes them live).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlannerArgs {
+    /// off: no planning; advise: decisions logged and shown, nothing acted on; auto: the
+    /// planner switches node roles (and step budgets) to keep the targets.
+    #[arg(long, value_enum, default_value_t = PlannerModeArg::Advise)]
+    pub planner: PlannerModeArg,
+    /// Time-to-first-token target (ms, at the planner's quantile, p90 by default).
+    #[arg(long, default_value_t = 3000.0)]
+    pub ttft_target_ms: f64,
+    /// Time-per-output-token target (ms).
+    #[arg(long, default_value_t = 100.0)]
+    pub tpot_target_ms: f64,
+    /// Most nodes the planner may use in all (default: the live nodes).
+    #[arg(long)]
+    pub max_nodes: Option<u32>,
+    /// Seconds between the planner's changes (its cooldown).
+    #[arg(long, default_value_t = 15.0)]
+    pub planner_cooldown_secs: f64,
+    /// Seconds of arrivals and latencies the planner looks at.
+    #[arg(long, default_value_t = 30.0)]
+    pub planner_window_secs: f64,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlannerModeArg {
+    Off,
+    Advise,
+    Auto,
+}
+
+impl PlannerArgs {
+    pub fn to_config(&self) -> anyhow::Result<cleave_planner::PlannerConfig> {
+        let mut c = cleave_planner::PlannerConfig::default();
+        c.mode = match self.planner {
+            PlannerModeArg::Off => cleave_planner::Mode::Off,
+            PlannerModeArg::Advise => cleave_planner::Mode::Advise,
+            PlannerModeArg::Auto => cleave_planner::Mode::Auto,
+        };
+        c.targets.ttft_ms = self.ttft_target_ms;
+        c.targets.tpot_ms = self.tpot_target_ms;
+        if let Some(n) = self.max_nodes {
+            c.limits.max_nodes = n;
+        }
+        anyhow::ensure!(
+            self.planner_cooldown_secs.is_finite() && self.planner_cooldown_secs >= 0.0,
+            "--planner-cooldown-secs must be a number of seconds >= 0"
+        );
+        anyhow::ensure!(
+            self.planner_window_secs.is_finite() && self.planner_window_secs > 0.0,
+            "--planner-window-secs must be a number of seconds > 0"
+        );
+        c.cooldown = Duration::from_secs_f64(self.planner_cooldown_secs);
+        c.window = Duration::from_secs_f64(self.planner_window_secs);
+        c.validate().map_err(|e| anyhow::anyhow!("planner settings: {e}"))?;
+        Ok(c)
+    }
 }
 
 /// `cleave prefill`, `cleave decode`, `cleave node`.
@@ -220,6 +286,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
     };
     let fingerprint = if cmd.no_fingerprint { None } else { Some(fingerprint_of(&path)?) };
     let (net, _name) = cmd.net.net_config("coordinator")?;
+    let planner = cmd.planner.to_config()?;
     let rt = runtime()?;
     rt.block_on(async move {
         let http = tokio::net::TcpListener::bind(cmd.http.listen)
@@ -236,14 +303,25 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
             dead_after: Duration::from_secs_f64(cmd.dead_after_secs.clamp(0.1, 3600.0)),
         };
         cfg.max_migrations = cmd.max_migrations;
-        let cluster = Cluster::start(cfg, fingerprint, control, dispatches)?;
+        cfg.planner = planner;
+        let admin = match cmd.admin_listen {
+            Some(a) => Some(
+                tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?,
+            ),
+            None => None,
+        };
+        let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        let cluster = Cluster::start(cfg, fingerprint, control, dispatches, None)?;
         let state = AppState::new(&cmd.http, model, dispatch).with_readiness(cluster.readiness());
         let http_addr = http.local_addr()?;
-        println!("READY coordinator http={http_addr} cluster={}", cluster.control_addr());
+        let admin_addr = admin_addr.map_or(String::new(), |a| format!(" admin={a}"));
+        println!("READY coordinator http={http_addr} cluster={}{admin_addr}", cluster.control_addr());
         cleave_coordinator::cluster::serve_with_cluster(
             http,
+            admin,
             state,
             &cluster,
+            cmd.admin_token.clone(),
             shutdown_signal(cmd.net.exit_with_parent),
         )
         .await?;
@@ -278,63 +356,33 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let res = rt.block_on(async move {
         let shutdown = shutdown_signal(cmd.net.exit_with_parent);
         let metrics_addr = serve_metrics(cmd.metrics_listen).await?;
-        match role {
-            RoleArg::Prefill => {
-                let cfg = PrefillNodeConfig {
-                    name: name.clone(),
-                    model_name,
-                    coordinator: cmd.coordinator,
-                    rpc_bind: cmd.rpc_listen,
-                    net,
-                    report_interval: Duration::from_millis(200),
-                    request_timeout: Duration::from_secs(60),
-                    send: SendConfig::default(),
-                    extra_transports: Vec::new(),
-                };
-                #[cfg(feature = "rdma")]
-                let cfg = {
-                    let mut cfg = cfg;
-                    if let Some(dev) = &cmd.rdma_device {
-                        let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
-                        cfg.extra_transports.push(t);
-                    }
-                    cfg
-                };
-                let mut node = PrefillNode::start(handle, cfg, shutdown).await?;
-                let id = registered(node.registered.take()).await?;
-                println!("READY prefill name={name} id={id} rpc={} metrics={metrics_addr}", node.rpc_addr);
-                node.wait().await?;
-            }
-            RoleArg::Decode | RoleArg::Both => {
-                #[cfg(feature = "rdma")]
-                let rdma = match &cmd.rdma_device {
-                    Some(dev) => Some(super::rdma::landing(dev, &net, handle.info(), cmd.rdma_landing_blocks)?),
-                    None => None,
-                };
-                let cfg = DecodeNodeConfig {
-                    name: name.clone(),
-                    role: if role == RoleArg::Both { NodeRole::Both } else { NodeRole::Decode },
-                    model_name,
-                    coordinator: cmd.coordinator,
-                    rpc_bind: cmd.rpc_listen,
-                    kv_bind: cmd.kv_listen,
-                    net,
-                    report_interval: Duration::from_millis(200),
-                    lease_ttl: Duration::from_secs(60),
-                    request_timeout: Duration::from_secs(60),
-                    #[cfg(feature = "rdma")]
-                    rdma,
-                };
-                let mut node = DecodeNode::start(handle, cfg, shutdown).await?;
-                let id = registered(node.registered.take()).await?;
-                println!(
-                    "READY {} name={name} id={id} rpc={} kv={} metrics={metrics_addr}",
-                    role_str(role),
-                    node.rpc_addr,
-                    node.kv_addr
-                );
-                node.wait().await?;
-            }
+        let node_role = match role {
+            RoleArg::Prefill => NodeRole::Prefill,
+            RoleArg::Decode => NodeRole::Decode,
+            RoleArg::Both => NodeRole::Both,
+        };
+        let mut cfg = NodeConfig::new(&name, node_role, cmd.coordinator, net);
+        cfg.model_name = model_name;
+        cfg.rpc_bind = cmd.rpc_listen;
+        cfg.kv_bind = cmd.kv_listen;
+        cfg.step_budget = u32::try_from(cmd.engine.max_num_batched_tokens).ok();
+        #[cfg(feature = "rdma")]
+        if let Some(dev) = &cmd.rdma_device {
+            let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
+            cfg.extra_transports.push(t);
+            cfg.rdma = Some(super::rdma::landing(dev, &cfg.net, handle.info(), cmd.rdma_landing_blocks)?);
+        }
+        let mut node = Node::start(handle, cfg, shutdown).await?;
+        let id = registered(node.registered.take()).await?;
+        println!(
+            "READY {} name={name} id={id} rpc={} kv={} metrics={metrics_addr}",
+            role_str(role),
+            node.rpc_addr,
+            node.kv_addr
+        );
+        match node.wait().await? {
+            Exit::Shutdown => {}
+            Exit::Left(reason) => eprintln!("{name}: left the cluster ({reason})"),
         }
         anyhow::Ok(())
     });
@@ -367,7 +415,7 @@ fn role_str(role: RoleArg) -> &'static str {
 
 /// Waits for the first registration; a refusal (another model) or repeated failure is fatal.
 async fn registered(
-    rx: Option<tokio::sync::oneshot::Receiver<cleave_kv_transfer::Result<u64>>>,
+    rx: Option<tokio::sync::oneshot::Receiver<Result<u64, cleave_node::NodeError>>>,
 ) -> anyhow::Result<u64> {
     let rx = rx.context("registration already awaited")?;
     match tokio::time::timeout(Duration::from_secs(60), rx).await {

@@ -1,9 +1,13 @@
 //! `cleave up`: the whole system on one machine. Starts the coordinator and the nodes as child
 //! processes of this binary on loopback, with a freshly generated cluster CA, waits until every
 //! one is ready (each prints a `READY` line), prints the URL, and on Ctrl-C or SIGTERM stops
-//! them all. A child that dies is reported; the coordinator drops it from routing by itself
-//! (its control stream ends). Children watch their stdin, which this process holds, so they
-//! never outlive it even if it is killed.
+//! them all. Children watch their stdin, which this process holds, so they never outlive it
+//! even if it is killed.
+//!
+//! Supervision: a coordinator that dies is started again on the same API and cluster
+//! addresses (the nodes re-register with it on their own, and it rebuilds its table from
+//! them); a node that dies is started again, each process at most `--restart-budget` times. A
+//! node the coordinator told to leave (it drained) exits cleanly and is not restarted.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -48,9 +52,31 @@ pub struct UpArgs {
     /// Compute threads per node (default: the cores divided among the nodes).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Pin node i to core i (modulo the cores) with taskset, so nodes do not share cores.
-    #[arg(long)]
+    /// Pin node i to core i (modulo the cores) with taskset, so nodes do not share cores. The
+    /// default whenever there are no more nodes than cores (unpinned nodes on 2 cores decoded
+    /// at 73 ms a token where pinned ones took 57).
+    #[arg(long, conflicts_with = "no_pin")]
     pub pin: bool,
+    /// Never pin nodes to cores.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Token of the coordinator's admin API (`cleave admin`, `/admin/...`). Default: a random
+    /// one, printed at start.
+    #[arg(long, env = "CLEAVE_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// The planner: off, advise (decisions shown, nothing acted on) or auto (it switches node
+    /// roles to keep the targets).
+    #[arg(long, value_enum, default_value_t = super::serve::PlannerModeArg::Advise)]
+    pub planner: super::serve::PlannerModeArg,
+    /// The planner's time-to-first-token target (ms, p90).
+    #[arg(long, default_value_t = 3000.0)]
+    pub ttft_target_ms: f64,
+    /// The planner's time-per-output-token target (ms, p90).
+    #[arg(long, default_value_t = 100.0)]
+    pub tpot_target_ms: f64,
+    /// Restarts allowed per process (a coordinator or node that dies is started again).
+    #[arg(long, default_value_t = 5)]
+    pub restart_budget: u32,
     /// Require this API key (Bearer) on the API routes.
     #[arg(long, env = "CLEAVE_API_KEY")]
     pub api_key: Option<String>,
@@ -71,6 +97,12 @@ pub struct UpArgs {
 struct Proc {
     name: String,
     child: Child,
+    /// How to start it again.
+    args: Vec<String>,
+    pin: Option<usize>,
+    restarts: u32,
+    /// Exited for good (left the cluster, or out of restarts).
+    done: bool,
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
@@ -144,6 +176,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         TransportArg::TcpPlain => "tcp-plain",
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pin = args.pin || (!args.no_pin && nodes.len() <= cores);
+    let admin_token = args.admin_token.clone().unwrap_or_else(random_token);
     let threads = args.threads.unwrap_or_else(|| (cores / nodes.len().max(1)).max(1));
     let common = |name: &str| {
         let mut v = vec![
@@ -174,12 +208,30 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         if let Some(k) = &args.api_key {
             cargs.extend(["--api-key".to_string(), k.clone()]);
         }
+        let mode = match args.planner {
+            super::serve::PlannerModeArg::Off => "off",
+            super::serve::PlannerModeArg::Advise => "advise",
+            super::serve::PlannerModeArg::Auto => "auto",
+        };
+        cargs.extend([
+            "--admin-token".to_string(),
+            admin_token.clone(),
+            "--planner".into(),
+            mode.into(),
+            "--ttft-target-ms".into(),
+            args.ttft_target_ms.to_string(),
+            "--tpot-target-ms".into(),
+            args.tpot_target_ms.to_string(),
+        ]);
         cargs.extend(common("coordinator"));
         cargs.extend(args.coordinator_args.iter().cloned());
-        let (proc_, ready) = spawn(&exe, "coordinator", cargs, None, args.ready_timeout_secs).await?;
-        procs.push(proc_);
+        let (mut proc_, ready) = spawn(&exe, "coordinator", cargs, None, args.ready_timeout_secs).await?;
         let cluster = ready.get("cluster").cloned().context("coordinator READY line without cluster=")?;
         let http = ready.get("http").cloned().context("coordinator READY line without http=")?;
+        // A restarted coordinator must come back where the nodes and clients look for it.
+        set_arg(&mut proc_.args, "--cluster-listen", &cluster);
+        set_arg(&mut proc_.args, "--listen", &http);
+        procs.push(proc_);
 
         // The nodes load their models in parallel.
         let mut pending = Vec::new();
@@ -199,7 +251,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             ];
             nargs.extend(common(name));
             nargs.extend(args.node_args.iter().cloned());
-            let pin = args.pin.then_some(i % cores);
+            let pin = pin.then_some(i % cores);
             pending.push(spawn(&exe, name, nargs, pin, args.ready_timeout_secs));
         }
         for r in futures::future::join_all(pending).await {
@@ -211,6 +263,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         } else {
             format!("{prefill} prefill + {decode} decode")
         };
+        if args.admin_token.is_none() {
+            println!("admin token (for `cleave admin` and /admin/...): {admin_token}");
+        }
         println!("cleave is serving {} at http://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
         anyhow::Ok(())
     }
@@ -218,7 +273,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
 
     let outcome = match result {
         Err(e) => Err(e),
-        Ok(()) => supervise(&mut procs).await,
+        Ok(()) => supervise(&exe, &mut procs, args.restart_budget, args.ready_timeout_secs).await,
     };
     stop_all(&mut procs).await;
     let _ = std::fs::remove_dir_all(&certs);
@@ -272,29 +327,68 @@ async fn spawn(
             println!("[{tag}] {line}");
         }
     });
-    Ok((Proc { name: name.to_string(), child }, kv))
+    Ok((Proc { name: name.to_string(), child, args, pin, restarts: 0, done: false }, kv))
 }
 
-/// Runs until a signal (Ok) or the coordinator's death (Err); reports nodes that die.
-async fn supervise(procs: &mut [Proc]) -> anyhow::Result<()> {
+/// Sets `flag value` in `args` (replacing the value when the flag is there).
+fn set_arg(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) if i + 1 < args.len() => args[i + 1] = value.to_string(),
+        _ => args.extend([flag.to_string(), value.to_string()]),
+    }
+}
+
+/// 32 hex digits from the OS's randomness.
+fn random_token() -> String {
+    let mut b = [0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_err() {
+        // No /dev/urandom: the clock and pid are a weak but unique-enough fallback.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        b[..8].copy_from_slice(&(t.as_nanos() as u64).to_le_bytes());
+        b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Runs until a signal; starts again a process that dies (each at most `budget` times), except
+/// a node that left the cluster cleanly. Err when the coordinator is out of restarts.
+async fn supervise(exe: &std::path::Path, procs: &mut [Proc], budget: u32, ready_secs: u64) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut alive: Vec<bool> = vec![true; procs.len()];
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = term.recv() => return Ok(()),
             _ = tick.tick() => {
-                for (i, p) in procs.iter_mut().enumerate() {
-                    if !alive[i] {
+                for i in 0..procs.len() {
+                    let p = &mut procs[i];
+                    if p.done {
                         continue;
                     }
-                    if let Ok(Some(status)) = p.child.try_wait() {
-                        alive[i] = false;
+                    let Ok(Some(status)) = p.child.try_wait() else { continue };
+                    if i > 0 && status.success() {
+                        eprintln!("cleave up: {} left the cluster", p.name);
+                        p.done = true;
+                        continue;
+                    }
+                    if p.restarts >= budget {
+                        p.done = true;
                         if i == 0 {
-                            anyhow::bail!("the coordinator exited ({status}); stopping every node");
+                            anyhow::bail!("the coordinator exited ({status}) and was restarted {budget} times; stopping every node");
                         }
-                        eprintln!("cleave up: {} exited ({status}); the coordinator no longer routes to it", p.name);
+                        eprintln!("cleave up: {} exited ({status}); out of restarts ({budget})", p.name);
+                        continue;
+                    }
+                    eprintln!("cleave up: {} exited ({status}); starting it again", p.name);
+                    match spawn(exe, &p.name, p.args.clone(), p.pin, ready_secs).await {
+                        Ok((mut fresh, _)) => {
+                            fresh.restarts = p.restarts + 1;
+                            *p = fresh;
+                        }
+                        Err(e) => {
+                            p.restarts += 1;
+                            eprintln!("cleave up: restarting {} failed: {e:#}", p.name);
+                        }
                     }
                 }
             }

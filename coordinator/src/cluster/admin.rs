@@ -1,57 +1,277 @@
-//! The admin API of the cluster: what an operator (and the process-level tests) look at.
+//! The admin API of the cluster: what an operator (and `cleave admin`) looks at and acts with.
 //!
-//! `GET /admin/nodes`: every live node with its role, addresses and last load report.
+//! Every route requires `Authorization: Bearer <admin token>` (`--admin-token`, distinct from
+//! the API key); without a configured token the admin API is closed and every route answers
+//! 401 saying so. It can be served on its own listener (`--admin-listen`).
+//!
+//! - `GET /admin/nodes`: every live node: role, lifecycle state, addresses, routed attempts,
+//!   last load report. Node ids are the `id` field here.
+//! - `GET /admin/pools`: per pool (prefill, decode, colocated): nodes, load, and the latency
+//!   clients saw over the planner's window (TTFT/TPOT p50/p90, SLO attainment).
+//! - `POST /admin/nodes/{id}/drain` (`{"then": "stay" | "leave"}`, default stay): stop routing
+//!   to the node; its work completes on it.
+//! - `POST /admin/nodes/{id}/role` (`{"role": "prefill" | "decode" | "both", "step_budget": n}`):
+//!   switch roles without a restart (drains what the new role does not do first). Also undoes
+//!   a drain.
+//! - `DELETE /admin/nodes/{id}`: drain, then tell the node to leave (its process exits).
+//! - `GET /admin/planner`, `PUT /admin/planner` (any subset of the settings),
+//!   `GET /admin/planner/decisions`.
+//!
+//! Statuses come from [`CoordinatorError`] only.
 
-use axum::extract::State;
-use axum::routing::get;
+use std::sync::Arc;
+
+use axum::extract::{Path, Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{get, post};
 use axum::{Json, Router};
+use cleave_protocol::control::NodeRole;
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use super::{Cluster, ClusterHandle};
+use super::planning::PlannerHandle;
+use super::registry::{AfterDrain, NodeState};
+use super::{Cluster, ClusterHandle, NodeOp};
 use crate::{router, AppState, CoordinatorError};
 
-/// Routes of the admin API (unauthenticated, like /metrics: bind the API to a trusted
-/// interface or put it behind a proxy when that matters).
-pub fn admin_router(cluster: ClusterHandle) -> Router {
-    Router::new().route("/admin/nodes", get(nodes)).with_state(cluster)
+/// What the admin routes act on.
+#[derive(Clone)]
+pub struct AdminState {
+    pub cluster: ClusterHandle,
+    pub planner: PlannerHandle,
+    /// None: the admin API is closed.
+    pub token: Option<Arc<str>>,
 }
 
-async fn nodes(State(cluster): State<ClusterHandle>) -> Json<Value> {
-    let states = cluster.node_states().await.unwrap_or_default();
-    let nodes: Vec<Value> = states
-        .iter()
-        .map(|s| {
-            let l = &s.load;
+/// Routes of the admin API, behind the admin token.
+pub fn admin_router(state: AdminState) -> Router {
+    Router::new()
+        .route("/admin/nodes", get(nodes))
+        .route("/admin/nodes/{id}", axum::routing::delete(remove))
+        .route("/admin/nodes/{id}/drain", post(drain))
+        .route("/admin/nodes/{id}/role", post(set_role))
+        .route("/admin/pools", get(pools))
+        .route("/admin/planner", get(planner_get).put(planner_put))
+        .route("/admin/planner/decisions", get(decisions))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
+        .with_state(state)
+}
+
+/// Equal strings in time that does not depend on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn authorize(State(s): State<AdminState>, req: Request, next: Next) -> Result<Response, CoordinatorError> {
+    let Some(token) = &s.token else {
+        return Err(CoordinatorError::AdminUnauthorized {
+            reason: "the admin API is closed: start the coordinator with --admin-token",
+        });
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        None => Err(CoordinatorError::AdminUnauthorized { reason: "missing admin token (Authorization: Bearer ...)" }),
+        Some(g) if !same(g.as_bytes(), token.as_bytes()) => {
+            Err(CoordinatorError::AdminUnauthorized { reason: "wrong admin token" })
+        }
+        Some(_) => Ok(next.run(req).await),
+    }
+}
+
+fn node_json(s: &NodeState) -> Value {
+    let l = &s.load;
+    json!({
+        "id": s.node.id,
+        "name": s.node.name,
+        "role": s.node.role.as_str(),
+        "state": s.lifecycle.as_str(),
+        "rpc_addr": s.node.rpc_addr.to_string(),
+        "model": s.model_name,
+        "step_budget": s.step_budget,
+        "report_age_ms": s.report_age.as_millis() as u64,
+        "cached_prefix_blocks": s.cached_prefix_blocks,
+        "active": { "prefill": s.active_prefill, "decode": s.active_decode },
+        "load": {
+            "queued_prefill_tokens": l.queued_prefill_tokens,
+            "waiting_seqs": l.waiting_seqs,
+            "running_seqs": l.running_seqs,
+            "free_blocks": l.free_blocks,
+            "cached_blocks": l.cached_blocks,
+            "total_blocks": l.total_blocks,
+        },
+    })
+}
+
+async fn nodes(State(s): State<AdminState>) -> Json<Value> {
+    let states = s.cluster.node_states().await.unwrap_or_default();
+    Json(json!({ "nodes": states.iter().map(node_json).collect::<Vec<_>>() }))
+}
+
+async fn pools(State(s): State<AdminState>) -> Result<Json<Value>, CoordinatorError> {
+    let states = s.cluster.node_states().await.unwrap_or_default();
+    let latency = s.planner.pool_latency().await.unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for (pool, role) in [("prefill", NodeRole::Prefill), ("decode", NodeRole::Decode), ("colocated", NodeRole::Both)] {
+        let members: Vec<&NodeState> = states.iter().filter(|n| n.node.role == role).collect();
+        let sum = |f: &dyn Fn(&NodeState) -> u64| members.iter().map(|n| f(n)).sum::<u64>();
+        let total = sum(&|n| u64::from(n.load.total_blocks));
+        let used = total.saturating_sub(sum(&|n| u64::from(n.load.free_blocks + n.load.cached_blocks)));
+        out.insert(
+            pool.into(),
             json!({
-                "id": s.node.id,
-                "name": s.node.name,
-                "role": s.node.role.as_str(),
-                "rpc_addr": s.node.rpc_addr.to_string(),
-                "model": s.model_name,
-                "report_age_ms": s.report_age.as_millis() as u64,
-                "cached_prefix_blocks": s.cached_prefix_blocks,
-                "load": {
-                    "queued_prefill_tokens": l.queued_prefill_tokens,
-                    "waiting_seqs": l.waiting_seqs,
-                    "running_seqs": l.running_seqs,
-                    "free_blocks": l.free_blocks,
-                    "cached_blocks": l.cached_blocks,
-                    "total_blocks": l.total_blocks,
-                },
-            })
-        })
-        .collect();
-    Json(json!({ "nodes": nodes }))
+                "nodes": members.iter().map(|n| json!({"id": n.node.id, "name": n.node.name, "state": n.lifecycle.as_str()})).collect::<Vec<_>>(),
+                "active_nodes": members.iter().filter(|n| n.lifecycle.as_str() == "active").count(),
+                "queued_prefill_tokens": sum(&|n| n.load.queued_prefill_tokens),
+                "running_seqs": sum(&|n| u64::from(n.load.running_seqs)),
+                "waiting_seqs": sum(&|n| u64::from(n.load.waiting_seqs)),
+                "kv_usage_ratio": if total == 0 { 0.0 } else { used as f64 / total as f64 },
+                "latency": latency.get(pool).cloned().unwrap_or(Value::Null),
+            }),
+        );
+    }
+    let targets = s.planner.config().await.map(|c| json!({"ttft_ms": c.targets.ttft_ms, "tpot_ms": c.targets.tpot_ms}));
+    Ok(Json(json!({ "pools": out, "targets": targets, "overall": latency.get("overall").cloned() })))
 }
 
-/// Serves the OpenAI API and the admin API until `shutdown` resolves.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    #[serde(default)]
+    then: Option<String>,
+}
+
+fn parse_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, CoordinatorError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| CoordinatorError::MalformedJson { reason: e.to_string() })
+}
+
+async fn drain(
+    State(s): State<AdminState>,
+    Path(id): Path<u64>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, CoordinatorError> {
+    let b: DrainBody = parse_body(&body)?;
+    let then = match b.then.as_deref() {
+        None | Some("stay") => AfterDrain::Stay,
+        Some("leave") => AfterDrain::Leave,
+        Some(other) => {
+            return Err(CoordinatorError::InvalidParam {
+                param: "then".into(),
+                message: format!("`{other}` is not one of stay, leave"),
+            })
+        }
+    };
+    s.cluster.node_op(NodeOp::Drain { node: id, then }).await?;
+    Ok(Json(json!({ "id": id, "state": "draining", "then": b.then.as_deref().unwrap_or("stay") })))
+}
+
+async fn remove(State(s): State<AdminState>, Path(id): Path<u64>) -> Result<Json<Value>, CoordinatorError> {
+    s.cluster.node_op(NodeOp::Drain { node: id, then: AfterDrain::Leave }).await?;
+    Ok(Json(json!({ "id": id, "state": "draining", "then": "leave" })))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RoleBody {
+    role: Option<String>,
+    #[serde(default)]
+    step_budget: Option<u32>,
+}
+
+/// `prefill`, `decode`, `both` (or `colocated`).
+pub fn parse_role(s: &str) -> Option<NodeRole> {
+    match s {
+        "prefill" => Some(NodeRole::Prefill),
+        "decode" => Some(NodeRole::Decode),
+        "both" | "colocated" => Some(NodeRole::Both),
+        _ => None,
+    }
+}
+
+async fn set_role(
+    State(s): State<AdminState>,
+    Path(id): Path<u64>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, CoordinatorError> {
+    let b: RoleBody = parse_body(&body)?;
+    let given = b.role.ok_or_else(|| CoordinatorError::InvalidParam {
+        param: "role".into(),
+        message: "required: one of prefill, decode, both".into(),
+    })?;
+    let role = parse_role(&given).ok_or_else(|| CoordinatorError::InvalidParam {
+        param: "role".into(),
+        message: format!("`{given}` is not one of prefill, decode, both"),
+    })?;
+    s.cluster.node_op(NodeOp::SetRole { node: id, role, step_budget: b.step_budget }).await?;
+    Ok(Json(json!({ "id": id, "role": role.as_str(), "step_budget": b.step_budget, "state": "switching" })))
+}
+
+async fn planner_get(State(s): State<AdminState>) -> Result<Json<Value>, CoordinatorError> {
+    let status = s.planner.status().await.ok_or(CoordinatorError::RouterGone)?;
+    Ok(Json(status))
+}
+
+async fn planner_put(State(s): State<AdminState>, body: axum::body::Bytes) -> Result<Json<Value>, CoordinatorError> {
+    let update: cleave_planner::PlannerUpdate =
+        serde_json::from_slice(&body).map_err(|e| CoordinatorError::MalformedJson { reason: e.to_string() })?;
+    let cfg = s.planner.update(update).await.ok_or(CoordinatorError::RouterGone)?.map_err(CoordinatorError::Planner)?;
+    Ok(Json(serde_json::to_value(cfg).unwrap_or(Value::Null)))
+}
+
+async fn decisions(State(s): State<AdminState>) -> Result<Json<Value>, CoordinatorError> {
+    let d = s.planner.decisions().await.ok_or(CoordinatorError::RouterGone)?;
+    Ok(Json(json!({ "decisions": d })))
+}
+
+/// Serves the OpenAI API and the admin API (on the same listener, or the admin API on
+/// `admin_listener`) until `shutdown` resolves.
 pub async fn serve_with_cluster(
     listener: TcpListener,
+    admin_listener: Option<TcpListener>,
     state: AppState,
     cluster: &Cluster,
+    admin_token: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CoordinatorError> {
-    let app = router(state).merge(admin_router(cluster.handle().clone()));
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await.map_err(CoordinatorError::Serve)
+    let admin = admin_router(AdminState {
+        cluster: cluster.handle().clone(),
+        planner: cluster.planner().clone(),
+        token: admin_token.map(Arc::from),
+    });
+    match admin_listener {
+        None => {
+            let app = router(state).merge(admin);
+            axum::serve(listener, app).with_graceful_shutdown(shutdown).await.map_err(CoordinatorError::Serve)
+        }
+        Some(al) => {
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            let mut rx2 = rx.clone();
+            let admin_srv = axum::serve(al, admin).with_graceful_shutdown(async move {
+                let _ = rx2.wait_for(|v| *v).await;
+            });
+            let admin_task = tokio::spawn(async move { admin_srv.await });
+            let mut rx1 = rx;
+            let api = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+                let _ = rx1.wait_for(|v| *v).await;
+            });
+            let stopper = tokio::spawn(async move {
+                shutdown.await;
+                let _ = tx.send(true);
+            });
+            let r = api.await.map_err(CoordinatorError::Serve);
+            stopper.abort();
+            let _ = admin_task.await;
+            r
+        }
+    }
 }

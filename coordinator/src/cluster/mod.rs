@@ -13,11 +13,15 @@
 //! Allowed dependencies: protocol (messages) and kv-transfer's `net` (authenticated streams);
 //! never the engine.
 
+mod actuate;
 mod admin;
+pub mod planning;
 pub mod registry;
 mod request;
 
-pub use admin::{admin_router, serve_with_cluster};
+pub use actuate::{Actuator, ActuatorError, RoleSwitch};
+pub use admin::{admin_router, parse_role, serve_with_cluster, AdminState};
+pub use planning::PlannerHandle;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +31,11 @@ use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Regi
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::dispatch::Dispatch;
-use registry::{Assignment, NoRoute, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery, RoutingConfig};
+use registry::{
+    AfterDrain, Assignment, Effect, NoRoute, NodeOpError, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery,
+    RoutingConfig,
+};
+use cleave_protocol::control::{NodeRole, SetRole};
 
 /// Metric names of the cluster (the edge's are in [`crate::metrics`]).
 pub mod metric {
@@ -58,6 +66,19 @@ pub mod metric {
     pub const HANDOFF_DECODE_FIRST_STEP_SECONDS: &str = "cleave_handoff_decode_first_step_seconds";
     /// Handoffs that failed, labelled `node`.
     pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_handoff_failures_total";
+    /// Planner decisions, labelled `reason`.
+    pub const PLANNER_DECISIONS_TOTAL: &str = "cleave_planner_decisions_total";
+    /// The planner's target node count, labelled `pool`.
+    pub const PLANNER_DESIRED_NODES: &str = "cleave_planner_desired_nodes";
+}
+
+/// What the request path tells the planner (best effort: dropped when the planner lags).
+#[derive(Debug, Clone)]
+pub enum Observation {
+    /// A request reached the router (demand counted as it arrives, not as it completes).
+    Arrival { prompt_tokens: u32, max_tokens: u32 },
+    /// What a client experienced; `path` is how its last attempt was routed.
+    Completion { ttft: Duration, tpot: Option<Duration>, output_tokens: u32, ok: bool, path: &'static str },
 }
 
 /// Settings of the cluster side of the coordinator.
@@ -74,6 +95,8 @@ pub struct ClusterConfig {
     pub node_silence_timeout: Duration,
     /// Bound on a node's answer to `Register`, and on a control stream's first message.
     pub register_timeout: Duration,
+    /// The planner's settings (mode, targets, limits).
+    pub planner: cleave_planner::PlannerConfig,
 }
 
 impl ClusterConfig {
@@ -85,24 +108,38 @@ impl ClusterConfig {
             max_prefill_retries: 2,
             node_silence_timeout: Duration::from_secs(120),
             register_timeout: Duration::from_secs(10),
+            planner: cleave_planner::PlannerConfig::default(),
         }
     }
 }
 
 enum Cmd {
-    Register(Box<Register>, oneshot::Sender<Result<u64, Refusal>>),
+    /// A node registered; the sender is its control stream's outbox.
+    Register(Box<Register>, mpsc::Sender<ControlMsg>, oneshot::Sender<Result<u64, Refusal>>),
     Report(u64, LoadReport),
     Gone(u64),
     Plan(Box<RouteQuery>, oneshot::Sender<Result<(Plan, Assignment), NoRoute>>),
     Release(Assignment),
+    ReleasePrefill(Assignment),
+    Op(NodeOp, oneshot::Sender<Result<(), NodeOpError>>),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
     States(oneshot::Sender<Vec<registry::NodeState>>),
+}
+
+/// An operation on one node (admin API, planner).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeOp {
+    /// Stop routing to the node; then park it, or let it leave.
+    Drain { node: u64, then: AfterDrain },
+    /// Change its role (and step budget), draining first what the new role does not do.
+    SetRole { node: u64, role: NodeRole, step_budget: Option<u32> },
 }
 
 /// Cheap, cloneable access to the registry actor.
 #[derive(Clone)]
 pub struct ClusterHandle {
     tx: mpsc::Sender<Cmd>,
+    observations: mpsc::Sender<Observation>,
     /// Ids of nodes removed from the registry (dead or gone), for requests running on them.
     deaths: broadcast::Sender<u64>,
 }
@@ -114,8 +151,8 @@ impl ClusterHandle {
         rx.await.ok()
     }
 
-    pub async fn register(&self, reg: Register) -> Result<u64, Refusal> {
-        self.call(|tx| Cmd::Register(Box::new(reg), tx))
+    pub async fn register(&self, reg: Register, outbox: mpsc::Sender<ControlMsg>) -> Result<u64, Refusal> {
+        self.call(|tx| Cmd::Register(Box::new(reg), outbox, tx))
             .await
             .unwrap_or_else(|| Err(Refusal("coordinator shutting down".into())))
     }
@@ -136,7 +173,34 @@ impl ClusterHandle {
 
     /// Returns an attempt's booking (see [`Registry::release`]); never waits.
     pub fn release(&self, a: Assignment) {
-        let _ = self.tx.try_send(Cmd::Release(a));
+        if let Err(mpsc::error::TrySendError::Full(cmd)) = self.tx.try_send(Cmd::Release(a)) {
+            // A lost release would keep a drain waiting forever: deliver it late instead.
+            let tx = self.tx.clone();
+            tokio::spawn(async move { tx.send(cmd).await });
+        }
+    }
+
+    /// The prefill part of an attempt ended while its stream goes on (see
+    /// [`Registry::release_prefill`]); `a` forgets it.
+    pub fn release_prefill(&self, a: &mut Assignment) {
+        if a.prefill.is_none() {
+            return;
+        }
+        let part = Assignment { prefill: a.prefill.take(), decode: None, blocks: 0 };
+        if let Err(mpsc::error::TrySendError::Full(cmd)) = self.tx.try_send(Cmd::ReleasePrefill(part)) {
+            let tx = self.tx.clone();
+            tokio::spawn(async move { tx.send(cmd).await });
+        }
+    }
+
+    /// Tells the planner what happened (never waits; dropped when its queue is full).
+    pub fn observe(&self, o: Observation) {
+        let _ = self.observations.try_send(o);
+    }
+
+    /// Drains a node, or changes its role (see [`NodeOp`]).
+    pub async fn node_op(&self, op: NodeOp) -> Result<(), NodeOpError> {
+        self.call(|tx| Cmd::Op(op, tx)).await.unwrap_or(Err(NodeOpError::ShuttingDown))
     }
 
     /// Ids of nodes as they are removed (a request on a dead node fails over at once instead of
@@ -159,6 +223,7 @@ impl ClusterHandle {
 /// The running cluster side; dropping it stops its tasks.
 pub struct Cluster {
     handle: ClusterHandle,
+    planner: PlannerHandle,
     ready: watch::Receiver<crate::server::Readiness>,
     control_addr: std::net::SocketAddr,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -173,28 +238,41 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
-    /// Starts the registry, the control listener and the router. `fingerprint`: the model's,
-    /// when the coordinator knows it (nodes must match it).
+    /// Starts the registry, the control listener, the router and the planner (acting through
+    /// `actuator`, or role switches of live nodes when None). `fingerprint`: the model's, when
+    /// the coordinator knows it (nodes must match it).
     pub fn start(
         cfg: ClusterConfig,
         fingerprint: Option<u64>,
         control: Listener,
         dispatches: mpsc::Receiver<Dispatch>,
-    ) -> Result<Self, cleave_kv_transfer::KvTransferError> {
+        actuator: Option<Box<dyn Actuator>>,
+    ) -> Result<Self, crate::CoordinatorError> {
         let control_addr = control.local_addr();
         let (tx, rx) = mpsc::channel(1024);
+        let (obs_tx, obs_rx) = mpsc::channel(8192);
         let (deaths, _) = broadcast::channel(256);
         let (ready_tx, ready) = watch::channel(Err("no decode node has registered yet".to_string()));
-        let handle = ClusterHandle { tx, deaths: deaths.clone() };
+        let handle = ClusterHandle { tx, observations: obs_tx, deaths: deaths.clone() };
         let registry = Registry::new(cfg.routing.clone(), fingerprint);
-        let connector = Arc::new(Connector::new(&cfg.net)?);
+        let connector = Arc::new(
+            Connector::new(&cfg.net).map_err(|e| crate::CoordinatorError::Internal { reason: e.to_string() })?,
+        );
+        let actuator = actuator.unwrap_or_else(|| Box::new(RoleSwitch::new(handle.clone())));
+        let (planner, planner_task) = planning::spawn(cfg.planner.clone(), handle.clone(), obs_rx, actuator)
+            .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
         let cfg = Arc::new(cfg);
         let tasks = vec![
             tokio::spawn(registry_actor(registry, rx, deaths, ready_tx)),
             tokio::spawn(control_loop(control, handle.clone(), cfg.clone())),
             tokio::spawn(router(dispatches, handle.clone(), connector, cfg)),
+            planner_task,
         ];
-        Ok(Self { handle, ready, control_addr, tasks })
+        Ok(Self { handle, planner, ready, control_addr, tasks })
+    }
+
+    pub fn planner(&self) -> &PlannerHandle {
+        &self.planner
     }
 
     pub fn handle(&self) -> &ClusterHandle {
@@ -220,17 +298,22 @@ async fn registry_actor(
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Each registered node's control-stream outbox (what [`Effect`]s are written to).
+    let mut outboxes: std::collections::HashMap<u64, mpsc::Sender<ControlMsg>> = Default::default();
     loop {
         tokio::select! {
             cmd = rx.recv() => {
                 let Some(cmd) = cmd else { return };
                 let now = Instant::now();
                 match cmd {
-                    Cmd::Register(r, reply) => {
+                    Cmd::Register(r, outbox, reply) => {
                         let (name, role) = (r.name.clone(), r.role);
                         let res = reg.register(*r, now);
                         match &res {
-                            Ok(id) => tracing::info!(node_id = id, %name, role = role.as_str(), "node registered"),
+                            Ok(id) => {
+                                tracing::info!(node_id = id, %name, role = role.as_str(), "node registered");
+                                outboxes.insert(*id, outbox);
+                            }
                             Err(e) => tracing::error!(%name, reason = %e, "node refused"),
                         }
                         // Ready before the node hears it is registered: a node that prints READY
@@ -242,6 +325,7 @@ async fn registry_actor(
                         reg.report(id, load, now);
                     }
                     Cmd::Gone(id) => {
+                        outboxes.remove(&id);
                         if let Some(n) = reg.remove(id) {
                             tracing::warn!(node_id = id, name = %n.name, "node left (control stream ended); removed from routing");
                             let _ = deaths.send(id);
@@ -251,7 +335,20 @@ async fn registry_actor(
                     Cmd::Plan(q, reply) => {
                         let _ = reply.send(reg.plan(&q));
                     }
-                    Cmd::Release(a) => reg.release(&a),
+                    Cmd::Release(a) => reg.release(&a, now),
+                    Cmd::ReleasePrefill(mut a) => reg.release_prefill(&mut a, now),
+                    Cmd::Op(op, reply) => {
+                        let r = match op {
+                            NodeOp::Drain { node, then } => reg.drain(node, then, now),
+                            NodeOp::SetRole { node, role, step_budget } => reg.set_role(node, role, step_budget, now),
+                        };
+                        match &r {
+                            Ok(()) => tracing::info!(?op, "node operation"),
+                            Err(e) => tracing::warn!(?op, error = %e, "node operation refused"),
+                        }
+                        let _ = reply.send(r);
+                        publish_pools(&reg, &ready);
+                    }
                     Cmd::Pools(reply) => {
                         let _ = reply.send((reg.pools(), reg.nodes()));
                     }
@@ -263,9 +360,31 @@ async fn registry_actor(
             _ = tick.tick() => {
                 for n in reg.expire(Instant::now()) {
                     tracing::warn!(node_id = n.id, name = %n.name, "node stopped reporting; marked dead");
+                    outboxes.remove(&n.id);
                     let _ = deaths.send(n.id);
                 }
                 publish_pools(&reg, &ready);
+            }
+        }
+        let effects = reg.lifecycle();
+        if !effects.is_empty() {
+            publish_pools(&reg, &ready);
+        }
+        for e in effects {
+            let (node, msg) = match e {
+                Effect::SetRole { node, role, step_budget } => {
+                    tracing::info!(node_id = node, role = role.as_str(), ?step_budget, "node takes its new role");
+                    (node, ControlMsg::SetRole(SetRole { role, step_budget }))
+                }
+                Effect::Leave { node, reason } => {
+                    tracing::info!(node_id = node, %reason, "node drained; telling it to leave");
+                    (node, ControlMsg::Leave(reason))
+                }
+            };
+            if let Some(outbox) = outboxes.get(&node) {
+                if outbox.try_send(msg).is_err() {
+                    tracing::warn!(node_id = node, "control stream outbox full or closed; the node will hear on re-registration");
+                }
             }
         }
     }
@@ -303,9 +422,11 @@ async fn control_loop(l: Listener, cluster: ClusterHandle, cfg: Arc<ClusterConfi
     .await
 }
 
-/// One node's control stream: register, then reports until it ends.
-async fn control_stream(mut s: DuplexStream, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
-    let reg = match tokio::time::timeout(cfg.register_timeout, read_msg(&mut s.recv)).await {
+/// One node's control stream: register, then reports until it ends; the coordinator's
+/// commands to the node (role changes, leave) are written by a task of their own.
+async fn control_stream(s: DuplexStream, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
+    let DuplexStream { mut send, mut recv } = s;
+    let reg = match tokio::time::timeout(cfg.register_timeout, read_msg(&mut recv)).await {
         Ok(Ok(Some(ControlMsg::Register(r)))) => r,
         Ok(Ok(Some(other))) => {
             tracing::warn!(message = other.name(), "control stream must start with Register");
@@ -317,27 +438,36 @@ async fn control_stream(mut s: DuplexStream, cluster: ClusterHandle, cfg: Arc<Cl
         }
         Ok(Ok(None)) | Err(_) => return,
     };
-    let id = match cluster.register(reg).await {
+    let (outbox, mut outgoing) = mpsc::channel::<ControlMsg>(16);
+    let id = match cluster.register(reg, outbox).await {
         Ok(id) => id,
         Err(Refusal(reason)) => {
-            let _ = write_msg(&mut s.send, &ControlMsg::RegisterReply(RegisterReply::Refused { reason })).await;
+            let _ = write_msg(&mut send, &ControlMsg::RegisterReply(RegisterReply::Refused { reason })).await;
             return;
         }
     };
-    if write_msg(&mut s.send, &ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: id })).await.is_err() {
+    if write_msg(&mut send, &ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: id })).await.is_err() {
         cluster.gone(id).await;
         return;
     }
+    let writer = tokio::spawn(async move {
+        while let Some(m) = outgoing.recv().await {
+            if write_msg(&mut send, &m).await.is_err() {
+                break;
+            }
+        }
+    });
     // A live node reports every interval; twice dead_after of silence ends the stream (the
     // registry has expired it by then anyway).
     let limit = cfg.routing.dead_after * 2;
     loop {
-        match tokio::time::timeout(limit, read_msg(&mut s.recv)).await {
+        match tokio::time::timeout(limit, read_msg(&mut recv)).await {
             Ok(Ok(Some(ControlMsg::LoadReport(l)))) => cluster.report(id, l).await,
             Ok(Ok(Some(other))) => tracing::debug!(message = other.name(), node_id = id, "ignored on control stream"),
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
         }
     }
+    writer.abort();
     cluster.gone(id).await;
 }
 
@@ -348,6 +478,7 @@ async fn router(
     cfg: Arc<ClusterConfig>,
 ) {
     while let Some(d) = dispatches.recv().await {
+        cluster.observe(Observation::Arrival { prompt_tokens: d.prompt.len() as u32, max_tokens: d.stop.max_tokens });
         tokio::spawn(request::run(d, cluster.clone(), connector.clone(), cfg.clone()));
     }
 }

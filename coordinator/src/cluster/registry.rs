@@ -9,7 +9,18 @@
 //!   node whose control stream ended; routing never picks a removed node;
 //! - `inflight_*` counts work assigned since the node's last report that the report cannot
 //!   know about yet, so that a burst of requests between two reports spreads over the pool
-//!   instead of piling onto the node that looked emptiest.
+//!   instead of piling onto the node that looked emptiest;
+//! - `active_*` counts attempts routed to a node that have not ended (never reset by reports):
+//!   a drain is over only when they are 0 and a report sent after that shows the engine idle
+//!   for the drained kind of work;
+//! - only [`Lifecycle::Active`] nodes are routed new work. A draining node finishes what it
+//!   has (its streams complete on it, its leases close); then it stays parked
+//!   ([`Lifecycle::Drained`]), is told to leave, or takes its new role. A role switch drains
+//!   only the work the new role does not do (a decode node's streams before it prefills;
+//!   nothing before it becomes colocated), and the node keeps its process and weights.
+//!
+//! Lifecycle changes that the node must hear of come out of [`Registry::lifecycle`] as
+//! [`Effect`]s; the actor sends them on the node's control stream.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -93,8 +104,88 @@ pub struct RouteQuery {
     pub force_local: bool,
 }
 
+/// Where a node is in its life, as the coordinator sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// Routed new work of its role.
+    Active,
+    /// Takes no new work; when what it has is done, `then` happens.
+    Draining { then: AfterDrain, since: Instant },
+    /// Drained and parked: takes no work until given a role again.
+    Drained,
+    /// Told to leave; removed when its control stream ends.
+    Leaving,
+}
+
+impl Lifecycle {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Lifecycle::Active => "active",
+            Lifecycle::Draining { then: AfterDrain::Role { .. }, .. } => "switching",
+            Lifecycle::Draining { .. } => "draining",
+            Lifecycle::Drained => "drained",
+            Lifecycle::Leaving => "leaving",
+        }
+    }
+}
+
+/// What a drain ends in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterDrain {
+    /// Park the node ([`Lifecycle::Drained`]).
+    Stay,
+    /// Tell the node to leave (its process exits).
+    Leave,
+    /// Take this role (and step budget).
+    Role { role: NodeRole, step_budget: Option<u32> },
+}
+
+/// What the node must be told (the actor writes it on the node's control stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    SetRole { node: u64, role: NodeRole, step_budget: Option<u32> },
+    Leave { node: u64, reason: String },
+}
+
+/// An admin operation on a node that cannot be done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeOpError {
+    #[error("no live node has id {0}")]
+    UnknownNode(u64),
+    #[error("node {id} is leaving the cluster")]
+    Leaving { id: u64 },
+    #[error("step budget {tokens} is not allowed (at least 1)")]
+    BadStepBudget { tokens: u32 },
+    #[error("the coordinator is shutting down")]
+    ShuttingDown,
+}
+
+/// The kinds of work a node does, for drains: a prefill node's remote prefills, and streams
+/// decoding on a node (remote or local prefill).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kinds {
+    prefill: bool,
+    decode: bool,
+}
+
+impl Kinds {
+    fn of(role: NodeRole) -> Self {
+        match role {
+            NodeRole::Prefill => Kinds { prefill: true, decode: false },
+            NodeRole::Decode => Kinds { prefill: false, decode: true },
+            NodeRole::Both => Kinds { prefill: true, decode: true },
+        }
+    }
+}
+
 struct Node {
     reg: Register,
+    lifecycle: Lifecycle,
+    /// Attempts routed here that have not ended: remote prefills, and decoding streams.
+    active_prefill: u32,
+    active_decode: u32,
+    /// When the drained kinds of work last reached zero (a report after it must confirm).
+    quiet_since: Option<Instant>,
     last_report: Instant,
     load: LoadReport,
     prefix: HashSet<u64>,
@@ -114,7 +205,35 @@ impl Node {
     }
 
     fn decodes(&self) -> bool {
-        matches!(self.reg.role, NodeRole::Decode | NodeRole::Both)
+        self.lifecycle == Lifecycle::Active && matches!(self.reg.role, NodeRole::Decode | NodeRole::Both)
+    }
+
+    fn prefills(&self) -> bool {
+        self.lifecycle == Lifecycle::Active && self.reg.role == NodeRole::Prefill
+    }
+
+    /// The work a drain in progress waits for (none when not draining).
+    fn drain_kinds(&self) -> Kinds {
+        match self.lifecycle {
+            Lifecycle::Draining { then: AfterDrain::Role { role, .. }, .. } => {
+                let (old, new) = (Kinds::of(self.reg.role), Kinds::of(role));
+                Kinds { prefill: old.prefill && !new.prefill, decode: old.decode && !new.decode }
+            }
+            Lifecycle::Draining { .. } => Kinds { prefill: true, decode: true },
+            _ => Kinds { prefill: false, decode: false },
+        }
+    }
+
+    /// No attempt of the drained kinds is routed here any more.
+    fn routed_quiet(&self, k: Kinds) -> bool {
+        !(k.prefill && self.active_prefill > 0) && !(k.decode && self.active_decode > 0)
+    }
+
+    /// The engine, as last reported, holds no work of the drained kinds.
+    fn engine_quiet(&self, k: Kinds) -> bool {
+        let l = &self.load;
+        let seqs = l.running_seqs + l.waiting_seqs;
+        !(k.decode && seqs > 0) && !(k.prefill && (l.queued_prefill_tokens > 0 || seqs > 0))
     }
 
     fn queued_prefill(&self) -> u64 {
@@ -204,6 +323,10 @@ impl Registry {
             id,
             Node {
                 reg,
+                lifecycle: Lifecycle::Active,
+                active_prefill: 0,
+                active_decode: 0,
+                quiet_since: None,
                 last_report: now,
                 load,
                 prefix: HashSet::new(),
@@ -293,7 +416,7 @@ impl Registry {
             // Prefill side: least queued prefill work net of what its cache already holds.
             self.nodes
                 .iter()
-                .filter(|(id, n)| n.reg.role == NodeRole::Prefill && !excluded(id))
+                .filter(|(id, n)| n.prefills() && !excluded(id))
                 .min_by_key(|(id, n)| {
                     let cached = (n.overlap(&hashes) * block) as u64;
                     let work = n.queued_prefill() + (prompt_len as u64).saturating_sub(cached);
@@ -326,10 +449,12 @@ impl Registry {
         if let Some((pid, work)) = assignment.prefill {
             if let Some(p) = self.nodes.get_mut(&pid) {
                 p.inflight_prefill_tokens += work;
+                p.active_prefill += 1;
             }
         }
         if let Some((did, work)) = assignment.decode {
             if let Some(n) = self.nodes.get_mut(&did) {
+                n.active_decode += 1;
                 n.inflight_seqs += 1;
                 n.inflight_blocks += need_blocks;
                 n.inflight_prefill_tokens += work;
@@ -338,21 +463,113 @@ impl Registry {
         Ok((plan, assignment))
     }
 
-    /// The attempt that booked `a` ended before a report could account for it.
-    pub fn release(&mut self, a: &Assignment) {
+    /// The attempt that booked `a` ended (the stream finished or failed).
+    pub fn release(&mut self, a: &Assignment, now: Instant) {
         let need_blocks = a.blocks;
-        if let Some((pid, work)) = a.prefill {
-            if let Some(p) = self.nodes.get_mut(&pid) {
-                p.inflight_prefill_tokens = p.inflight_prefill_tokens.saturating_sub(work);
-            }
-        }
+        self.release_prefill(&mut a.clone(), now);
         if let Some((did, work)) = a.decode {
             if let Some(n) = self.nodes.get_mut(&did) {
+                n.active_decode = n.active_decode.saturating_sub(1);
+                if n.active_decode == 0 {
+                    n.quiet_since = Some(now);
+                }
                 n.inflight_seqs = n.inflight_seqs.saturating_sub(1);
                 n.inflight_blocks = n.inflight_blocks.saturating_sub(need_blocks);
                 n.inflight_prefill_tokens = n.inflight_prefill_tokens.saturating_sub(work);
             }
         }
+    }
+
+    /// The prefill part of an attempt ended (its KV was handed off, or its stream closed) while
+    /// the stream goes on decoding elsewhere; `a` forgets it, so [`Self::release`] does not
+    /// count it twice.
+    pub fn release_prefill(&mut self, a: &mut Assignment, now: Instant) {
+        if let Some((pid, work)) = a.prefill.take() {
+            if let Some(p) = self.nodes.get_mut(&pid) {
+                p.inflight_prefill_tokens = p.inflight_prefill_tokens.saturating_sub(work);
+                p.active_prefill = p.active_prefill.saturating_sub(1);
+                if p.active_prefill == 0 {
+                    p.quiet_since = Some(now);
+                }
+            }
+        }
+    }
+
+    /// Stops routing new work to node `id`; when its work is done, `then` happens (see
+    /// [`Self::lifecycle`]). A drain of a node already draining replaces its `then`.
+    pub fn drain(&mut self, id: u64, then: AfterDrain, now: Instant) -> Result<(), NodeOpError> {
+        let n = self.nodes.get_mut(&id).ok_or(NodeOpError::UnknownNode(id))?;
+        if n.lifecycle == Lifecycle::Leaving {
+            return Err(NodeOpError::Leaving { id });
+        }
+        if let AfterDrain::Role { step_budget: Some(0), .. } = then {
+            return Err(NodeOpError::BadStepBudget { tokens: 0 });
+        }
+        let since = match n.lifecycle {
+            Lifecycle::Draining { since, .. } => since,
+            _ => now,
+        };
+        n.lifecycle = Lifecycle::Draining { then, since };
+        if n.quiet_since.is_none() {
+            n.quiet_since = Some(now);
+        }
+        Ok(())
+    }
+
+    /// Gives node `id` a role (and step budget): at once when it holds no work the new role
+    /// does not do, else after draining that work. A parked node takes it at once.
+    pub fn set_role(
+        &mut self,
+        id: u64,
+        role: NodeRole,
+        step_budget: Option<u32>,
+        now: Instant,
+    ) -> Result<(), NodeOpError> {
+        let n = self.nodes.get(&id).ok_or(NodeOpError::UnknownNode(id))?;
+        if n.lifecycle == Lifecycle::Drained {
+            let n = self.nodes.get_mut(&id).ok_or(NodeOpError::UnknownNode(id))?;
+            n.lifecycle = Lifecycle::Draining { then: AfterDrain::Role { role, step_budget }, since: now };
+            n.quiet_since = Some(now);
+            return Ok(());
+        }
+        self.drain(id, AfterDrain::Role { role, step_budget }, now)
+    }
+
+    /// Lifecycle bookkeeping: every draining node whose work is done takes its next state.
+    /// Returns what nodes must be told. Call after reports, releases and drains.
+    pub fn lifecycle(&mut self) -> Vec<Effect> {
+        let mut out = Vec::new();
+        for (&id, n) in self.nodes.iter_mut() {
+            let Lifecycle::Draining { then, .. } = n.lifecycle else { continue };
+            let k = n.drain_kinds();
+            if !n.routed_quiet(k) {
+                continue;
+            }
+            // Confirmed by a report sent after the last routed attempt ended (a switch that
+            // drains nothing needs none).
+            let drains_something = k.prefill || k.decode;
+            let confirmed = n.quiet_since.is_some_and(|q| n.last_report > q) && n.engine_quiet(k);
+            if drains_something && !confirmed {
+                continue;
+            }
+            match then {
+                AfterDrain::Stay => n.lifecycle = Lifecycle::Drained,
+                AfterDrain::Leave => {
+                    n.lifecycle = Lifecycle::Leaving;
+                    out.push(Effect::Leave { node: id, reason: "drained at the operator's or planner's request".into() });
+                }
+                AfterDrain::Role { role, step_budget } => {
+                    n.reg.role = role;
+                    if step_budget.is_some() {
+                        n.reg.step_budget = step_budget;
+                    }
+                    n.lifecycle = Lifecycle::Active;
+                    out.push(Effect::SetRole { node: id, role, step_budget });
+                }
+            }
+            n.quiet_since = None;
+        }
+        out
     }
 
     /// Per-pool totals for metrics and `/health`.
@@ -364,7 +581,11 @@ impl Registry {
                 NodeRole::Decode => &mut s.decode,
                 NodeRole::Both => &mut s.colocated,
             };
-            p.nodes += 1;
+            if n.lifecycle == Lifecycle::Active {
+                p.nodes += 1;
+            } else {
+                p.inactive += 1;
+            }
             p.queued_prefill_tokens += n.load.queued_prefill_tokens;
             p.running_seqs += u64::from(n.load.running_seqs);
             p.waiting_seqs += u64::from(n.load.waiting_seqs);
@@ -381,6 +602,10 @@ impl Registry {
             .iter()
             .map(|(&id, n)| NodeState {
                 node: n.node_ref(id),
+                lifecycle: n.lifecycle,
+                active_prefill: n.active_prefill,
+                active_decode: n.active_decode,
+                step_budget: n.reg.step_budget,
                 model_name: n.reg.model_name.clone(),
                 load: LoadReport { prefix_hashes: Vec::new(), ..n.load.clone() },
                 cached_prefix_blocks: n.prefix.len(),
@@ -399,6 +624,11 @@ impl Registry {
 #[derive(Debug, Clone)]
 pub struct NodeState {
     pub node: NodeRef,
+    pub lifecycle: Lifecycle,
+    /// Attempts routed to the node that have not ended.
+    pub active_prefill: u32,
+    pub active_decode: u32,
+    pub step_budget: Option<u32>,
     pub model_name: String,
     /// The last report, without its prefix hashes.
     pub load: LoadReport,
@@ -409,7 +639,10 @@ pub struct NodeState {
 /// Load of one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolLoad {
+    /// Nodes routed new work.
     pub nodes: u64,
+    /// Nodes of this role that are draining, switching, parked or leaving.
+    pub inactive: u64,
     pub queued_prefill_tokens: u64,
     pub running_seqs: u64,
     pub waiting_seqs: u64,
@@ -451,6 +684,7 @@ mod tests {
             max_model_len: 1024,
             rpc_addr: SocketAddr::from(([127, 0, 0, 1], port)),
             kv_addr: None,
+            step_budget: None,
         }
     }
 
@@ -543,6 +777,6 @@ mod tests {
         let (plan, a) = r.plan(&q(200)).unwrap();
         let Plan::Remote { prefill, .. } = plan else { panic!() };
         assert_eq!(prefill.id, p2);
-        r.release(&a);
+        r.release(&a, t);
     }
 }

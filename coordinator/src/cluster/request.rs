@@ -26,7 +26,7 @@ use cleave_protocol::{FinishReason, TokenEvent};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
-use super::registry::{NodeRef, Plan, RouteQuery};
+use super::registry::{Assignment, NodeRef, Plan, RouteQuery};
 use super::{metric, ClusterConfig, ClusterHandle};
 use crate::dispatch::{Dispatch, DispatchEvent};
 
@@ -47,20 +47,55 @@ struct Progress {
     cached_tokens: u32,
     generated: Vec<u32>,
     first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    /// How the last attempt was routed (`remote`, or the local reason).
+    path: &'static str,
+    /// The request ended with an error event (or was refused).
+    failed: bool,
 }
 
 pub(super) async fn run(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, cfg: Arc<ClusterConfig>) {
     let span = tracing::info_span!("request", request_id = %d.id);
-    drive(d, cluster, connector, cfg).instrument(span).await
-}
-
-async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, cfg: Arc<ClusterConfig>) {
+    let started = Instant::now();
     let mut p = Progress {
         prompt_tokens: d.prompt.len() as u32,
         cached_tokens: 0,
         generated: Vec::new(),
         first_token_at: None,
+        last_token_at: None,
+        path: "none",
+        failed: false,
     };
+    let cancelled = d.cancel.clone();
+    drive(d, &mut p, &cluster, connector, cfg).instrument(span).await;
+    // What the client experienced, for the planner (a client that left early before its first
+    // token tells nothing about latency).
+    let n = p.generated.len() as u32;
+    let ttft = match p.first_token_at {
+        Some(f) => f.duration_since(started),
+        None if p.failed => started.elapsed(),
+        None => return,
+    };
+    let tpot = match (p.first_token_at, p.last_token_at) {
+        (Some(f), Some(l)) if n > 1 => Some(l.duration_since(f) / (n - 1)),
+        _ => None,
+    };
+    cluster.observe(super::Observation::Completion {
+        ttft,
+        tpot,
+        output_tokens: n,
+        ok: !p.failed || cancelled.is_cancelled(),
+        path: p.path,
+    });
+}
+
+async fn drive(
+    d: Dispatch,
+    p: &mut Progress,
+    cluster: &ClusterHandle,
+    connector: Arc<Connector>,
+    cfg: Arc<ClusterConfig>,
+) {
     let mut exclude = Vec::new();
     let (mut prefill_retries, mut migrations) = (0u32, 0u32);
     let mut last_error = String::new();
@@ -83,14 +118,15 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
             exclude: exclude.clone(),
             force_local: !p.generated.is_empty(),
         };
-        let (plan, booking) = match cluster.plan(q).await {
+        let (plan, mut booking) = match cluster.plan(q).await {
             Ok(x) => x,
             Err(e) => {
+                p.failed = true;
                 if p.generated.is_empty() && last_error.is_empty() {
                     let _ = d.events.send(DispatchEvent::Refused { reason: e.to_string() }).await;
                 } else {
                     let why = if last_error.is_empty() { e.to_string() } else { format!("{last_error}; then {e}") };
-                    finish_with_error(&d, &p, why).await;
+                    finish_with_error(&d, p, why).await;
                 }
                 return;
             }
@@ -101,13 +137,16 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                 metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "remote", "reason" => "long_prompt")
                     .increment(1);
                 tracing::debug!(prefill = %prefill.name, decode = %decode.name, "remote prefill");
-                remote(&d, &mut p, &connector, &cfg, deaths, prefill, decode).await
+                p.path = "remote";
+                let nodes = Pair { prefill, decode };
+                remote(&d, p, &connector, &cfg, deaths, nodes, (cluster, &mut booking)).await
             }
             Plan::Local { decode, reason } => {
                 metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "local", "reason" => reason.as_str())
                     .increment(1);
                 tracing::debug!(decode = %decode.name, reason = reason.as_str(), "local prefill");
-                local(&d, &mut p, &connector, &cfg, deaths, decode).await
+                p.path = reason.as_str();
+                local(&d, p, &connector, &cfg, deaths, decode).await
             }
         };
         cluster.release(booking);
@@ -122,7 +161,7 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                 if prefill_retries > cfg.max_prefill_retries {
                     finish_with_error(
                         &d,
-                        &p,
+                        p,
                         format!("gave up after {prefill_retries} prefill attempts: {last_error}"),
                     )
                     .await;
@@ -138,7 +177,7 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                     // Nothing was sent yet: a plain retry elsewhere, like a failed prefill.
                     prefill_retries += 1;
                     if prefill_retries > cfg.max_prefill_retries {
-                        finish_with_error(&d, &p, format!("gave up after {prefill_retries} attempts: {last_error}"))
+                        finish_with_error(&d, p, format!("gave up after {prefill_retries} attempts: {last_error}"))
                             .await;
                         return;
                     }
@@ -148,7 +187,7 @@ async fn drive(d: Dispatch, cluster: ClusterHandle, connector: Arc<Connector>, c
                 migrations += 1;
                 metrics::counter!(metric::MIGRATIONS_TOTAL, "node" => node.name.clone()).increment(1);
                 if migrations > cfg.max_migrations {
-                    finish_with_error(&d, &p, format!("gave up after {} migrations: {last_error}", migrations - 1))
+                    finish_with_error(&d, p, format!("gave up after {} migrations: {last_error}", migrations - 1))
                         .await;
                     return;
                 }
@@ -168,8 +207,9 @@ async fn open(connector: &Connector, node: &NodeRef, msg: &ControlMsg) -> Result
     Ok(s)
 }
 
-async fn finish_with_error(d: &Dispatch, p: &Progress, error: String) {
+async fn finish_with_error(d: &Dispatch, p: &mut Progress, error: String) {
     tracing::warn!(%error, "request failed");
+    p.failed = true;
     let ev = TokenEvent {
         cached_tokens: p.cached_tokens,
         ..TokenEvent::failed(d.id, p.prompt_tokens, p.generated.len() as u32, error)
@@ -182,10 +222,15 @@ async fn finish_with_error(d: &Dispatch, p: &Progress, error: String) {
 async fn emit(d: &Dispatch, p: &mut Progress, mut ev: TokenEvent) -> bool {
     if let Some(t) = ev.token_id {
         p.generated.push(t);
+        let now = Instant::now();
+        p.last_token_at = Some(now);
         if p.first_token_at.is_none() {
-            p.first_token_at = Some(Instant::now());
+            p.first_token_at = Some(now);
             p.cached_tokens = ev.cached_tokens;
         }
+    }
+    if ev.finish_reason == Some(FinishReason::Error) {
+        p.failed = true;
     }
     ev.request_id = d.id;
     ev.prompt_tokens = p.prompt_tokens;
@@ -265,15 +310,22 @@ async fn local(
     }
 }
 
+/// The two nodes of a remote attempt.
+struct Pair {
+    prefill: NodeRef,
+    decode: NodeRef,
+}
+
 async fn remote(
     d: &Dispatch,
     p: &mut Progress,
     connector: &Connector,
     cfg: &ClusterConfig,
     mut deaths: broadcast::Receiver<u64>,
-    pnode: NodeRef,
-    dnode: NodeRef,
+    nodes: Pair,
+    (cluster, booking): (&ClusterHandle, &mut Assignment),
 ) -> Outcome {
+    let Pair { prefill: pnode, decode: dnode } = nodes;
     let mut pdeaths = deaths.resubscribe();
     let t0 = Instant::now();
     let dmsg = ControlMsg::DecodeRequest(DecodeRequest { work: work(d), local_prefill: false, generated: Vec::new() });
@@ -349,6 +401,7 @@ async fn remote(
                             return Outcome::PrefillFailed { node: pnode, error };
                         }
                         prefill_open = false;
+                        cluster.release_prefill(booking);
                         continue;
                     }
                     if first_at.is_some() {
@@ -376,10 +429,14 @@ async fn remote(
                 Read::Msg(ControlMsg::HandoffDone(h)) => {
                     record_handoff(&h, &pnode, dispatched, labels(&pnode));
                     prefill_open = false;
+                    // The prefill node's part is over (a drain of it need not wait for the
+                    // stream's decode).
+                    cluster.release_prefill(booking);
                 }
                 Read::Msg(other) => tracing::debug!(message = other.name(), "ignored from prefill node"),
                 Read::Lost(error) => {
                     prefill_open = false;
+                    cluster.release_prefill(booking);
                     if first_at.is_none() {
                         return Outcome::PrefillFailed { node: pnode, error };
                     }

@@ -85,6 +85,13 @@ pub struct EngineStats {
     pub steps: u64,
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
+    /// The last step's shape: prompt tokens it computed, and the decodes it carried with their
+    /// context (what [`EngineCore::note_step_time`] files the step's time under).
+    pub last_prefill_tokens: u64,
+    pub last_decode_seqs: u64,
+    pub last_decode_context: u64,
+    /// Step timings, filed by [`EngineCore::note_step_time`].
+    pub totals: cleave_protocol::control::StepTotals,
 }
 
 /// The engine's load at one moment, as nodes report it.
@@ -109,6 +116,10 @@ pub struct EngineSnapshot {
     pub import_reservations: usize,
     /// Blocks those reservations hold (counted in `kv_blocks_in_use` too).
     pub kv_blocks_reserved: usize,
+    /// Most tokens per step now (see [`EngineCore::set_step_budget`]).
+    pub step_budget: usize,
+    /// Cumulative step timings.
+    pub step_totals: cleave_protocol::control::StepTotals,
 }
 
 /// An imported request whose K/V is complete, waiting for a free sequence slot.
@@ -228,7 +239,36 @@ impl<B: Backend> EngineCore<B> {
             queued_prefill_tokens: self.sched.num_pending_prefill_tokens(),
             import_reservations: self.imports.len() + self.parked.len(),
             kv_blocks_reserved: self.imports.num_blocks() + self.parked.iter().map(|p| p.blocks.len()).sum::<usize>(),
+            step_budget: self.sched.config().max_num_batched_tokens,
+            step_totals: self.stats.totals,
         }
+    }
+
+    /// Changes the most tokens one step feeds (a colocated node trades time to first token for
+    /// time per output token with it). Takes effect at the next step; running requests keep
+    /// their progress.
+    pub fn set_step_budget(&mut self, tokens: usize) -> Result<()> {
+        self.sched.set_max_num_batched_tokens(tokens).map_err(EngineError::from)
+    }
+
+    /// Files the wall time of the step just run (measured by the caller, which owns the clock):
+    /// a step that computed prompt tokens counts as prefill time (decodes riding along included),
+    /// a step of decodes only as decode time. An empty step is not counted.
+    pub fn note_step_time(&mut self, took: std::time::Duration) {
+        let us = took.as_micros() as u64;
+        let st = &mut self.stats;
+        if st.last_prefill_tokens > 0 {
+            st.totals.prefill_tokens += st.last_prefill_tokens;
+            st.totals.prefill_us += us;
+        } else if st.last_decode_seqs > 0 {
+            st.totals.decode_steps += 1;
+            st.totals.decode_seqs += st.last_decode_seqs;
+            st.totals.decode_context += st.last_decode_context;
+            st.totals.decode_us += us;
+        }
+        st.last_prefill_tokens = 0;
+        st.last_decode_seqs = 0;
+        st.last_decode_context = 0;
     }
 
     /// Keys of the blocks in the prefix cache ([`crate::kv::hash_chain`] of a prompt with this
@@ -343,6 +383,9 @@ impl<B: Backend> EngineCore<B> {
             return Ok(events);
         }
         self.stats.steps += 1;
+        self.stats.last_prefill_tokens = 0;
+        self.stats.last_decode_seqs = 0;
+        self.stats.last_decode_context = 0;
         let block_size = self.kv.block_size();
         let mut tokens = Vec::with_capacity(batch.num_tokens());
         let mut positions = Vec::with_capacity(batch.num_tokens());
@@ -365,8 +408,11 @@ impl<B: Backend> EngineCore<B> {
             }
             if item.token_ids.len() == 1 && item.start_pos > 0 && item.sample {
                 self.stats.decode_tokens += 1;
+                self.stats.last_decode_seqs += 1;
+                self.stats.last_decode_context += item.start_pos as u64 + 1;
             } else {
                 self.stats.prefill_tokens += item.token_ids.len() as u64;
+                self.stats.last_prefill_tokens += item.token_ids.len() as u64;
             }
         }
         let fwd = ForwardBatch {

@@ -106,6 +106,15 @@ impl Scheduler {
         })
     }
 
+    /// Changes the step budget; refused below `max_num_seqs` (as at construction) or at 0.
+    pub fn set_max_num_batched_tokens(&mut self, tokens: usize) -> Result<(), SchedError> {
+        if tokens < self.cfg.max_num_seqs.max(1) {
+            return Err(SchedError::InvalidConfig { what: "max_num_batched_tokens must be at least max_num_seqs" });
+        }
+        self.cfg.max_num_batched_tokens = tokens;
+        Ok(())
+    }
+
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }

@@ -381,10 +381,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for Transport {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_BODY: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_BODY: u8 = 9;
+pub const ENUM_MAX_BODY: u8 = 11;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_BODY: [Body; 10] = [
+pub const ENUM_VALUES_BODY: [Body; 12] = [
   Body::NONE,
   Body::Register,
   Body::RegisterReply,
@@ -395,6 +395,8 @@ pub const ENUM_VALUES_BODY: [Body; 10] = [
   Body::Cancel,
   Body::TokenMsg,
   Body::HandoffDone,
+  Body::SetRole,
+  Body::Leave,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -412,9 +414,11 @@ impl Body {
   pub const Cancel: Self = Self(7);
   pub const TokenMsg: Self = Self(8);
   pub const HandoffDone: Self = Self(9);
+  pub const SetRole: Self = Self(10);
+  pub const Leave: Self = Self(11);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 9;
+  pub const ENUM_MAX: u8 = 11;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::NONE,
     Self::Register,
@@ -426,6 +430,8 @@ impl Body {
     Self::Cancel,
     Self::TokenMsg,
     Self::HandoffDone,
+    Self::SetRole,
+    Self::Leave,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -440,6 +446,8 @@ impl Body {
       Self::Cancel => Some("Cancel"),
       Self::TokenMsg => Some("TokenMsg"),
       Self::HandoffDone => Some("HandoffDone"),
+      Self::SetRole => Some("SetRole"),
+      Self::Leave => Some("Leave"),
       _ => None,
     }
   }
@@ -510,6 +518,8 @@ pub enum BodyT {
   Cancel(alloc::boxed::Box<CancelT>),
   TokenMsg(alloc::boxed::Box<TokenMsgT>),
   HandoffDone(alloc::boxed::Box<HandoffDoneT>),
+  SetRole(alloc::boxed::Box<SetRoleT>),
+  Leave(alloc::boxed::Box<LeaveT>),
 }
 impl Default for BodyT {
   fn default() -> Self {
@@ -529,6 +539,8 @@ impl BodyT {
       Self::Cancel(_) => Body::Cancel,
       Self::TokenMsg(_) => Body::TokenMsg,
       Self::HandoffDone(_) => Body::HandoffDone,
+      Self::SetRole(_) => Body::SetRole,
+      Self::Leave(_) => Body::Leave,
     }
   }
   pub fn pack<'b, A: ::flatbuffers::Allocator + 'b>(&self, fbb: &mut ::flatbuffers::FlatBufferBuilder<'b, A>) -> Option<::flatbuffers::WIPOffset<::flatbuffers::UnionWIPOffset>> {
@@ -543,6 +555,8 @@ impl BodyT {
       Self::Cancel(v) => Some(v.pack(fbb).as_union_value()),
       Self::TokenMsg(v) => Some(v.pack(fbb).as_union_value()),
       Self::HandoffDone(v) => Some(v.pack(fbb).as_union_value()),
+      Self::SetRole(v) => Some(v.pack(fbb).as_union_value()),
+      Self::Leave(v) => Some(v.pack(fbb).as_union_value()),
     }
   }
   /// If the union variant matches, return the owned RegisterT, setting the union to NONE.
@@ -733,6 +747,48 @@ impl BodyT {
   /// If the union variant matches, return a mutable reference to the HandoffDoneT.
   pub fn as_handoff_done_mut(&mut self) -> Option<&mut HandoffDoneT> {
     if let Self::HandoffDone(v) = self { Some(v.as_mut()) } else { None }
+  }
+  /// If the union variant matches, return the owned SetRoleT, setting the union to NONE.
+  pub fn take_set_role(&mut self) -> Option<alloc::boxed::Box<SetRoleT>> {
+    if let Self::SetRole(_) = self {
+      let v = ::core::mem::replace(self, Self::NONE);
+      if let Self::SetRole(w) = v {
+        Some(w)
+      } else {
+        unreachable!()
+      }
+    } else {
+      None
+    }
+  }
+  /// If the union variant matches, return a reference to the SetRoleT.
+  pub fn as_set_role(&self) -> Option<&SetRoleT> {
+    if let Self::SetRole(v) = self { Some(v.as_ref()) } else { None }
+  }
+  /// If the union variant matches, return a mutable reference to the SetRoleT.
+  pub fn as_set_role_mut(&mut self) -> Option<&mut SetRoleT> {
+    if let Self::SetRole(v) = self { Some(v.as_mut()) } else { None }
+  }
+  /// If the union variant matches, return the owned LeaveT, setting the union to NONE.
+  pub fn take_leave(&mut self) -> Option<alloc::boxed::Box<LeaveT>> {
+    if let Self::Leave(_) = self {
+      let v = ::core::mem::replace(self, Self::NONE);
+      if let Self::Leave(w) = v {
+        Some(w)
+      } else {
+        unreachable!()
+      }
+    } else {
+      None
+    }
+  }
+  /// If the union variant matches, return a reference to the LeaveT.
+  pub fn as_leave(&self) -> Option<&LeaveT> {
+    if let Self::Leave(v) = self { Some(v.as_ref()) } else { None }
+  }
+  /// If the union variant matches, return a mutable reference to the LeaveT.
+  pub fn as_leave_mut(&mut self) -> Option<&mut LeaveT> {
+    if let Self::Leave(v) = self { Some(v.as_mut()) } else { None }
   }
 }
 pub enum KvLayoutOffset {}
@@ -999,6 +1055,7 @@ impl<'a> Register<'a> {
   pub const VT_MAX_MODEL_LEN: ::flatbuffers::VOffsetT = 14;
   pub const VT_RPC_ADDR: ::flatbuffers::VOffsetT = 16;
   pub const VT_KV_ADDR: ::flatbuffers::VOffsetT = 18;
+  pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 20;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1010,6 +1067,7 @@ impl<'a> Register<'a> {
     args: &'args RegisterArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Register<'bldr>> {
     let mut builder = RegisterBuilder::new(_fbb);
+    builder.add_step_budget(args.step_budget);
     if let Some(x) = args.kv_addr { builder.add_kv_addr(x); }
     if let Some(x) = args.rpc_addr { builder.add_rpc_addr(x); }
     builder.add_max_model_len(args.max_model_len);
@@ -1040,6 +1098,7 @@ impl<'a> Register<'a> {
     let kv_addr = self.kv_addr().map(|x| {
       alloc::string::ToString::to_string(x)
     });
+    let step_budget = self.step_budget();
     RegisterT {
       role,
       name,
@@ -1049,6 +1108,7 @@ impl<'a> Register<'a> {
       max_model_len,
       rpc_addr,
       kv_addr,
+      step_budget,
     }
   }
 
@@ -1110,6 +1170,14 @@ impl<'a> Register<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Register::VT_KV_ADDR, None)}
   }
+  /// Most tokens per engine step the node runs with now (0: not said).
+  #[inline]
+  pub fn step_budget(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Register::VT_STEP_BUDGET, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Register<'_> {
@@ -1126,6 +1194,7 @@ impl ::flatbuffers::Verifiable for Register<'_> {
      .visit_field::<u32>("max_model_len", Self::VT_MAX_MODEL_LEN, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("rpc_addr", Self::VT_RPC_ADDR, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("kv_addr", Self::VT_KV_ADDR, false)?
+     .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
      .finish();
     Ok(())
   }
@@ -1139,6 +1208,7 @@ pub struct RegisterArgs<'a> {
     pub max_model_len: u32,
     pub rpc_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub kv_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub step_budget: u32,
 }
 impl<'a> Default for RegisterArgs<'a> {
   #[inline]
@@ -1152,6 +1222,7 @@ impl<'a> Default for RegisterArgs<'a> {
       max_model_len: 0,
       rpc_addr: None,
       kv_addr: None,
+      step_budget: 0,
     }
   }
 }
@@ -1194,6 +1265,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> RegisterBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Register::VT_KV_ADDR, kv_addr);
   }
   #[inline]
+  pub fn add_step_budget(&mut self, step_budget: u32) {
+    self.fbb_.push_slot::<u32>(Register::VT_STEP_BUDGET, step_budget, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> RegisterBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     RegisterBuilder {
@@ -1219,6 +1294,7 @@ impl ::core::fmt::Debug for Register<'_> {
       ds.field("max_model_len", &self.max_model_len());
       ds.field("rpc_addr", &self.rpc_addr());
       ds.field("kv_addr", &self.kv_addr());
+      ds.field("step_budget", &self.step_budget());
       ds.finish()
   }
 }
@@ -1233,6 +1309,7 @@ pub struct RegisterT {
   pub max_model_len: u32,
   pub rpc_addr: Option<alloc::string::String>,
   pub kv_addr: Option<alloc::string::String>,
+  pub step_budget: u32,
 }
 impl Default for RegisterT {
   fn default() -> Self {
@@ -1245,6 +1322,7 @@ impl Default for RegisterT {
       max_model_len: 0,
       rpc_addr: None,
       kv_addr: None,
+      step_budget: 0,
     }
   }
 }
@@ -1271,6 +1349,7 @@ impl RegisterT {
     let kv_addr = self.kv_addr.as_ref().map(|x|{
       _fbb.create_string(x)
     });
+    let step_budget = self.step_budget;
     Register::create(_fbb, &RegisterArgs{
       role,
       name,
@@ -1280,6 +1359,7 @@ impl RegisterT {
       max_model_len,
       rpc_addr,
       kv_addr,
+      step_budget,
     })
   }
 }
@@ -1481,6 +1561,12 @@ impl<'a> LoadReport<'a> {
   pub const VT_CACHED_BLOCKS: ::flatbuffers::VOffsetT = 12;
   pub const VT_TOTAL_BLOCKS: ::flatbuffers::VOffsetT = 14;
   pub const VT_PREFIX_HASHES: ::flatbuffers::VOffsetT = 16;
+  pub const VT_PREFILL_TOKENS_TOTAL: ::flatbuffers::VOffsetT = 18;
+  pub const VT_PREFILL_US_TOTAL: ::flatbuffers::VOffsetT = 20;
+  pub const VT_DECODE_STEPS_TOTAL: ::flatbuffers::VOffsetT = 22;
+  pub const VT_DECODE_SEQS_TOTAL: ::flatbuffers::VOffsetT = 24;
+  pub const VT_DECODE_CONTEXT_TOTAL: ::flatbuffers::VOffsetT = 26;
+  pub const VT_DECODE_US_TOTAL: ::flatbuffers::VOffsetT = 28;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1492,6 +1578,12 @@ impl<'a> LoadReport<'a> {
     args: &'args LoadReportArgs<'args>
   ) -> ::flatbuffers::WIPOffset<LoadReport<'bldr>> {
     let mut builder = LoadReportBuilder::new(_fbb);
+    builder.add_decode_us_total(args.decode_us_total);
+    builder.add_decode_context_total(args.decode_context_total);
+    builder.add_decode_seqs_total(args.decode_seqs_total);
+    builder.add_decode_steps_total(args.decode_steps_total);
+    builder.add_prefill_us_total(args.prefill_us_total);
+    builder.add_prefill_tokens_total(args.prefill_tokens_total);
     builder.add_queued_prefill_tokens(args.queued_prefill_tokens);
     if let Some(x) = args.prefix_hashes { builder.add_prefix_hashes(x); }
     builder.add_total_blocks(args.total_blocks);
@@ -1512,6 +1604,12 @@ impl<'a> LoadReport<'a> {
     let prefix_hashes = self.prefix_hashes().map(|x| {
       x.into_iter().collect()
     });
+    let prefill_tokens_total = self.prefill_tokens_total();
+    let prefill_us_total = self.prefill_us_total();
+    let decode_steps_total = self.decode_steps_total();
+    let decode_seqs_total = self.decode_seqs_total();
+    let decode_context_total = self.decode_context_total();
+    let decode_us_total = self.decode_us_total();
     LoadReportT {
       queued_prefill_tokens,
       waiting_seqs,
@@ -1520,6 +1618,12 @@ impl<'a> LoadReport<'a> {
       cached_blocks,
       total_blocks,
       prefix_hashes,
+      prefill_tokens_total,
+      prefill_us_total,
+      decode_steps_total,
+      decode_seqs_total,
+      decode_context_total,
+      decode_us_total,
     }
   }
 
@@ -1573,6 +1677,51 @@ impl<'a> LoadReport<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(LoadReport::VT_PREFIX_HASHES, None)}
   }
+  /// Cumulative engine step timings since the node started (the planner's cost model is
+  /// calibrated from their differences): prompt tokens computed and the time of the steps that
+  /// computed them; decode-only steps, the sequences and context tokens they carried, and time.
+  #[inline]
+  pub fn prefill_tokens_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_PREFILL_TOKENS_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn prefill_us_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_PREFILL_US_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn decode_steps_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_DECODE_STEPS_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn decode_seqs_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_DECODE_SEQS_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn decode_context_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_DECODE_CONTEXT_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn decode_us_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_DECODE_US_TOTAL, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for LoadReport<'_> {
@@ -1588,6 +1737,12 @@ impl ::flatbuffers::Verifiable for LoadReport<'_> {
      .visit_field::<u32>("cached_blocks", Self::VT_CACHED_BLOCKS, false)?
      .visit_field::<u32>("total_blocks", Self::VT_TOTAL_BLOCKS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("prefix_hashes", Self::VT_PREFIX_HASHES, false)?
+     .visit_field::<u64>("prefill_tokens_total", Self::VT_PREFILL_TOKENS_TOTAL, false)?
+     .visit_field::<u64>("prefill_us_total", Self::VT_PREFILL_US_TOTAL, false)?
+     .visit_field::<u64>("decode_steps_total", Self::VT_DECODE_STEPS_TOTAL, false)?
+     .visit_field::<u64>("decode_seqs_total", Self::VT_DECODE_SEQS_TOTAL, false)?
+     .visit_field::<u64>("decode_context_total", Self::VT_DECODE_CONTEXT_TOTAL, false)?
+     .visit_field::<u64>("decode_us_total", Self::VT_DECODE_US_TOTAL, false)?
      .finish();
     Ok(())
   }
@@ -1600,6 +1755,12 @@ pub struct LoadReportArgs<'a> {
     pub cached_blocks: u32,
     pub total_blocks: u32,
     pub prefix_hashes: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
+    pub prefill_tokens_total: u64,
+    pub prefill_us_total: u64,
+    pub decode_steps_total: u64,
+    pub decode_seqs_total: u64,
+    pub decode_context_total: u64,
+    pub decode_us_total: u64,
 }
 impl<'a> Default for LoadReportArgs<'a> {
   #[inline]
@@ -1612,6 +1773,12 @@ impl<'a> Default for LoadReportArgs<'a> {
       cached_blocks: 0,
       total_blocks: 0,
       prefix_hashes: None,
+      prefill_tokens_total: 0,
+      prefill_us_total: 0,
+      decode_steps_total: 0,
+      decode_seqs_total: 0,
+      decode_context_total: 0,
+      decode_us_total: 0,
     }
   }
 }
@@ -1650,6 +1817,30 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LoadReportBuilder<'a, 'b, A> 
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(LoadReport::VT_PREFIX_HASHES, prefix_hashes);
   }
   #[inline]
+  pub fn add_prefill_tokens_total(&mut self, prefill_tokens_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_PREFILL_TOKENS_TOTAL, prefill_tokens_total, 0);
+  }
+  #[inline]
+  pub fn add_prefill_us_total(&mut self, prefill_us_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_PREFILL_US_TOTAL, prefill_us_total, 0);
+  }
+  #[inline]
+  pub fn add_decode_steps_total(&mut self, decode_steps_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_DECODE_STEPS_TOTAL, decode_steps_total, 0);
+  }
+  #[inline]
+  pub fn add_decode_seqs_total(&mut self, decode_seqs_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_DECODE_SEQS_TOTAL, decode_seqs_total, 0);
+  }
+  #[inline]
+  pub fn add_decode_context_total(&mut self, decode_context_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_DECODE_CONTEXT_TOTAL, decode_context_total, 0);
+  }
+  #[inline]
+  pub fn add_decode_us_total(&mut self, decode_us_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_DECODE_US_TOTAL, decode_us_total, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LoadReportBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     LoadReportBuilder {
@@ -1674,6 +1865,12 @@ impl ::core::fmt::Debug for LoadReport<'_> {
       ds.field("cached_blocks", &self.cached_blocks());
       ds.field("total_blocks", &self.total_blocks());
       ds.field("prefix_hashes", &self.prefix_hashes());
+      ds.field("prefill_tokens_total", &self.prefill_tokens_total());
+      ds.field("prefill_us_total", &self.prefill_us_total());
+      ds.field("decode_steps_total", &self.decode_steps_total());
+      ds.field("decode_seqs_total", &self.decode_seqs_total());
+      ds.field("decode_context_total", &self.decode_context_total());
+      ds.field("decode_us_total", &self.decode_us_total());
       ds.finish()
   }
 }
@@ -1687,6 +1884,12 @@ pub struct LoadReportT {
   pub cached_blocks: u32,
   pub total_blocks: u32,
   pub prefix_hashes: Option<alloc::vec::Vec<u64>>,
+  pub prefill_tokens_total: u64,
+  pub prefill_us_total: u64,
+  pub decode_steps_total: u64,
+  pub decode_seqs_total: u64,
+  pub decode_context_total: u64,
+  pub decode_us_total: u64,
 }
 impl Default for LoadReportT {
   fn default() -> Self {
@@ -1698,6 +1901,12 @@ impl Default for LoadReportT {
       cached_blocks: 0,
       total_blocks: 0,
       prefix_hashes: None,
+      prefill_tokens_total: 0,
+      prefill_us_total: 0,
+      decode_steps_total: 0,
+      decode_seqs_total: 0,
+      decode_context_total: 0,
+      decode_us_total: 0,
     }
   }
 }
@@ -1715,6 +1924,12 @@ impl LoadReportT {
     let prefix_hashes = self.prefix_hashes.as_ref().map(|x|{
       _fbb.create_vector(x)
     });
+    let prefill_tokens_total = self.prefill_tokens_total;
+    let prefill_us_total = self.prefill_us_total;
+    let decode_steps_total = self.decode_steps_total;
+    let decode_seqs_total = self.decode_seqs_total;
+    let decode_context_total = self.decode_context_total;
+    let decode_us_total = self.decode_us_total;
     LoadReport::create(_fbb, &LoadReportArgs{
       queued_prefill_tokens,
       waiting_seqs,
@@ -1723,6 +1938,12 @@ impl LoadReportT {
       cached_blocks,
       total_blocks,
       prefix_hashes,
+      prefill_tokens_total,
+      prefill_us_total,
+      decode_steps_total,
+      decode_seqs_total,
+      decode_context_total,
+      decode_us_total,
     })
   }
 }
@@ -3798,6 +4019,288 @@ impl HandoffDoneT {
     })
   }
 }
+pub enum SetRoleOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+/// Coordinator -> node on the control stream: the node's role from now on (it serves every
+/// request it is sent whatever its role; the role says what the coordinator routes to it and
+/// what it registers as after a reconnect), and the engine's step budget (0: keep it).
+pub struct SetRole<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for SetRole<'a> {
+  type Inner = SetRole<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> SetRole<'a> {
+  pub const VT_ROLE: ::flatbuffers::VOffsetT = 4;
+  pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 6;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    SetRole { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args SetRoleArgs
+  ) -> ::flatbuffers::WIPOffset<SetRole<'bldr>> {
+    let mut builder = SetRoleBuilder::new(_fbb);
+    builder.add_step_budget(args.step_budget);
+    builder.add_role(args.role);
+    builder.finish()
+  }
+
+  pub fn unpack(&self) -> SetRoleT {
+    let role = self.role();
+    let step_budget = self.step_budget();
+    SetRoleT {
+      role,
+      step_budget,
+    }
+  }
+
+  #[inline]
+  pub fn role(&self) -> Role {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<Role>(SetRole::VT_ROLE, Some(Role::Prefill)).unwrap()}
+  }
+  #[inline]
+  pub fn step_budget(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(SetRole::VT_STEP_BUDGET, Some(0)).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for SetRole<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<Role>("role", Self::VT_ROLE, false)?
+     .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct SetRoleArgs {
+    pub role: Role,
+    pub step_budget: u32,
+}
+impl<'a> Default for SetRoleArgs {
+  #[inline]
+  fn default() -> Self {
+    SetRoleArgs {
+      role: Role::Prefill,
+      step_budget: 0,
+    }
+  }
+}
+
+pub struct SetRoleBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> SetRoleBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_role(&mut self, role: Role) {
+    self.fbb_.push_slot::<Role>(SetRole::VT_ROLE, role, Role::Prefill);
+  }
+  #[inline]
+  pub fn add_step_budget(&mut self, step_budget: u32) {
+    self.fbb_.push_slot::<u32>(SetRole::VT_STEP_BUDGET, step_budget, 0);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> SetRoleBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    SetRoleBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<SetRole<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for SetRole<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("SetRole");
+      ds.field("role", &self.role());
+      ds.field("step_budget", &self.step_budget());
+      ds.finish()
+  }
+}
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq)]
+pub struct SetRoleT {
+  pub role: Role,
+  pub step_budget: u32,
+}
+impl Default for SetRoleT {
+  fn default() -> Self {
+    Self {
+      role: Role::Prefill,
+      step_budget: 0,
+    }
+  }
+}
+impl SetRoleT {
+  pub fn pack<'b, A: ::flatbuffers::Allocator + 'b>(
+    &self,
+    _fbb: &mut ::flatbuffers::FlatBufferBuilder<'b, A>
+  ) -> ::flatbuffers::WIPOffset<SetRole<'b>> {
+    let role = self.role;
+    let step_budget = self.step_budget;
+    SetRole::create(_fbb, &SetRoleArgs{
+      role,
+      step_budget,
+    })
+  }
+}
+pub enum LeaveOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+/// Coordinator -> node on the control stream: the node has drained and should stop (its
+/// process exits cleanly).
+pub struct Leave<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Leave<'a> {
+  type Inner = Leave<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Leave<'a> {
+  pub const VT_REASON: ::flatbuffers::VOffsetT = 4;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Leave { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args LeaveArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<Leave<'bldr>> {
+    let mut builder = LeaveBuilder::new(_fbb);
+    if let Some(x) = args.reason { builder.add_reason(x); }
+    builder.finish()
+  }
+
+  pub fn unpack(&self) -> LeaveT {
+    let reason = self.reason().map(|x| {
+      alloc::string::ToString::to_string(x)
+    });
+    LeaveT {
+      reason,
+    }
+  }
+
+  #[inline]
+  pub fn reason(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Leave::VT_REASON, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Leave<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("reason", Self::VT_REASON, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct LeaveArgs<'a> {
+    pub reason: Option<::flatbuffers::WIPOffset<&'a str>>,
+}
+impl<'a> Default for LeaveArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    LeaveArgs {
+      reason: None,
+    }
+  }
+}
+
+pub struct LeaveBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LeaveBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_reason(&mut self, reason: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Leave::VT_REASON, reason);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LeaveBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    LeaveBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Leave<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Leave<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Leave");
+      ds.field("reason", &self.reason());
+      ds.finish()
+  }
+}
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaveT {
+  pub reason: Option<alloc::string::String>,
+}
+impl Default for LeaveT {
+  fn default() -> Self {
+    Self {
+      reason: None,
+    }
+  }
+}
+impl LeaveT {
+  pub fn pack<'b, A: ::flatbuffers::Allocator + 'b>(
+    &self,
+    _fbb: &mut ::flatbuffers::FlatBufferBuilder<'b, A>
+  ) -> ::flatbuffers::WIPOffset<Leave<'b>> {
+    let reason = self.reason.as_ref().map(|x|{
+      _fbb.create_string(x)
+    });
+    Leave::create(_fbb, &LeaveArgs{
+      reason,
+    })
+  }
+}
 pub enum EnvelopeOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -3881,6 +4384,16 @@ impl<'a> Envelope<'a> {
       Body::HandoffDone => BodyT::HandoffDone(alloc::boxed::Box::new(
         self.body_as_handoff_done()
             .expect("Invalid union table, expected `Body::HandoffDone`.")
+            .unpack()
+      )),
+      Body::SetRole => BodyT::SetRole(alloc::boxed::Box::new(
+        self.body_as_set_role()
+            .expect("Invalid union table, expected `Body::SetRole`.")
+            .unpack()
+      )),
+      Body::Leave => BodyT::Leave(alloc::boxed::Box::new(
+        self.body_as_leave()
+            .expect("Invalid union table, expected `Body::Leave`.")
             .unpack()
       )),
       _ => BodyT::NONE,
@@ -4047,6 +4560,36 @@ impl<'a> Envelope<'a> {
     }
   }
 
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_set_role(&self) -> Option<SetRole<'a>> {
+    if self.body_type() == Body::SetRole {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { SetRole::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn body_as_leave(&self) -> Option<Leave<'a>> {
+    if self.body_type() == Body::Leave {
+      self.body().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { Leave::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
 }
 
 impl ::flatbuffers::Verifiable for Envelope<'_> {
@@ -4067,6 +4610,8 @@ impl ::flatbuffers::Verifiable for Envelope<'_> {
           Body::Cancel => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Cancel>>("Body::Cancel", pos),
           Body::TokenMsg => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<TokenMsg>>("Body::TokenMsg", pos),
           Body::HandoffDone => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<HandoffDone>>("Body::HandoffDone", pos),
+          Body::SetRole => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<SetRole>>("Body::SetRole", pos),
+          Body::Leave => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Leave>>("Body::Leave", pos),
           _ => Ok(()),
         }
      })?
@@ -4186,6 +4731,20 @@ impl ::core::fmt::Debug for Envelope<'_> {
         },
         Body::HandoffDone => {
           if let Some(x) = self.body_as_handoff_done() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::SetRole => {
+          if let Some(x) = self.body_as_set_role() {
+            ds.field("body", &x)
+          } else {
+            ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
+        Body::Leave => {
+          if let Some(x) = self.body_as_leave() {
             ds.field("body", &x)
           } else {
             ds.field("body", &"InvalidFlatbuffer: Union discriminant does not match value.")
