@@ -111,6 +111,7 @@ pub fn router(state: AppState) -> Router {
         .merge(api)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(state.inner.max_body_bytes))
         .layer(middleware::from_fn(request_id_and_metrics))
@@ -234,6 +235,13 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
         None => String::new(),
     };
     ([(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"))], text).into_response()
+}
+
+/// The OpenAPI document of the public and admin API (kept true by `tests/openapi.rs`).
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], OPENAPI).into_response()
 }
 
 async fn models(State(state): State<AppState>) -> Json<ModelList> {

@@ -74,10 +74,12 @@ pub async fn register(
         match read_msg(&mut s.recv).await? {
             Some(ControlMsg::RegisterReply(RegisterReply::Accepted { node_id })) => Ok((s, node_id)),
             Some(ControlMsg::RegisterReply(RegisterReply::Refused { reason })) => Err(NodeError::Refused { reason }),
-            Some(other) => Err(NodeError::Protocol {
-                reason: format!("coordinator answered Register with {}", other.name()),
+            Some(other) => {
+                Err(NodeError::Protocol { reason: format!("coordinator answered Register with {}", other.name()) })
+            }
+            None => Err(NodeError::Protocol {
+                reason: "the coordinator closed the stream before answering Register".into(),
             }),
-            None => Err(NodeError::Protocol { reason: "the coordinator closed the stream before answering Register".into() }),
         }
     };
     tokio::time::timeout(cfg.register_timeout, attempt).await.map_err(|_| NodeError::Timeout {
@@ -210,7 +212,8 @@ async fn serve_link(
         }
         let Some(report) = latest.borrow().clone() else { break false };
         record_load(&report);
-        let sent = tokio::time::timeout(cfg.register_timeout, write_msg(&mut send, &ControlMsg::LoadReport(report))).await;
+        let sent =
+            tokio::time::timeout(cfg.register_timeout, write_msg(&mut send, &ControlMsg::LoadReport(report))).await;
         if !matches!(sent, Ok(Ok(()))) {
             break true;
         }

@@ -197,8 +197,8 @@ impl Node {
             let stop = async move {
                 tokio::select! {
                     () = shutdown => {}
-                    r = left_rx.wait_for(Option::is_some) => {
-                        if r.is_err() {
+                    gone = async { left_rx.wait_for(Option::is_some).await.is_err() } => {
+                        if gone {
                             std::future::pending::<()>().await;
                         }
                     }

@@ -1,1 +1,145 @@
-pub fn placeholder() {}
+//! The SLO planner: sizes the prefill pool, the decode pool and colocated nodes so that TTFT
+//! and TPOT stay inside their targets with the fewest nodes.
+//!
+//! Sans-IO: observations and time in, decisions out. Allowed dependencies: serde and
+//! thiserror only; nothing reads a clock, a socket or a random source, so the coordinator and
+//! `cleave bench simulate` run the same code and get the same decisions from the same inputs.
+//!
+//! ```text
+//! on_arrival(Arrival) ──┐                      ┌─▶ Decision { target, actions, reason, why, inputs, predicted }
+//! on_completion(..) ────┼─▶ Planner::tick(Snapshot) ──┘     (auto: applied = true; advise: false; off: none)
+//! Snapshot (nodes) ─────┘   Planner::estimate(Snapshot) ──▶ Estimate (any mode)
+//! ```
+//!
+//! Modules: [`config`] (settings, updates, validation), [`costs`] (the step-cost trait and a
+//! linear model with calibration), [`types`] (observations and outputs), `window` (sliding
+//! windows), `queueing` (Erlang C, Allen–Cunneen, fixed points), `model` (predictions),
+//! `search` (candidates and the hysteresis policy), `cluster` (counting nodes, planning
+//! actions), `planner` (the state machine).
+//!
+//! # Why not size pools from service times
+//!
+//! A planner that sizes pools from profiled service times alone misses queueing (clients wait
+//! minutes while the estimate says hundreds of milliseconds), and one that measures demand as
+//! completions per second sees a saturated cluster's own capacity and concludes it suffices.
+//! Here demand is counted at the edge when requests arrive, TTFT includes queue wait and the
+//! work already queued on the nodes, and what clients experienced corrects the model.
+//!
+//! # Demand (over the sliding `window`)
+//!
+//! - `lambda` = arrivals in the window / min(window, time since the first observation), that
+//!   time taken as at least window / 3 (a rate from a few seconds of arrivals is noise; right
+//!   after start-up this under-reads demand, and the backlog term still sees a queue).
+//! - `P`, `sigma_P`: mean and standard deviation of prompt tokens of those arrivals.
+//! - `O`: expected output tokens: the mean output of successful completions in the window
+//!   (capped at the mean `max_tokens`) once there are 10, else the mean `max_tokens`.
+//! - Work on the nodes: queued prompt tokens (`backlog`) and running + waiting sequences on
+//!   decoding nodes (`inflight`), from the snapshot; draining nodes are left out.
+//!
+//! # Predictions at the target quantile `q` (`z` its normal score)
+//!
+//! Assumptions: Poisson arrivals (`ca^2 = 1`); the router spreads prompts over a pool as one
+//! shared queue (M/G/c); a node runs one prompt's prefill at a time; step costs are
+//! non-decreasing in tokens, batch and context; sequences stay resident for their `O` steps.
+//!
+//! **Prefill pool of `n` nodes.** Service `S(x) = prefill_time(x)`; mean and spread from the
+//! two-point rule `E[S] = (S(P - sigma) + S(P + sigma)) / 2`, `cs^2 = ((S(P+sigma) -
+//! S(P-sigma)) / 2 / E[S])^2` (exact for a quadratic `S`). Offered load `a = lambda E[S]`,
+//! utilisation `rho = a / n` (`>= 1`: unbounded). Queue wait at `q` by Erlang C with the
+//! Allen–Cunneen correction: `W_q = ln(C(n, a) / (1 - q)) * (1 + cs^2) / 2 * E[S] / (n - a)`
+//! (0 when `C <= 1 - q`). Backlog drain `W_b = backlog / (n * P / S(P))`. Then
+//! `TTFT = max(W_q, W_b) + S(P + z sigma) + handoff_time(P + z sigma) + first decode step`.
+//! The backlog is the very queue the model predicts in steady state, so the two are combined
+//! with max, not summed; a backlog larger than the model expects (a burst, demand growing)
+//! raises the prediction before clients see it. The handoff counts in latency, not in the
+//! node's busy time (layers stream out as they are computed).
+//!
+//! **Decode pool of `m` nodes.** Continuous batching holds an M/G/inf population per node:
+//! `B = (lambda / m) * O * t(1 + B)` with `t(x) = decode_step_time(x, x (P + O/2))` (a member
+//! sees itself plus the others), solved as the least fixed point, and at least `inflight / m`
+//! (what nodes report now). No fixed point below the KV capacity (`kv_capacity_tokens / (P +
+//! O/2)` sequences): unbounded. `TPOT_q = t(1 + B_q)` with `B_q = B + z sqrt(B) + (z^2 - 1)/6`
+//! (Cornish–Fisher upper quantile of a Poisson count; a request averages its steps, so this
+//! errs high). The first decode step `t(1 + B)` is part of TTFT.
+//!
+//! **`k` colocated nodes, step budget `T`.** Each node takes `lambda / k`. A step holds its
+//! `1 + B` decodes and `c = T - (1 + B)` prefill tokens; a prompt needs `ceil(P / x)` chunks
+//! of `x = min(c, P)` tokens, each a mixed step `t_m = mixed_step_time(x, 1 + B, ..)`; other
+//! steps are decode steps `t_d`. Mixed steps take a share `u = (lambda/k) ceil(P/x) t_m` of
+//! the node (`u >= 1`: unbounded); a decoding sequence sees `u / t_m + (1 - u) / t_d` steps per
+//! second, `TPOT_mean` its inverse, and `B = (lambda/k) O TPOT_mean`. TTFT = max(M/G/1 wait
+//! at `q` with utilisation `u` and service `ceil(P/x) t_m`, backlog / the node's full-chunk
+//! rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
+//! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q = poisson_upper(lambda/k
+//! (O TPOT_mean + ceil(P/x) t_m))` the prompts whose prefill overlaps its life at the
+//! quantile; the rest are decode steps, both at the quantile batch. So a small budget costs TTFT (more chunks) and a large one TPOT (long mixed
+//! steps), and loose TPOT targets with short prompts favour colocation (fewer nodes: no
+//! separate prefill node), tight ones disaggregation.
+//!
+//! Mixed configurations (only ever the current one) share demand between their parts in
+//! proportion to node counts and report the worse part.
+//!
+//! **Correction from observation.** Clients' percentiles come from log-bucketed histograms
+//! kept in step with the window (1% resolution, O(1) per completion). Once the window holds
+//! 10 successful completions that started under the current configuration, `observed quantile / mean raw prediction made for
+//! it over the window` (clamped to [0.5, 4]) feeds an EWMA (time constant window / 3) per
+//! metric; every candidate's TTFT and TPOT are multiplied by the factors, recorded in each
+//! decision. TTFT is never scaled below what the backlog alone implies (the floor `W_b +
+//! service`), because the backlog is measured, not modelled: a model that over-predicted in
+//! the past must not hide a queue that is building now.
+//!
+//! # Choosing
+//!
+//! Candidates are counts, not node subsets: every split `(p, d)` (no colocated node), and when
+//! `max_colocated > 0` every `(k, T)` (no disaggregated node), within min/max per pool,
+//! `max_nodes`, and the nodes already committed to a pool (starting or switching nodes). When
+//! nodes cannot be added the total is the live count. Predictions are monotone in pool sizes,
+//! which makes the search O(N log N) (see `search`). With `r` = the worst of
+//! prediction/target over TTFT and TPOT and of the busiest pool's utilisation (offered load /
+//! capacity: a large pool's queue stays short almost up to saturation, so latency alone would
+//! plan it at 99% busy, where a few percent of error in the rate estimate tip it over), `up` =
+//! `scale_up_margin`, `down` = `scale_down_margin`:
+//!
+//! 1. Current configuration outside the limits: the best candidate (below), reason `bounds`.
+//! 2. `r(current) <= up`: keep it, unless a configuration with fewer nodes has `r <= down`
+//!    (then the one with the fewest nodes, most slack, fewest role changes). No configuration
+//!    with fewer nodes is chosen before the planner has observed one full window, nor while
+//!    the window's attainment is below `targets.attainment`.
+//! 3. `r(current) > up` (risk, or breach): the fewest nodes among candidates that do not add
+//!    nodes and reach `r <= down`, else among those adding nodes with `r <= up`; if none, the
+//!    smallest `r` the budget allows (overloaded ones ranked by load/capacity), adopted only
+//!    when `r <= up * r(current)`. So a re-split must land clearly inside the targets, and
+//!    the move back needs the reverse: noise around a threshold does not flap.
+//! 4. A new target must be wanted `confirm_ticks` ticks in a row and not within `cooldown` of
+//!    the last decision; a target already decided is not decided again while it stays wanted.
+//!    A scale-down (case 2) must moreover be wanted on every tick for a whole window: remove
+//!    capacity slowly, add it fast.
+//!
+//! Ties: most slack, then the current configuration, then fewest role changes.
+//!
+//! # Actions
+//!
+//! Role switches of the least loaded `Active` nodes first (no new process), then starts and
+//! stops for the rest when `can_add_nodes`, and step budgets for colocated nodes whose budget
+//! differs; nodes draining, switching or starting are never named (see `cluster`).
+
+pub mod config;
+pub mod costs;
+pub mod error;
+pub mod types;
+
+mod cluster;
+mod model;
+mod planner;
+mod queueing;
+mod search;
+mod window;
+
+pub use config::{Limits, LimitsUpdate, Mode, PlannerConfig, PlannerUpdate, Role, Targets, TargetsUpdate};
+pub use costs::{Calibration, LinearCosts, StepCosts, StepStats};
+pub use error::PlannerError;
+pub use planner::{Planner, CORRECTION_RANGE, DECISION_LOG, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES};
+pub use types::{
+    Action, Arrival, Completion, ConfigPrediction, Decision, Estimate, Inputs, NodeObs, NodeState, PoolTarget,
+    Prediction, Reason, Snapshot,
+};

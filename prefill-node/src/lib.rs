@@ -17,7 +17,6 @@
 //! cancels the request) and the shipper (whose sender aborts the transfer, so the decode node
 //! frees the lease).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

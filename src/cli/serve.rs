@@ -105,6 +105,10 @@ pub struct CoordinatorCmd {
     /// Serve the admin API on this address instead of the API's listener.
     #[arg(long)]
     pub admin_listen: Option<SocketAddr>,
+    /// Ask for new nodes with `LAUNCH role=...` lines on stdout (set by `cleave up --max-nodes`,
+    /// which reads them and starts the processes).
+    #[arg(long, hide = true)]
+    pub launch_nodes_via_stdout: bool,
     #[command(flatten)]
     pub planner: PlannerArgs,
 }
@@ -305,13 +309,20 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         cfg.max_migrations = cmd.max_migrations;
         cfg.planner = planner;
         let admin = match cmd.admin_listen {
-            Some(a) => Some(
-                tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?,
-            ),
+            Some(a) => {
+                Some(tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?)
+            }
             None => None,
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
-        let cluster = Cluster::start(cfg, fingerprint, control, dispatches, None)?;
+        let launch = cmd.launch_nodes_via_stdout;
+        let cluster = Cluster::start_with(cfg, fingerprint, control, dispatches, move |h| {
+            if launch {
+                Box::new(cleave_coordinator::cluster::LocalProcesses::new(h))
+            } else {
+                Box::new(cleave_coordinator::cluster::RoleSwitch::new(h))
+            }
+        })?;
         let state = AppState::new(&cmd.http, model, dispatch).with_readiness(cluster.readiness());
         let http_addr = http.local_addr()?;
         let admin_addr = admin_addr.map_or(String::new(), |a| format!(" admin={a}"));

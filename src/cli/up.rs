@@ -77,6 +77,10 @@ pub struct UpArgs {
     /// Restarts allowed per process (a coordinator or node that dies is started again).
     #[arg(long, default_value_t = 5)]
     pub restart_budget: u32,
+    /// Most nodes in all: with more than the nodes started, the planner (in auto mode) may
+    /// start node processes up to this many, and stop them again.
+    #[arg(long)]
+    pub max_nodes: Option<usize>,
     /// Require this API key (Bearer) on the API routes.
     #[arg(long, env = "CLEAVE_API_KEY")]
     pub api_key: Option<String>,
@@ -103,6 +107,20 @@ struct Proc {
     restarts: u32,
     /// Exited for good (left the cluster, or out of restarts).
     done: bool,
+    /// Where its `LAUNCH` lines go (the coordinator's).
+    launches: Option<tokio::sync::mpsc::UnboundedSender<String>>,
+}
+
+/// Starts the nodes the planner asks for (`LAUNCH role=...` lines of the coordinator).
+struct Launcher {
+    /// A node's arguments, with `NAME` and `ROLE` to fill in.
+    template: Vec<String>,
+    /// Names (with certificates) not used yet.
+    spare: std::collections::VecDeque<String>,
+    /// The cores to pin to, when pinning.
+    pin: Option<usize>,
+    max_nodes: usize,
+    requests: tokio::sync::mpsc::UnboundedReceiver<String>,
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
@@ -167,6 +185,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         nodes.push((format!("node-{i}"), "both"));
     }
     names.extend(nodes.iter().map(|(n, _)| n.clone()));
+    let max_nodes = args.max_nodes.unwrap_or(nodes.len());
+    anyhow::ensure!(
+        max_nodes >= nodes.len(),
+        "--max-nodes {max_nodes} is fewer than the {} nodes asked for",
+        nodes.len()
+    );
+    // Names (and certificates) for the nodes the planner may add.
+    let spare: std::collections::VecDeque<String> =
+        (0..max_nodes - nodes.len()).map(|i| format!("extra-{i}")).collect();
+    names.extend(spare.iter().cloned());
     if args.transport != TransportArg::TcpPlain {
         CertFiles { dir: certs.clone() }.generate(&names).context("generating the cluster CA and certificates")?;
     }
@@ -176,7 +204,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         TransportArg::TcpPlain => "tcp-plain",
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pin = args.pin || (!args.no_pin && nodes.len() <= cores);
+    let pin = args.pin || (!args.no_pin && max_nodes <= cores);
     let admin_token = args.admin_token.clone().unwrap_or_else(random_token);
     let threads = args.threads.unwrap_or_else(|| (cores / nodes.len().max(1)).max(1));
     let common = |name: &str| {
@@ -194,6 +222,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     };
 
     let mut procs: Vec<Proc> = Vec::new();
+    let (launch_tx, launch_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let result = async {
         // The coordinator first: the nodes need its cluster address.
         let mut cargs = vec![
@@ -223,9 +252,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             "--tpot-target-ms".into(),
             args.tpot_target_ms.to_string(),
         ]);
+        if max_nodes > nodes.len() {
+            cargs.extend(["--max-nodes".to_string(), max_nodes.to_string(), "--launch-nodes-via-stdout".into()]);
+        }
         cargs.extend(common("coordinator"));
         cargs.extend(args.coordinator_args.iter().cloned());
-        let (mut proc_, ready) = spawn(&exe, "coordinator", cargs, None, args.ready_timeout_secs).await?;
+        let (mut proc_, ready) =
+            spawn(&exe, "coordinator", cargs, None, args.ready_timeout_secs, Some(launch_tx.clone())).await?;
         let cluster = ready.get("cluster").cloned().context("coordinator READY line without cluster=")?;
         let http = ready.get("http").cloned().context("coordinator READY line without http=")?;
         // A restarted coordinator must come back where the nodes and clients look for it.
@@ -234,8 +267,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         procs.push(proc_);
 
         // The nodes load their models in parallel.
-        let mut pending = Vec::new();
-        for (i, (name, role)) in nodes.iter().enumerate() {
+        let node_args = |name: &str, role: &str| {
             let mut nargs = vec![
                 "node".to_string(),
                 "--role".into(),
@@ -251,9 +283,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             ];
             nargs.extend(common(name));
             nargs.extend(args.node_args.iter().cloned());
+            nargs
+        };
+        let mut pending = Vec::new();
+        for (i, (name, role)) in nodes.iter().enumerate() {
             let pin = pin.then_some(i % cores);
-            pending.push(spawn(&exe, name, nargs, pin, args.ready_timeout_secs));
+            pending.push(spawn(&exe, name, node_args(name, role), pin, args.ready_timeout_secs, None));
         }
+        let template = node_args("NAME", "ROLE");
         for r in futures::future::join_all(pending).await {
             let (p, _) = r?;
             procs.push(p);
@@ -267,13 +304,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             println!("admin token (for `cleave admin` and /admin/...): {admin_token}");
         }
         println!("cleave is serving {} at http://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
-        anyhow::Ok(())
+        anyhow::Ok(template)
     }
     .await;
 
     let outcome = match result {
         Err(e) => Err(e),
-        Ok(()) => supervise(&exe, &mut procs, args.restart_budget, args.ready_timeout_secs).await,
+        Ok(template) => {
+            let launcher = Launcher { template, spare, pin: pin.then_some(cores), max_nodes, requests: launch_rx };
+            supervise(&exe, &mut procs, launcher, args.restart_budget, args.ready_timeout_secs).await
+        }
     };
     stop_all(&mut procs).await;
     let _ = std::fs::remove_dir_all(&certs);
@@ -287,6 +327,7 @@ async fn spawn(
     args: Vec<String>,
     pin: Option<usize>,
     timeout_secs: u64,
+    launches: Option<tokio::sync::mpsc::UnboundedSender<String>>,
 ) -> anyhow::Result<(Proc, HashMap<String, String>)> {
     let mut cmd = match pin {
         Some(core) => {
@@ -322,12 +363,18 @@ async fn spawn(
     };
     // Keep draining the child's stdout so it never blocks on a full pipe.
     let tag = name.to_string();
+    let forward = launches.clone();
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
-            println!("[{tag}] {line}");
+            match (line.strip_prefix(cleave_coordinator::cluster::LAUNCH_PREFIX), &forward) {
+                (Some(role), Some(tx)) => {
+                    let _ = tx.send(role.trim().to_string());
+                }
+                _ => println!("[{tag}] {line}"),
+            }
         }
     });
-    Ok((Proc { name: name.to_string(), child, args, pin, restarts: 0, done: false }, kv))
+    Ok((Proc { name: name.to_string(), child, args, pin, restarts: 0, done: false, launches }, kv))
 }
 
 /// Sets `flag value` in `args` (replacing the value when the flag is there).
@@ -352,13 +399,48 @@ fn random_token() -> String {
 
 /// Runs until a signal; starts again a process that dies (each at most `budget` times), except
 /// a node that left the cluster cleanly. Err when the coordinator is out of restarts.
-async fn supervise(exe: &std::path::Path, procs: &mut [Proc], budget: u32, ready_secs: u64) -> anyhow::Result<()> {
+async fn supervise(
+    exe: &std::path::Path,
+    procs: &mut Vec<Proc>,
+    mut launcher: Launcher,
+    budget: u32,
+    ready_secs: u64,
+) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = term.recv() => return Ok(()),
+            Some(role) = launcher.requests.recv() => {
+                let live = procs.iter().skip(1).filter(|p| !p.done).count();
+                if !matches!(role.as_str(), "prefill" | "decode" | "both") {
+                    eprintln!("cleave up: the coordinator asked for a node of unknown role {role:?}");
+                    continue;
+                }
+                if live >= launcher.max_nodes {
+                    eprintln!("cleave up: the planner asked for a {role} node, but {live} of {} run", launcher.max_nodes);
+                    continue;
+                }
+                let Some(name) = launcher.spare.pop_front() else {
+                    eprintln!("cleave up: no spare node name left for a {role} node");
+                    continue;
+                };
+                let args: Vec<String> = launcher
+                    .template
+                    .iter()
+                    .map(|a| match a.as_str() { "NAME" => name.clone(), "ROLE" => role.clone(), _ => a.clone() })
+                    .collect();
+                let pin = launcher.pin.map(|cores| procs.len().saturating_sub(1) % cores);
+                eprintln!("cleave up: starting {name} ({role}) for the planner");
+                match spawn(exe, &name, args, pin, ready_secs, None).await {
+                    Ok((p, _)) => procs.push(p),
+                    Err(e) => {
+                        eprintln!("cleave up: starting {name} failed: {e:#}");
+                        launcher.spare.push_back(name);
+                    }
+                }
+            }
             _ = tick.tick() => {
                 for i in 0..procs.len() {
                     let p = &mut procs[i];
@@ -380,7 +462,7 @@ async fn supervise(exe: &std::path::Path, procs: &mut [Proc], budget: u32, ready
                         continue;
                     }
                     eprintln!("cleave up: {} exited ({status}); starting it again", p.name);
-                    match spawn(exe, &p.name, p.args.clone(), p.pin, ready_secs).await {
+                    match spawn(exe, &p.name, p.args.clone(), p.pin, ready_secs, p.launches.clone()).await {
                         Ok((mut fresh, _)) => {
                             fresh.restarts = p.restarts + 1;
                             *p = fresh;

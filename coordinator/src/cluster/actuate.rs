@@ -76,3 +76,45 @@ impl Actuator for RoleSwitch {
         "role-switch"
     }
 }
+
+/// The line a [`LocalProcesses`] actuator writes on stdout to ask its supervisor (`cleave up`,
+/// which reads the coordinator's stdout) for a node: `LAUNCH role=<prefill|decode|both>`.
+pub const LAUNCH_PREFIX: &str = "LAUNCH role=";
+
+/// Node processes on this machine, started by the supervisor that runs the coordinator
+/// (`cleave up --max-nodes N`): a new node is asked for with one [`LAUNCH_PREFIX`] line on
+/// stdout (the supervisor holds the pipe and starts it pinned to a core); a node is stopped by
+/// draining it until it leaves (its process exits cleanly, and the supervisor does not start it
+/// again). Role switches and step budgets go through [`RoleSwitch`].
+pub struct LocalProcesses {
+    roles: RoleSwitch,
+}
+
+impl LocalProcesses {
+    pub fn new(cluster: ClusterHandle) -> Self {
+        Self { roles: RoleSwitch::new(cluster) }
+    }
+}
+
+impl Actuator for LocalProcesses {
+    fn apply(&mut self, action: &Action) -> Result<(), ActuatorError> {
+        match *action {
+            Action::StartNode { role } => {
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                writeln!(out, "{LAUNCH_PREFIX}{}", node_role(role).as_str())
+                    .and_then(|()| out.flush())
+                    .map_err(|e| ActuatorError::Failed { actuator: self.name(), reason: format!("stdout: {e}") })
+            }
+            _ => self.roles.apply(action),
+        }
+    }
+
+    fn can_add_nodes(&self) -> bool {
+        true
+    }
+
+    fn name(&self) -> &'static str {
+        "local-processes"
+    }
+}

@@ -15,11 +15,13 @@
 
 mod actuate;
 mod admin;
+#[cfg(feature = "kubernetes")]
+pub mod k8s;
 pub mod planning;
 pub mod registry;
 mod request;
 
-pub use actuate::{Actuator, ActuatorError, RoleSwitch};
+pub use actuate::{Actuator, ActuatorError, LocalProcesses, RoleSwitch, LAUNCH_PREFIX};
 pub use admin::{admin_router, parse_role, serve_with_cluster, AdminState};
 pub use planning::PlannerHandle;
 
@@ -31,11 +33,11 @@ use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Regi
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::dispatch::Dispatch;
+use cleave_protocol::control::{NodeRole, SetRole};
 use registry::{
     AfterDrain, Assignment, Effect, NoRoute, NodeOpError, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery,
     RoutingConfig,
 };
-use cleave_protocol::control::{NodeRole, SetRole};
 
 /// Metric names of the cluster (the edge's are in [`crate::metrics`]).
 pub mod metric {
@@ -238,15 +240,25 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
-    /// Starts the registry, the control listener, the router and the planner (acting through
-    /// `actuator`, or role switches of live nodes when None). `fingerprint`: the model's, when
+    /// Starts the registry, the control listener, the router and the planner, which acts
+    /// through role switches of live nodes ([`RoleSwitch`]). `fingerprint`: the model's, when
     /// the coordinator knows it (nodes must match it).
     pub fn start(
         cfg: ClusterConfig,
         fingerprint: Option<u64>,
         control: Listener,
         dispatches: mpsc::Receiver<Dispatch>,
-        actuator: Option<Box<dyn Actuator>>,
+    ) -> Result<Self, crate::CoordinatorError> {
+        Self::start_with(cfg, fingerprint, control, dispatches, |h| Box::new(RoleSwitch::new(h)))
+    }
+
+    /// [`Self::start`] with the planner acting through the actuator `make` builds.
+    pub fn start_with(
+        cfg: ClusterConfig,
+        fingerprint: Option<u64>,
+        control: Listener,
+        dispatches: mpsc::Receiver<Dispatch>,
+        make: impl FnOnce(ClusterHandle) -> Box<dyn Actuator>,
     ) -> Result<Self, crate::CoordinatorError> {
         let control_addr = control.local_addr();
         let (tx, rx) = mpsc::channel(1024);
@@ -258,7 +270,7 @@ impl Cluster {
         let connector = Arc::new(
             Connector::new(&cfg.net).map_err(|e| crate::CoordinatorError::Internal { reason: e.to_string() })?,
         );
-        let actuator = actuator.unwrap_or_else(|| Box::new(RoleSwitch::new(handle.clone())));
+        let actuator = make(handle.clone());
         let (planner, planner_task) = planning::spawn(cfg.planner.clone(), handle.clone(), obs_rx, actuator)
             .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
         let cfg = Arc::new(cfg);
@@ -383,7 +395,10 @@ async fn registry_actor(
             };
             if let Some(outbox) = outboxes.get(&node) {
                 if outbox.try_send(msg).is_err() {
-                    tracing::warn!(node_id = node, "control stream outbox full or closed; the node will hear on re-registration");
+                    tracing::warn!(
+                        node_id = node,
+                        "control stream outbox full or closed; the node will hear on re-registration"
+                    );
                 }
             }
         }

@@ -14,8 +14,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use cleave_planner::{
-    Arrival, Completion, LinearCosts, NodeObs, NodeState as PlanState, Planner, PlannerConfig, PlannerUpdate,
-    Role, Snapshot, StepStats,
+    Arrival, Completion, LinearCosts, NodeObs, NodeState as PlanState, Planner, PlannerConfig, PlannerUpdate, Role,
+    Snapshot, StepStats,
 };
 use cleave_protocol::control::{NodeRole, StepTotals};
 use serde_json::{json, Value};
@@ -83,17 +83,16 @@ pub(super) fn spawn(
 ) -> Result<(PlannerHandle, tokio::task::JoinHandle<()>), cleave_planner::PlannerError> {
     let mut cfg = cfg;
     cfg.can_add_nodes = actuator.can_add_nodes();
-    let costs = LinearCosts::default();
-    let planner = Planner::new(cfg, Box::new(costs.clone()))?;
+    let planner = Planner::new(cfg, Box::new(LinearCosts::default()))?;
     let (tx, rx) = mpsc::channel(64);
-    let task = tokio::spawn(run(Actor { planner, costs, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new() }, observations, rx));
+    let actor = Actor { planner, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new() };
+    let task = tokio::spawn(run(actor, observations, rx));
     Ok((PlannerHandle { tx }, task))
 }
 
 struct Actor {
+    /// Its cost model is calibrated from the nodes' step timings as they come in.
     planner: Planner,
-    /// The cost model, calibrated from the nodes' step timings as they come in.
-    costs: LinearCosts,
     cluster: ClusterHandle,
     actuator: Box<dyn Actuator>,
     latency: LatencyWindow,
@@ -185,9 +184,11 @@ impl Actor {
             "planner decision"
         );
         metrics::counter!(super::metric::PLANNER_DECISIONS_TOTAL, "reason" => decision.reason.as_str()).increment(1);
-        for (pool, n) in
-            [("prefill", decision.target.prefill), ("decode", decision.target.decode), ("colocated", decision.target.colocated)]
-        {
+        for (pool, n) in [
+            ("prefill", decision.target.prefill),
+            ("decode", decision.target.decode),
+            ("colocated", decision.target.colocated),
+        ] {
             metrics::gauge!(super::metric::PLANNER_DESIRED_NODES, "pool" => pool).set(f64::from(n));
         }
         if !decision.applied {
@@ -216,8 +217,7 @@ impl Actor {
         }
         self.totals.retain(|id, _| states.iter().any(|n| n.node.id == *id));
         if s.prefill_tokens > 0 || s.decode_steps > 0 {
-            self.costs.calibrate(&s);
-            self.planner.set_costs(Box::new(self.costs.clone()));
+            self.planner.calibrate(&s);
         }
     }
 }
@@ -286,7 +286,13 @@ impl LatencyWindow {
         self.entries.push_back(Entry { at, path, ttft_ms: ms(ttft), tpot_ms: tpot.map(ms), ok });
     }
 
-    fn summary(&mut self, now: Duration, window: Duration, ttft_target: f64, tpot_target: f64) -> HashMap<String, Value> {
+    fn summary(
+        &mut self,
+        now: Duration,
+        window: Duration,
+        ttft_target: f64,
+        tpot_target: f64,
+    ) -> HashMap<String, Value> {
         while self.entries.front().is_some_and(|e| now.saturating_sub(e.at) > window) {
             self.entries.pop_front();
         }

@@ -556,7 +556,10 @@ impl Registry {
                 AfterDrain::Stay => n.lifecycle = Lifecycle::Drained,
                 AfterDrain::Leave => {
                     n.lifecycle = Lifecycle::Leaving;
-                    out.push(Effect::Leave { node: id, reason: "drained at the operator's or planner's request".into() });
+                    out.push(Effect::Leave {
+                        node: id,
+                        reason: "drained at the operator's or planner's request".into(),
+                    });
                 }
                 AfterDrain::Role { role, step_budget } => {
                     n.reg.role = role;
@@ -778,5 +781,97 @@ mod tests {
         let Plan::Remote { prefill, .. } = plan else { panic!() };
         assert_eq!(prefill.id, p2);
         r.release(&a, t);
+    }
+
+    fn busy(running: u32) -> LoadReport {
+        LoadReport { running_seqs: running, total_blocks: 100, free_blocks: 100, ..Default::default() }
+    }
+
+    #[test]
+    fn a_drained_decode_node_takes_no_work_and_parks_once_its_streams_end() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let d1 = r.register(reg("d1", NodeRole::Decode, 1, 1), t).unwrap();
+        let d2 = r.register(reg("d2", NodeRole::Decode, 1, 2), t).unwrap();
+        // A stream runs on d1.
+        let mut qq = q(10);
+        qq.exclude = vec![d2];
+        let (plan, a) = r.plan(&qq).unwrap();
+        assert!(matches!(plan, Plan::Local { ref decode, .. } if decode.id == d1));
+        r.drain(d1, AfterDrain::Stay, t).unwrap();
+        // New work goes elsewhere only.
+        for _ in 0..5 {
+            let (plan, b) = r.plan(&q(10)).unwrap();
+            assert!(matches!(plan, Plan::Local { ref decode, .. } if decode.id == d2), "{plan:?}");
+            r.release(&b, t);
+        }
+        // Still streaming: nothing happens, however many reports.
+        r.report(d1, busy(1), t + Duration::from_millis(200));
+        assert!(r.lifecycle().is_empty());
+        assert!(matches!(r.node_states(t)[0].lifecycle, Lifecycle::Draining { .. }));
+        // The stream ends; the engine must confirm it let go (a report after the release).
+        r.release(&a, t + Duration::from_millis(300));
+        r.lifecycle();
+        assert!(matches!(r.node_states(t)[0].lifecycle, Lifecycle::Draining { .. }), "not confirmed yet");
+        r.report(d1, busy(0), t + Duration::from_millis(400));
+        assert!(r.lifecycle().is_empty(), "parking tells the node nothing");
+        assert_eq!(r.node_states(t)[0].lifecycle, Lifecycle::Drained);
+        // Nothing routes to a parked node; giving it a role again brings it back.
+        let mut only = q(10);
+        only.exclude = vec![d2];
+        assert!(r.plan(&only).is_err());
+        r.set_role(d1, NodeRole::Decode, None, t + Duration::from_millis(500)).unwrap();
+        assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: d1, role: NodeRole::Decode, step_budget: None }]);
+        assert!(r.plan(&only).is_ok());
+    }
+
+    #[test]
+    fn a_role_switch_drains_only_what_the_new_role_does_not_do() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        let (plan, mut a) = r.plan(&q(200)).unwrap();
+        assert!(matches!(plan, Plan::Remote { .. }));
+        // Decode -> both: nothing to drain (its streams are colocated work too): at once.
+        r.set_role(d, NodeRole::Both, Some(128), ms(1)).unwrap();
+        assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: d, role: NodeRole::Both, step_budget: Some(128) }]);
+        assert_eq!(r.node_states(t)[1].step_budget, Some(128));
+        // Prefill -> decode waits for its prefill, not for the stream's decode.
+        r.set_role(p, NodeRole::Decode, None, ms(2)).unwrap();
+        r.report(p, busy(1), ms(3));
+        assert!(r.lifecycle().is_empty());
+        r.release_prefill(&mut a, ms(4));
+        assert!(a.prefill.is_none(), "the booking forgets its prefill part");
+        r.report(p, busy(0), ms(5));
+        assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: p, role: NodeRole::Decode, step_budget: None }]);
+        // Releasing the whole attempt later does not count the prefill twice.
+        r.release(&a, ms(6));
+        let s = r.node_states(t);
+        assert_eq!((s[0].active_prefill, s[0].active_decode, s[1].active_decode), (0, 0, 0));
+        // Both -> prefill must drain the colocated node's streams.
+        let (_, b) = r.plan(&q(10)).unwrap();
+        let holder = if b.decode.unwrap().0 == d { d } else { p };
+        r.set_role(holder, NodeRole::Prefill, None, ms(7)).unwrap();
+        r.report(holder, busy(0), ms(8));
+        assert!(r.lifecycle().is_empty(), "a routed stream is still running there");
+        r.release(&b, ms(9));
+        r.report(holder, busy(0), ms(10));
+        assert_eq!(r.lifecycle().len(), 1);
+    }
+
+    #[test]
+    fn leaving_nodes_are_told_once_and_refuse_further_operations() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let d = r.register(reg("d", NodeRole::Decode, 1, 1), t).unwrap();
+        r.drain(d, AfterDrain::Leave, t).unwrap();
+        r.report(d, busy(0), t + Duration::from_millis(1));
+        assert!(matches!(r.lifecycle()[..], [Effect::Leave { node, .. }] if node == d));
+        assert!(r.lifecycle().is_empty());
+        assert_eq!(r.drain(d, AfterDrain::Stay, t), Err(NodeOpError::Leaving { id: d }));
+        assert_eq!(r.set_role(99, NodeRole::Decode, None, t), Err(NodeOpError::UnknownNode(99)));
+        assert_eq!(r.pools().decode.nodes, 0, "a leaving node is not counted as routable");
     }
 }

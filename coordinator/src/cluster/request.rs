@@ -159,12 +159,8 @@ async fn drive(
                 exclude.push(node.id);
                 prefill_retries += 1;
                 if prefill_retries > cfg.max_prefill_retries {
-                    finish_with_error(
-                        &d,
-                        p,
-                        format!("gave up after {prefill_retries} prefill attempts: {last_error}"),
-                    )
-                    .await;
+                    finish_with_error(&d, p, format!("gave up after {prefill_retries} prefill attempts: {last_error}"))
+                        .await;
                     return;
                 }
             }

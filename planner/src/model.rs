@@ -1,0 +1,519 @@
+//! The performance model: predicted TTFT and TPOT at the target quantile for a configuration,
+//! from demand (arrivals), work already on the nodes (queued prompt tokens, sequences in flight)
+//! and a [`StepCosts`]. Formulas and assumptions are in the crate docs; this module is their
+//! only implementation, shared by `tick`, `estimate` and the candidate search.
+//!
+//! All times here are seconds. An infinite prediction means unbounded: a pool at or past
+//! saturation, a configuration that cannot serve (prefill nodes and no decode node), or KV that
+//! does not fit.
+
+use crate::costs::StepCosts;
+use crate::queueing::{erlang_c, erlang_c_table, least_fixed_point, normal_quantile, poisson_upper, wait_quantile};
+use crate::types::{ConfigPrediction, PoolTarget};
+
+/// Demand and the work on the nodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Load {
+    /// Arrivals per second.
+    pub lambda: f64,
+    pub prompt: f64,
+    pub prompt_sd: f64,
+    /// Expected output tokens per request.
+    pub output: f64,
+    /// Prompt tokens queued on the nodes.
+    pub backlog_tokens: f64,
+    /// Sequences in flight (running + waiting) on decoding nodes.
+    pub inflight_seqs: f64,
+}
+
+/// A prediction before the observation correction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Raw {
+    pub ttft: f64,
+    /// What the queued backlog alone implies (no modelled queueing): the correction never
+    /// scales a prediction below it, because the backlog is a measurement, not a model.
+    pub ttft_floor: f64,
+    pub tpot: f64,
+    /// Busy share of the prefill servers.
+    pub utilisation: f64,
+    /// Mean sequences in flight per decoding node.
+    pub batch: f64,
+    /// Offered load over capacity of the most loaded pool (>= 1: that pool cannot keep up).
+    /// Finite even where the latencies are not, so that overloaded configurations can still
+    /// be ranked: the least overloaded one is the best use of the budget.
+    pub stress: f64,
+}
+
+impl Raw {
+    const UNSERVABLE: Raw = Raw::unbounded(f64::INFINITY);
+
+    const fn unbounded(stress: f64) -> Raw {
+        Raw {
+            ttft: f64::INFINITY,
+            ttft_floor: f64::INFINITY,
+            tpot: f64::INFINITY,
+            utilisation: 0.0,
+            batch: 0.0,
+            stress,
+        }
+    }
+
+    /// The worse of two parts serving shares of the same demand.
+    fn worst(self, o: Raw) -> Raw {
+        Raw {
+            ttft: self.ttft.max(o.ttft),
+            ttft_floor: self.ttft_floor.max(o.ttft_floor),
+            tpot: self.tpot.max(o.tpot),
+            utilisation: self.utilisation.max(o.utilisation),
+            batch: self.batch.max(o.batch),
+            stress: self.stress.max(o.stress),
+        }
+    }
+
+    /// Applies the observed/predicted factors.
+    pub fn corrected(self, f: Factors) -> Corrected {
+        Corrected { ttft: (self.ttft * f.ttft).max(self.ttft_floor), tpot: self.tpot * f.tpot }
+    }
+
+    pub fn to_prediction(self, f: Factors) -> ConfigPrediction {
+        let c = self.corrected(f);
+        let ms = |s: f64| s.is_finite().then_some(s * 1e3);
+        ConfigPrediction {
+            ttft_ms: ms(c.ttft),
+            tpot_ms: ms(c.tpot),
+            prefill_utilisation: finite_or_zero(self.utilisation),
+            decode_batch: finite_or_zero(self.batch),
+        }
+    }
+}
+
+fn finite_or_zero(x: f64) -> f64 {
+    if x.is_finite() {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// Observed/predicted correction factors (1 = the model is right).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Factors {
+    pub ttft: f64,
+    pub tpot: f64,
+}
+
+impl Default for Factors {
+    fn default() -> Self {
+        Self { ttft: 1.0, tpot: 1.0 }
+    }
+}
+
+/// A corrected prediction, seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Corrected {
+    pub ttft: f64,
+    pub tpot: f64,
+}
+
+impl Corrected {
+    /// The worse of the two prediction/target ratios.
+    pub fn ratio(&self, ttft_target_s: f64, tpot_target_s: f64) -> f64 {
+        (self.ttft / ttft_target_s).max(self.tpot / tpot_target_s)
+    }
+}
+
+/// The prefill pool's part of TTFT (before the decode node's first step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct PrefillPart {
+    pub ttft: f64,
+    pub floor: f64,
+    pub utilisation: f64,
+}
+
+/// The decode pool's part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct DecodePart {
+    /// The decode node's first step, added to TTFT.
+    pub first_step: f64,
+    pub tpot: f64,
+    pub batch: f64,
+    /// `(lambda/m) * O * step(1 + K) / K` with `K` the KV limit in sequences: >= 1 means the
+    /// batch grows past what the KV holds (for step costs linear in batch).
+    pub stress: f64,
+}
+
+/// Per-prompt prefill service on a dedicated node, from the prompt-length distribution.
+#[derive(Debug, Clone, Copy)]
+struct PrefillService {
+    s_mean: f64,
+    /// Service of a prompt at the quantile of prompt length, plus its handoff.
+    s_tail: f64,
+    /// Squared coefficient of variation of service time.
+    cs2: f64,
+    /// Prompt tokens per second of one node.
+    tokens_per_s: f64,
+}
+
+/// The model for one tick: costs, demand and the quantile.
+pub(crate) struct Model<'a> {
+    costs: &'a dyn StepCosts,
+    load: Load,
+    q: f64,
+    z: f64,
+    prefill: PrefillService,
+    /// Budget assumed for colocated nodes that report none.
+    largest_budget: u32,
+}
+
+fn tokens(x: f64) -> usize {
+    x.round().max(0.0) as usize
+}
+
+/// `f` at a real argument `x >= 0`, linearly interpolated between the integers around it.
+fn interp(x: f64, f: impl Fn(usize) -> f64) -> f64 {
+    let lo = x.floor();
+    let frac = x - lo;
+    let f0 = f(lo as usize);
+    if frac < 1e-9 {
+        f0
+    } else {
+        f0 + frac * (f(lo as usize + 1) - f0)
+    }
+}
+
+impl<'a> Model<'a> {
+    pub fn new(costs: &'a dyn StepCosts, load: Load, quantile: f64, largest_budget: u32) -> Self {
+        let mut load = load;
+        load.prompt = load.prompt.max(1.0);
+        load.output = load.output.max(1.0);
+        let z = normal_quantile(quantile);
+        let p = load.prompt;
+        let sd = load.prompt_sd.max(0.0);
+        // Two-point quadrature: exact mean and first-order spread for a quadratic prefill_time.
+        let t_lo = costs.prefill_time(tokens((p - sd).max(1.0)));
+        let t_hi = costs.prefill_time(tokens(p + sd));
+        let s_mean = 0.5 * (t_lo + t_hi);
+        let cs2 = if s_mean > 0.0 { (0.5 * (t_hi - t_lo) / s_mean).powi(2) } else { 0.0 };
+        let p_tail = (p + z * sd).max(1.0);
+        let s_tail = costs.prefill_time(tokens(p_tail)) + costs.handoff_time(tokens(p_tail));
+        let tokens_per_s = p / costs.prefill_time(tokens(p));
+        let prefill = PrefillService { s_mean, s_tail, cs2, tokens_per_s };
+        Self { costs, load, q: quantile, z, prefill, largest_budget }
+    }
+
+    pub fn load(&self) -> &Load {
+        &self.load
+    }
+
+    /// Mean context per sequence while decoding: the prompt plus half the output.
+    fn ctx_per_seq(&self) -> f64 {
+        self.load.prompt + self.load.output / 2.0
+    }
+
+    /// Most sequences one node's KV holds at the mean context.
+    fn kv_limit(&self) -> f64 {
+        self.costs.kv_capacity_tokens() as f64 / self.ctx_per_seq()
+    }
+
+    /// A decode step of a real batch `x >= 1`.
+    fn decode_step(&self, x: f64) -> f64 {
+        let ctx = self.ctx_per_seq();
+        interp(x, |b| self.costs.decode_step_time(b, tokens(b as f64 * ctx)))
+    }
+
+    /// A step carrying a prefill chunk of `chunk` tokens beside a real batch `x >= 1`.
+    fn mixed_step(&self, chunk: f64, x: f64) -> f64 {
+        let ctx = self.ctx_per_seq();
+        let chunk = tokens(chunk).max(1);
+        interp(x, |b| self.costs.mixed_step_time(chunk, b, tokens(b as f64 * ctx)))
+    }
+
+    /// Prefill pools of 0..=p_max nodes taking all the demand and the whole backlog.
+    pub fn prefill_table(&self, p_max: u32) -> Vec<PrefillPart> {
+        let a = self.load.lambda * self.prefill.s_mean;
+        erlang_c_table(a, p_max)
+            .into_iter()
+            .enumerate()
+            .map(|(n, c)| self.prefill_pool(n as u32, self.load.lambda, self.load.backlog_tokens, c))
+            .collect()
+    }
+
+    /// A prefill pool of `n` nodes (M/G/n with Erlang probability of waiting `erlang_c`).
+    ///
+    /// TTFT part = max(queue wait at the quantile, backlog drain time) + service and handoff of
+    /// a prompt at the quantile of prompt length. The backlog already queued on the nodes is
+    /// drained by the pool's throughput; it is the same queue the model predicts in steady
+    /// state, hence max, not a sum.
+    fn prefill_pool(&self, n: u32, lambda: f64, backlog: f64, erlang_c: f64) -> PrefillPart {
+        if n == 0 {
+            return PrefillPart { ttft: f64::INFINITY, floor: f64::INFINITY, utilisation: 0.0 };
+        }
+        let s = &self.prefill;
+        let a = lambda * s.s_mean;
+        let wait = wait_quantile(n, a, erlang_c, s.s_mean, s.cs2, self.q);
+        let drain = backlog / (f64::from(n) * s.tokens_per_s);
+        PrefillPart { ttft: wait.max(drain) + s.s_tail, floor: drain + s.s_tail, utilisation: a / f64::from(n) }
+    }
+
+    /// A decode pool of `m` nodes under continuous batching.
+    ///
+    /// Sequences in flight per node `B` (an M/G/inf population: each sequence stays for `O`
+    /// steps) solve `B = (lambda / m) * O * step(1 + B)`, the step a member sees holding itself
+    /// and the others; at least the sequences the nodes report now. TPOT at the quantile is the
+    /// step at `1 + poisson_upper(B)` sequences (the batch a member sees at the quantile; a
+    /// request averages over its steps, so this errs high). Unstable when no fixed point exists
+    /// below the KV capacity.
+    pub fn decode_pool(&self, m: u32, lambda: f64, inflight: f64) -> DecodePart {
+        if m == 0 {
+            return DecodePart { first_step: f64::INFINITY, tpot: f64::INFINITY, batch: 0.0, stress: f64::INFINITY };
+        }
+        let lam = lambda / f64::from(m);
+        let o = self.load.output;
+        let limit = self.kv_limit();
+        let stress = self.decode_stress(lam, limit);
+        let unstable = DecodePart { first_step: f64::INFINITY, tpot: f64::INFINITY, batch: 0.0, stress };
+        let Some(b) = least_fixed_point(|b| lam * o * self.decode_step(1.0 + b), limit) else {
+            return unstable;
+        };
+        let b = b.max(inflight / f64::from(m));
+        if 1.0 + b > limit {
+            return unstable;
+        }
+        DecodePart {
+            first_step: self.decode_step(1.0 + b),
+            tpot: self.decode_step(1.0 + poisson_upper(b, self.z)),
+            batch: b,
+            stress,
+        }
+    }
+
+    fn decode_stress(&self, lam: f64, limit: f64) -> f64 {
+        if limit < 1.0 {
+            return f64::INFINITY;
+        }
+        lam * self.load.output * self.decode_step(1.0 + limit) / limit
+    }
+
+    /// Disaggregated: prefill part, then the decode node's first step.
+    pub fn combine(pre: &PrefillPart, dec: &DecodePart) -> Raw {
+        Raw {
+            ttft: pre.ttft + dec.first_step,
+            ttft_floor: pre.floor + dec.first_step,
+            tpot: dec.tpot,
+            utilisation: pre.utilisation,
+            batch: dec.batch,
+            stress: pre.utilisation.max(dec.stress),
+        }
+    }
+
+    /// `k` colocated nodes with step budget `budget`, each taking `lambda / k` of the demand.
+    ///
+    /// A node's step holds its `1 + B` decodes and up to `c = budget - (1 + B)` prefill tokens;
+    /// a prompt goes in `ceil(P / x)` chunks of `x = min(c, P)` tokens, each a mixed step
+    /// `t_m`; other steps are decode steps `t_d`. Mixed steps take a share `u = (lambda/k) *
+    /// ceil(P/x) * t_m` of the node's time (`u >= 1`: unstable). A decoding sequence then sees
+    /// `u / t_m + (1 - u) / t_d` steps per second (mean TPOT its inverse), and `B` solves
+    /// `B = (lambda/k) * O * TPOT_mean`.
+    ///
+    /// - TTFT = max(M/G/1 queue wait at the quantile with utilisation `u` and service
+    ///   `ceil(P/x) t_m`, backlog / the node's full-chunk prefill rate) + the chunks of a prompt
+    ///   at the quantile of prompt length + half a decode step (the step in progress).
+    /// - TPOT at the quantile: during its `O` steps a sequence shares the node with the
+    ///   prompts whose prefill overlaps its life (arriving during it or one prefill
+    ///   `ceil(P/x) t_m` before), `poisson_upper(lambda/k (O TPOT_mean + ceil(P/x) t_m))` of them
+    ///   at the quantile, each `ceil(P/x)` mixed steps; TPOT = the mean of those mixed steps and
+    ///   decode steps over `O` steps, at the quantile batch.
+    pub fn colocated(&self, k: u32, budget: u32, lambda: f64, backlog: f64, inflight: f64) -> Raw {
+        if k == 0 {
+            return Raw::UNSERVABLE;
+        }
+        let lam = lambda / f64::from(k);
+        let (p, o) = (self.load.prompt, self.load.output);
+        let budget = f64::from(budget);
+        // Per batch of others `b`: (chunk, chunks per prompt, t_m, t_d, u, mean TPOT).
+        let steps = |b: f64| {
+            let x = 1.0 + b;
+            let room = (budget - x).floor();
+            if room < 1.0 {
+                return None;
+            }
+            let chunk = room.min(p);
+            let chunks = (p / chunk).ceil();
+            let t_m = self.mixed_step(chunk, x);
+            let t_d = self.decode_step(x);
+            let u = lam * chunks * t_m;
+            if u >= 1.0 {
+                return None;
+            }
+            let tpot = 1.0 / (u / t_m + (1.0 - u) / t_d);
+            Some((room, chunk, chunks, t_m, t_d, u, tpot))
+        };
+        let limit = self.kv_limit();
+        // Prefill share with no other sequence, and the decode side's KV pressure.
+        let stress = {
+            let room = (budget - 1.0).floor();
+            let prefill = if room < 1.0 {
+                f64::INFINITY
+            } else {
+                lam * (p / room.min(p)).ceil() * self.mixed_step(room.min(p), 1.0)
+            };
+            prefill.max(self.decode_stress(lam, limit))
+        };
+        let fixed = least_fixed_point(|b| steps(b).map_or(f64::INFINITY, |s| lam * o * s.6), limit);
+        let Some(b) = fixed.map(|b| b.max(inflight / f64::from(k))).filter(|b| 1.0 + b <= limit) else {
+            return Raw::unbounded(stress);
+        };
+        let Some((room, chunk, chunks, t_m, t_d, u, tpot_mean)) = steps(b) else {
+            return Raw::unbounded(stress);
+        };
+        let cs2 = self.prefill.cs2;
+        let wait = wait_quantile(1, u, u, chunks * t_m, cs2, self.q);
+        let drain = backlog / (f64::from(k) * room / self.mixed_step(room, 1.0 + b));
+        let p_tail = (p + self.z * self.load.prompt_sd.max(0.0)).max(1.0);
+        let chunk_tail = room.min(p_tail);
+        let own = (p_tail / chunk_tail).ceil() * self.mixed_step(chunk_tail, 1.0 + b);
+        let settle = own + t_d / 2.0;
+
+        let x_q = 1.0 + poisson_upper(b, self.z);
+        // Prompts whose prefill overlaps the sequence's decoding: those arriving during its
+        // life or up to one prompt's prefill before it.
+        let overlapping = poisson_upper(lam * (o * tpot_mean + chunks * t_m), self.z);
+        let mixed = (overlapping * chunks).min(o);
+        let tpot = (mixed * self.mixed_step(chunk, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
+        Raw {
+            ttft: wait.max(drain) + settle,
+            ttft_floor: drain + settle,
+            tpot,
+            utilisation: u,
+            batch: b,
+            stress: stress.max(u),
+        }
+    }
+
+    /// Any configuration, mixed ones included: demand, backlog and sequences in flight are
+    /// shared between the disaggregated part and the colocated part in proportion to their
+    /// node counts (the router's share is not known here), and the worse part is reported.
+    pub fn predict(&self, t: &PoolTarget) -> Raw {
+        let l = &self.load;
+        let dis = t.prefill + t.decode;
+        let n = dis + t.colocated;
+        if n == 0 {
+            return Raw::UNSERVABLE;
+        }
+        let col_share = f64::from(t.colocated) / f64::from(n);
+        let mut out: Option<Raw> = None;
+        if dis > 0 {
+            if t.prefill == 0 || t.decode == 0 {
+                return Raw::UNSERVABLE;
+            }
+            let s = 1.0 - col_share;
+            let lambda = l.lambda * s;
+            let c = erlang_c(t.prefill, lambda * self.prefill.s_mean);
+            let pre = self.prefill_pool(t.prefill, lambda, l.backlog_tokens * s, c);
+            let dec = self.decode_pool(t.decode, lambda, l.inflight_seqs * s);
+            out = Some(Self::combine(&pre, &dec));
+        }
+        if t.colocated > 0 {
+            let budget = t.step_budget.unwrap_or(self.largest_budget);
+            let col = self.colocated(
+                t.colocated,
+                budget,
+                l.lambda * col_share,
+                l.backlog_tokens * col_share,
+                l.inflight_seqs * col_share,
+            );
+            out = Some(out.map_or(col, |o| o.worst(col)));
+        }
+        out.unwrap_or(Raw::UNSERVABLE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::costs::LinearCosts;
+
+    fn costs() -> LinearCosts {
+        LinearCosts {
+            prefill_fixed_s: 0.005,
+            prefill_s_per_token: 0.002,
+            decode_fixed_s: 0.020,
+            decode_s_per_seq: 0.001,
+            ..LinearCosts::default()
+        }
+    }
+
+    fn load(lambda: f64) -> Load {
+        Load { lambda, prompt: 200.0, prompt_sd: 0.0, output: 100.0, backlog_tokens: 0.0, inflight_seqs: 0.0 }
+    }
+
+    fn disagg(p: u32, d: u32) -> PoolTarget {
+        PoolTarget { prefill: p, decode: d, colocated: 0, step_budget: None }
+    }
+
+    #[test]
+    fn queueing_raises_ttft_far_above_service_time_near_saturation() {
+        let c = costs();
+        let service = c.prefill_time(200) + c.handoff_time(200);
+        let light = Model::new(&c, load(0.2), 0.9, 2048).predict(&disagg(1, 1));
+        let heavy = Model::new(&c, load(2.35), 0.9, 2048).predict(&disagg(1, 1)); // rho ~0.95
+        assert!(light.ttft < 2.0 * service, "light {} vs service {service}", light.ttft);
+        assert!(heavy.ttft > 10.0 * service, "heavy {} vs service {service}", heavy.ttft);
+        let over = Model::new(&c, load(2.6), 0.9, 2048).predict(&disagg(1, 1));
+        assert!(over.ttft.is_infinite());
+        assert!(Model::new(&c, load(2.6), 0.9, 2048).predict(&disagg(2, 1)).ttft.is_finite());
+    }
+
+    #[test]
+    fn a_backlog_raises_ttft_and_more_prefill_nodes_drain_it_faster() {
+        let c = costs();
+        let mut l = load(0.5);
+        let none = Model::new(&c, l, 0.9, 2048).predict(&disagg(1, 1));
+        l.backlog_tokens = 5000.0; // ~10 s of prefill on one node
+        let one = Model::new(&c, l, 0.9, 2048).predict(&disagg(1, 1));
+        let two = Model::new(&c, l, 0.9, 2048).predict(&disagg(2, 1));
+        assert!(one.ttft > none.ttft + 9.0, "{} vs {}", one.ttft, none.ttft);
+        assert!(two.ttft < one.ttft - 4.0);
+        assert!(one.ttft_floor > 10.0 && one.ttft_floor <= one.ttft);
+    }
+
+    #[test]
+    fn decode_batch_follows_littles_law_and_tpot_grows_with_it() {
+        let c = costs();
+        let m = Model::new(&c, load(2.0), 0.9, 2048);
+        let one = m.decode_pool(1, 2.0, 0.0);
+        // B = 2 * 100 * (0.020 + 0.001 * (1 + B)) -> B = 4.2 / 0.8 = 5.25
+        assert!((one.batch - 5.25).abs() < 0.01, "{}", one.batch);
+        let two = m.decode_pool(2, 2.0, 0.0);
+        assert!(two.tpot < one.tpot && two.batch < one.batch);
+        // Reported sequences in flight are a floor.
+        let busy = m.decode_pool(1, 2.0, 40.0);
+        assert!(busy.batch >= 40.0 && busy.tpot > 0.020 + 0.040);
+        // Saturation: 0.001 * lambda * O >= 1.
+        assert!(Model::new(&c, load(10.0), 0.9, 2048).decode_pool(1, 10.0, 0.0).tpot.is_infinite());
+    }
+
+    #[test]
+    fn colocated_tpot_rises_with_the_step_budget_for_long_prompts() {
+        let c = costs();
+        // Long prompts, short outputs: one 2000-token step stalls a whole 10-token reply.
+        let mut l = load(0.1);
+        l.prompt = 2000.0;
+        l.output = 10.0;
+        let m = Model::new(&c, l, 0.9, 2048);
+        let small = m.colocated(1, 64, 0.1, 0.0, 0.0);
+        let large = m.colocated(1, 2048, 0.1, 0.0, 0.0);
+        assert!(small.tpot < large.tpot, "{} vs {}", small.tpot, large.tpot);
+        assert!(small.ttft > large.ttft, "{} vs {}", small.ttft, large.ttft);
+    }
+
+    #[test]
+    fn mixed_and_broken_shapes() {
+        let c = costs();
+        let m = Model::new(&c, load(1.0), 0.9, 2048);
+        assert!(m.predict(&disagg(2, 0)).ttft.is_infinite());
+        assert!(m.predict(&PoolTarget::default()).ttft.is_infinite());
+        let mixed = m.predict(&PoolTarget { prefill: 1, decode: 1, colocated: 1, step_budget: Some(256) });
+        assert!(mixed.ttft.is_finite() && mixed.tpot.is_finite());
+    }
+}

@@ -1,0 +1,557 @@
+//! The planner state machine: observations and time in ([`Planner::on_arrival`],
+//! [`Planner::on_completion`], [`Planner::tick`]), decisions out. No clock, no I/O, no
+//! randomness: the same inputs give the same decisions, which is what lets `cleave bench
+//! simulate` run this very code.
+//!
+//! State kept between ticks, and why:
+//! - the arrival and completion windows (demand and what clients experienced);
+//! - the correction factors and the raw predictions made for the current configuration since
+//!   it began (what observations are compared with);
+//! - `pending` (a new target and how many ticks in a row wanted it: `confirm_ticks`),
+//!   `last_change` (cooldown) and `last_target` (a target already decided is not decided
+//!   again while it stays wanted: in advise mode nobody applies it);
+//! - the bounded decision log.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::cluster::{plan_actions, ClusterView};
+use crate::config::{Mode, PlannerConfig, PlannerUpdate};
+use crate::costs::StepCosts;
+use crate::error::PlannerError;
+use crate::model::{Factors, Load, Model, Raw};
+use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput};
+use crate::types::{Arrival, Completion, Decision, Estimate, Inputs, PoolTarget, Prediction, Reason, Snapshot};
+use crate::window::{ArrivalWindow, CompletionStats, CompletionWindow};
+
+/// Decisions kept in the log.
+pub const DECISION_LOG: usize = 512;
+/// Successful completions served under the current configuration before observations correct
+/// the model.
+pub const MIN_CORRECTION_SAMPLES: u32 = 10;
+/// Successful completions before output lengths are taken from observation.
+pub const MIN_OUTPUT_SAMPLES: u32 = 10;
+/// Bounds of the observed/predicted correction factors.
+pub const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
+
+/// Demand means that outlive an empty window (so that a quiet window still predicts what one
+/// request would see).
+#[derive(Debug, Clone, Copy, Default)]
+struct Means {
+    prompt: f64,
+    prompt_sd: f64,
+    max_tokens: f64,
+}
+
+/// Everything one tick (or estimate) derives from the windows and a snapshot.
+struct Assessment {
+    view: ClusterView,
+    /// The current configuration with its step budget normalized.
+    current: PoolTarget,
+    load: Load,
+    stats: CompletionStats,
+    inputs: Inputs,
+    means: Means,
+}
+
+/// The SLO planner. See the crate docs for the model and the policy.
+pub struct Planner {
+    cfg: PlannerConfig,
+    costs: Box<dyn StepCosts>,
+    arrivals: ArrivalWindow,
+    completions: CompletionWindow,
+    first_seen: Option<Duration>,
+    means: Means,
+    factors: Factors,
+    factors_at: Option<Duration>,
+    /// (tick time, raw TTFT s, raw TPOT s) predicted for the current configuration.
+    history: VecDeque<(Duration, f64, f64)>,
+    config_since: Duration,
+    last_current: Option<PoolTarget>,
+    pending: Option<(PoolTarget, u32)>,
+    /// Since when every tick has wanted to scale down (reset by any tick that does not).
+    down_since: Option<Duration>,
+    last_change: Option<Duration>,
+    last_target: Option<PoolTarget>,
+    log: VecDeque<Decision>,
+}
+
+impl std::fmt::Debug for Planner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Planner")
+            .field("cfg", &self.cfg)
+            .field("factors", &self.factors)
+            .field("pending", &self.pending)
+            .field("last_target", &self.last_target)
+            .field("decisions", &self.log.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn probe(probe: &'static str, value: f64) -> Result<(), PlannerError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(PlannerError::InvalidCosts { probe, value })
+    }
+}
+
+impl Planner {
+    /// A planner with validated settings and a usable cost model.
+    pub fn new(cfg: PlannerConfig, costs: Box<dyn StepCosts>) -> Result<Self, PlannerError> {
+        cfg.validate()?;
+        probe("prefill_time(1)", costs.prefill_time(1))?;
+        probe("decode_step_time(1, 1)", costs.decode_step_time(1, 1))?;
+        probe("mixed_step_time(1, 1, 1)", costs.mixed_step_time(1, 1, 1))?;
+        probe("kv_capacity_tokens()", costs.kv_capacity_tokens() as f64)?;
+        let completions = CompletionWindow::new(cfg.targets.ttft_ms / 1e3, cfg.targets.tpot_ms / 1e3);
+        Ok(Self {
+            cfg,
+            costs,
+            arrivals: ArrivalWindow::default(),
+            completions,
+            first_seen: None,
+            means: Means::default(),
+            factors: Factors::default(),
+            factors_at: None,
+            history: VecDeque::new(),
+            config_since: Duration::ZERO,
+            last_current: None,
+            pending: None,
+            down_since: None,
+            last_change: None,
+            last_target: None,
+            log: VecDeque::new(),
+        })
+    }
+
+    pub fn config(&self) -> &PlannerConfig {
+        &self.cfg
+    }
+
+    /// Applies a partial update (validated as a whole; on error nothing changes). A pending
+    /// target is dropped: it was wanted under the old settings.
+    pub fn update(&mut self, u: &PlannerUpdate) -> Result<(), PlannerError> {
+        self.cfg.apply(u)?;
+        let t = &self.cfg.targets;
+        self.completions.configure(self.config_since, t.ttft_ms / 1e3, t.tpot_ms / 1e3);
+        self.pending = None;
+        self.last_target = None;
+        Ok(())
+    }
+
+    /// Re-scales the cost model from nodes' measured step times (see [`StepCosts::calibrate`]).
+    pub fn calibrate(&mut self, stats: &crate::costs::StepStats) {
+        self.costs.calibrate(stats);
+    }
+
+    /// A request arrived at the edge.
+    pub fn on_arrival(&mut self, a: Arrival) {
+        self.see(a.at);
+        self.arrivals.push(a);
+        self.arrivals.prune(a.at.checked_sub(self.cfg.window));
+    }
+
+    /// A request ended.
+    pub fn on_completion(&mut self, c: Completion) {
+        self.completions.push(c);
+        self.completions.prune(c.at.checked_sub(self.cfg.window));
+    }
+
+    fn see(&mut self, at: Duration) {
+        self.first_seen = Some(self.first_seen.map_or(at, |f| f.min(at)));
+    }
+
+    /// The last decisions, oldest first (at most [`DECISION_LOG`]).
+    pub fn decisions(&self) -> impl Iterator<Item = &Decision> {
+        self.log.iter()
+    }
+
+    /// Window statistics and the predictions for the current configuration, in every mode.
+    pub fn estimate(&self, snap: &Snapshot) -> Estimate {
+        let a = self.assess(snap);
+        let model = Model::new(&*self.costs, a.load, self.cfg.targets.quantile, self.cfg.limits.largest_step_budget());
+        let raw = model.predict(&a.current);
+        Estimate {
+            at_ms: ms(snap.now),
+            mode: self.cfg.mode,
+            current: a.view.current,
+            live_nodes: a.view.live,
+            inputs: a.inputs,
+            predicted: raw.to_prediction(self.factors),
+            ttft_correction: self.factors.ttft,
+            tpot_correction: self.factors.tpot,
+        }
+    }
+
+    fn assess(&self, snap: &Snapshot) -> Assessment {
+        let now = snap.now;
+        let cfg = &self.cfg;
+        let cutoff = now.checked_sub(cfg.window);
+        let view = ClusterView::new(snap);
+        let current = view.normalized(cfg.limits.largest_step_budget());
+        let t = &cfg.targets;
+        let stats = self.completions.stats(cutoff, t.quantile);
+        let arr = self.arrivals.stats(cutoff);
+        let means = if arr.count > 0 {
+            Means { prompt: arr.mean_prompt, prompt_sd: arr.sd_prompt, max_tokens: arr.mean_max_tokens }
+        } else {
+            self.means
+        };
+        let output = match stats.mean_output {
+            Some(o) if stats.ok >= MIN_OUTPUT_SAMPLES && means.max_tokens > 0.0 => o.min(means.max_tokens),
+            Some(o) if stats.ok >= MIN_OUTPUT_SAMPLES => o,
+            _ => means.max_tokens,
+        };
+        // Rate over the window, or over the time observed so far when shorter, but never over
+        // less than a third of the window: a rate from a few seconds of arrivals is too noisy
+        // to act on. Right after start-up this under-reads demand (the backlog still counts).
+        let first = self.first_seen.map_or(now, |f| f.min(now));
+        let span = (now - first).clamp(cfg.window / 3, cfg.window);
+        let lambda = arr.count as f64 / span.as_secs_f64();
+        let load = Load {
+            lambda,
+            prompt: means.prompt,
+            prompt_sd: means.prompt_sd,
+            output,
+            backlog_tokens: view.backlog_tokens as f64,
+            inflight_seqs: view.inflight_seqs as f64,
+        };
+        let inputs = Inputs {
+            arrival_rate: lambda,
+            mean_prompt_tokens: means.prompt,
+            mean_output_tokens: output,
+            queued_prefill_tokens: view.backlog_tokens,
+            running_seqs: view.running_seqs,
+            observed_ttft_ms: stats.ttft_q.map(|s| s * 1e3),
+            observed_tpot_ms: stats.tpot_q.map(|s| s * 1e3),
+            attainment: stats.attainment,
+            completions: stats.count,
+        };
+        Assessment { view, current, load, stats, inputs, means }
+    }
+
+    /// Moves the correction factors toward observed/predicted for the current configuration:
+    /// observed = the quantile over successful completions that started under it (at least
+    /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
+    /// same window. An EWMA with time constant window / 3, ratios clamped to
+    /// [`CORRECTION_RANGE`]. Factors persist across configuration changes (the model's bias
+    /// is a property of the model and the workload, not of the pool sizes).
+    fn update_correction(&mut self, now: Duration, stats: &CompletionStats, raw: &Raw) {
+        let cutoff = now.checked_sub(self.cfg.window);
+        while self.history.front().is_some_and(|h| cutoff.is_some_and(|c| h.0 <= c)) {
+            self.history.pop_front();
+        }
+        if raw.ttft.is_finite() && raw.tpot.is_finite() {
+            self.history.push_back((now, raw.ttft, raw.tpot));
+        }
+        if self.history.is_empty() {
+            return;
+        }
+        let n = self.history.len() as f64;
+        let pred_ttft = self.history.iter().map(|h| h.1).sum::<f64>() / n;
+        let pred_tpot = self.history.iter().map(|h| h.2).sum::<f64>() / n;
+        let tau = self.cfg.window.as_secs_f64() / 3.0;
+        let dt =
+            self.factors_at.map_or(tau, |t| now.saturating_sub(t).as_secs_f64()).min(self.cfg.window.as_secs_f64());
+        let alpha = 1.0 - (-dt / tau).exp();
+        let (lo, hi) = CORRECTION_RANGE;
+        let mut moved = false;
+        if let (true, Some(obs)) = (stats.since_count >= MIN_CORRECTION_SAMPLES, stats.since_ttft_q) {
+            let r = (obs / pred_ttft).clamp(lo, hi);
+            self.factors.ttft += alpha * (r - self.factors.ttft);
+            moved = true;
+        }
+        if let (true, Some(obs)) = (stats.since_tpot_count >= MIN_CORRECTION_SAMPLES, stats.since_tpot_q) {
+            let r = (obs / pred_tpot).clamp(lo, hi);
+            self.factors.tpot += alpha * (r - self.factors.tpot);
+            moved = true;
+        }
+        if moved {
+            self.factors_at = Some(now);
+        }
+    }
+
+    /// One planning step. `None` when mode is off or no new target is decided.
+    pub fn tick(&mut self, snap: &Snapshot) -> Option<Decision> {
+        let now = snap.now;
+        let cutoff = now.checked_sub(self.cfg.window);
+        self.arrivals.prune(cutoff);
+        self.completions.prune(cutoff);
+        if self.cfg.mode == Mode::Off {
+            return None;
+        }
+        self.see(now);
+        let mut a = self.assess(snap);
+        self.means = a.means;
+        if self.last_current != Some(a.current) {
+            self.last_current = Some(a.current);
+            self.config_since = now;
+            self.history.clear();
+            let t = &self.cfg.targets;
+            self.completions.configure(now, t.ttft_ms / 1e3, t.tpot_ms / 1e3);
+            a.stats = self.completions.stats(cutoff, t.quantile);
+        }
+        let cfg = self.cfg.clone();
+        let t = &cfg.targets;
+        let largest = cfg.limits.largest_step_budget();
+        let raw_current = Model::new(&*self.costs, a.load, t.quantile, largest).predict(&a.current);
+        self.update_correction(now, &a.stats, &raw_current);
+        let model = Model::new(&*self.costs, a.load, t.quantile, largest);
+
+        let band = if cfg.can_add_nodes { (0, cfg.limits.max_nodes) } else { (a.view.live, a.view.live) };
+        let mut search = Search::new(
+            &model,
+            SearchInput {
+                limits: &cfg.limits,
+                pinned: a.view.pinned,
+                band,
+                current: a.current,
+                ttft_target_s: t.ttft_ms / 1e3,
+                tpot_target_s: t.tpot_ms / 1e3,
+                factors: self.factors,
+            },
+        );
+        let current = search.evaluate(&a.current);
+        let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= cfg.window);
+        let clients_ok = a.stats.attainment.is_none_or(|x| a.stats.count < MIN_CORRECTION_SAMPLES || x >= t.attainment);
+        let policy = Policy {
+            scale_up_margin: cfg.scale_up_margin,
+            scale_down_margin: cfg.scale_down_margin,
+            allow_fewer: warm && clients_ok,
+        };
+        let in_limits = within_limits(&a.current, &cfg);
+        let Some(mv) = search.decide(&current, in_limits, policy) else {
+            self.pending = None;
+            self.last_target = None;
+            self.down_since = None;
+            return None;
+        };
+        // Scale-down stabilization: removing capacity from a configuration that meets its
+        // targets must be wanted for a whole window (on top of the rate itself being a window
+        // average), so a dip in demand does not undo the last scale-up.
+        let stable_down = if mv.kind == MoveKind::ScaleDown {
+            let since = *self.down_since.get_or_insert(now);
+            now.saturating_sub(since) >= cfg.window
+        } else {
+            self.down_since = None;
+            true
+        };
+        let target = mv.to.target;
+        if self.last_target == Some(target) {
+            self.pending = None;
+            return None;
+        }
+        let wanted = match self.pending {
+            Some((p, n)) if p == target => n + 1,
+            _ => 1,
+        };
+        self.pending = Some((target, wanted));
+        let cooling = self.last_change.is_some_and(|t| now < t + cfg.cooldown);
+        if wanted < cfg.confirm_ticks || cooling || !stable_down {
+            return None;
+        }
+        let decision = self.decision(snap, &a, &current, &mv);
+        self.pending = None;
+        self.down_since = None;
+        self.last_change = Some(now);
+        self.last_target = Some(target);
+        if self.log.len() == DECISION_LOG {
+            self.log.pop_front();
+        }
+        self.log.push_back(decision.clone());
+        Some(decision)
+    }
+
+    fn decision(&self, snap: &Snapshot, a: &Assessment, current: &Candidate, mv: &Move) -> Decision {
+        let target = mv.to.target;
+        let reason = reason(&a.current, current, mv, &a.inputs, &self.cfg);
+        let predicted = Prediction {
+            current: current.raw.to_prediction(self.factors),
+            target: mv.to.raw.to_prediction(self.factors),
+            ttft_correction: self.factors.ttft,
+            tpot_correction: self.factors.tpot,
+        };
+        Decision {
+            at_ms: ms(snap.now),
+            mode: self.cfg.mode,
+            current: a.view.current,
+            target,
+            actions: plan_actions(snap, &target, self.cfg.can_add_nodes),
+            applied: self.cfg.mode == Mode::Auto,
+            reason,
+            why: why(reason, binding(current, &self.cfg), &a.current, &target, &predicted, &a.inputs, &self.cfg),
+            inputs: a.inputs.clone(),
+            predicted,
+        }
+    }
+}
+
+fn within_limits(t: &PoolTarget, cfg: &PlannerConfig) -> bool {
+    let l = &cfg.limits;
+    let within = |v: u32, (lo, hi): (u32, u32)| lo <= v && v <= hi;
+    within(t.prefill, (l.min_prefill, l.max_prefill))
+        && within(t.decode, (l.min_decode, l.max_decode))
+        && within(t.colocated, (l.min_colocated, l.max_colocated))
+        && t.nodes() <= l.max_nodes
+}
+
+fn reason(cur: &PoolTarget, current: &Candidate, mv: &Move, inputs: &Inputs, cfg: &PlannerConfig) -> Reason {
+    let to = &mv.to.target;
+    if mv.kind == MoveKind::Bounds {
+        return Reason::Bounds;
+    }
+    if to.colocated > 0 && cur.prefill + cur.decode > 0 {
+        return Reason::Colocate;
+    }
+    if to.colocated == 0 && cur.colocated > 0 {
+        return Reason::Disaggregate;
+    }
+    if to.counts() == cur.counts() {
+        return Reason::StepBudget;
+    }
+    if mv.kind == MoveKind::ScaleDown {
+        return Reason::Overprovisioned;
+    }
+    if binding(current, cfg).is_prefill() {
+        if inputs.observed_ttft_ms.is_some_and(|o| o > cfg.targets.ttft_ms) {
+            Reason::TtftBreach
+        } else {
+            Reason::TtftRisk
+        }
+    } else if inputs.observed_tpot_ms.is_some_and(|o| o > cfg.targets.tpot_ms) {
+        Reason::TpotBreach
+    } else {
+        Reason::TpotRisk
+    }
+}
+
+/// What binds the current configuration's worst ratio.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Binding {
+    Ttft,
+    Tpot,
+    /// Prefill servers' utilisation.
+    PrefillBusy(f64),
+    /// Decode KV pressure (offered sequences over what the KV holds).
+    DecodeBusy(f64),
+}
+
+impl Binding {
+    fn is_prefill(self) -> bool {
+        matches!(self, Binding::Ttft | Binding::PrefillBusy(_))
+    }
+}
+
+fn binding(current: &Candidate, cfg: &PlannerConfig) -> Binding {
+    let t = &cfg.targets;
+    let c = &current.corrected;
+    let (ttft, tpot) = (c.ttft / (t.ttft_ms / 1e3), c.tpot / (t.tpot_ms / 1e3));
+    let raw = &current.raw;
+    if raw.stress > ttft.max(tpot) {
+        if raw.stress <= raw.utilisation {
+            Binding::PrefillBusy(raw.utilisation)
+        } else {
+            Binding::DecodeBusy(raw.stress)
+        }
+    } else if ttft >= tpot {
+        Binding::Ttft
+    } else {
+        Binding::Tpot
+    }
+}
+
+fn fmt_ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "unbounded".to_string(), |v| format!("{v:.0} ms"))
+}
+
+/// "prefill 1 -> 2, decode 2 -> 1, step budget 2048 -> 256"
+fn changes(cur: &PoolTarget, to: &PoolTarget) -> String {
+    let mut parts = Vec::new();
+    for (name, a, b) in [
+        ("prefill", cur.prefill, to.prefill),
+        ("decode", cur.decode, to.decode),
+        ("colocated", cur.colocated, to.colocated),
+    ] {
+        if a != b {
+            parts.push(format!("{name} {a} -> {b}"));
+        }
+    }
+    if to.colocated > 0 && cur.step_budget != to.step_budget {
+        let show = |b: Option<u32>| b.map_or_else(|| "none".to_string(), |b| b.to_string());
+        parts.push(format!("step budget {} -> {}", show(cur.step_budget), show(to.step_budget)));
+    }
+    parts.join(", ")
+}
+
+fn why(
+    reason: Reason,
+    binding: Binding,
+    cur: &PoolTarget,
+    to: &PoolTarget,
+    p: &Prediction,
+    i: &Inputs,
+    cfg: &PlannerConfig,
+) -> String {
+    let t = &cfg.targets;
+    let q = (t.quantile * 100.0).round();
+    let up = cfg.scale_up_margin;
+    let rate = i.arrival_rate;
+    let change = changes(cur, to);
+    let observed = |v: Option<f64>| v.map_or_else(|| "none yet".to_string(), |v| format!("{v:.0} ms"));
+    let ttft_context =
+        format!("observed {}, queue {} tokens, {rate:.2} req/s", observed(i.observed_ttft_ms), i.queued_prefill_tokens);
+    let tpot_context = format!(
+        "observed {}, {} seqs running, {:.1} per decoding node, {rate:.2} req/s",
+        observed(i.observed_tpot_ms),
+        i.running_seqs,
+        p.current.decode_batch
+    );
+    let lead = match (reason, binding) {
+        (Reason::TtftRisk | Reason::TtftBreach, Binding::PrefillBusy(u)) => format!(
+            "prefill servers predicted {:.0}% busy > {:.0}% (p{q} TTFT {} vs {:.0} ms target; {ttft_context})",
+            u * 100.0,
+            up * 100.0,
+            fmt_ms(p.current.ttft_ms),
+            t.ttft_ms,
+        ),
+        (Reason::TtftRisk | Reason::TtftBreach, _) => format!(
+            "predicted p{q} TTFT {} > {:.0} ms ({up} x {:.0} ms target; {ttft_context})",
+            fmt_ms(p.current.ttft_ms),
+            t.ttft_ms * up,
+            t.ttft_ms,
+        ),
+        (Reason::TpotRisk | Reason::TpotBreach, Binding::DecodeBusy(s)) => format!(
+            "decode KV predicted {:.0}% committed > {:.0}% (p{q} TPOT {} vs {:.0} ms target; {tpot_context})",
+            s * 100.0,
+            up * 100.0,
+            fmt_ms(p.current.tpot_ms),
+            t.tpot_ms,
+        ),
+        (Reason::TpotRisk | Reason::TpotBreach, _) => format!(
+            "predicted p{q} TPOT {} > {:.0} ms ({up} x {:.0} ms target; {tpot_context})",
+            fmt_ms(p.current.tpot_ms),
+            t.tpot_ms * up,
+            t.tpot_ms,
+        ),
+        (Reason::Bounds, _) => format!(
+            "current configuration (prefill {}, decode {}, colocated {}) breaks the limits (max {} nodes)",
+            cur.prefill, cur.decode, cur.colocated, cfg.limits.max_nodes
+        ),
+        _ => format!(
+            "{} nodes predicted at p{q} TTFT {} and TPOT {} (targets {:.0} ms, {:.0} ms; now {} and {}) at {rate:.2} req/s",
+            to.nodes(),
+            fmt_ms(p.target.ttft_ms),
+            fmt_ms(p.target.tpot_ms),
+            t.ttft_ms,
+            t.tpot_ms,
+            fmt_ms(p.current.ttft_ms),
+            fmt_ms(p.current.tpot_ms),
+        ),
+    };
+    format!("{lead}: {change}")
+}

@@ -1,0 +1,264 @@
+//! Closed-loop scenarios on a deterministic toy cluster (time injected, no sleeps, no
+//! randomness beyond a seeded generator): the planner's decisions against queues building,
+//! decode batches growing, noise at a threshold, and colocation versus disaggregation.
+
+mod common;
+
+use std::time::Duration;
+
+use cleave_planner::{Decision, Mode, Reason, Role};
+use common::{config, limits, secs, Sim};
+
+const PROMPT: u32 = 200;
+const TICK: Duration = Duration::from_secs(1);
+
+/// Seconds to prefill one 200-token prompt on one node (10 ms + 2 ms/token), and the node's
+/// token rate.
+const SERVICE_S: f64 = 0.410;
+const NODE_TOKENS_PER_S: f64 = PROMPT as f64 / SERVICE_S;
+
+/// (1) Demand rises toward one prefill node's capacity (2.44 req/s) and the queue on it starts
+/// to build. Clients have only ever seen a small fraction of the 3 s TTFT target; a planner
+/// sizing the pool from service time (0.41 s) or from the completion rate would never move.
+/// The planner must add prefill capacity while observed p90 TTFT is still under target.
+#[test]
+fn a_building_queue_raises_prefill_before_observed_ttft_crosses_target() {
+    let cfg = config(Mode::Auto, 3000.0, 200.0, limits(2, 2, 0, 3), true);
+    let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+    let mut backlog = 0.0f64;
+    let mut first: Option<(f64, Decision)> = None;
+    let mut worst_client_ttft = 0.0f64;
+    for step in 0..150 {
+        let t = f64::from(step);
+        let rate = 1.0 + 0.02 * t; // 1 req/s, +1.2 req/s per minute
+        sim.arrive(rate, TICK, PROMPT, 100);
+        // A fluid queue: prefill capacity of the prefill pool, backlog when demand exceeds it.
+        let capacity = f64::from(sim.count(Role::Prefill)) * NODE_TOKENS_PER_S;
+        backlog = (backlog + rate * f64::from(PROMPT) - capacity).max(0.0);
+        let ttft = SERVICE_S + backlog / capacity + 0.05;
+        worst_client_ttft = worst_client_ttft.max(ttft);
+        // Completions come at most at the pool's capacity (a saturated system caps them).
+        let served = rate.min(capacity / f64::from(PROMPT)).floor() as u32;
+        sim.complete(served, secs(ttft), Duration::from_millis(45), 100);
+        for n in sim.nodes_of(Role::Prefill) {
+            n.queued_prefill_tokens = backlog as u64;
+        }
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            first.get_or_insert((t, d));
+        }
+    }
+    let (t, d) = first.expect("the planner never added prefill capacity");
+    assert_eq!((d.current.prefill, d.target.prefill, d.target.decode), (1, 2, 1), "{d:?}");
+    assert_eq!(d.reason, Reason::TtftRisk, "{}", d.why);
+    let observed = d.inputs.observed_ttft_ms.expect("completions were observed");
+    assert!(observed < 3000.0, "decided only after clients saw {observed} ms");
+    // The current configuration was predicted past the scale-up margin: TTFT or prefill
+    // utilisation (the M/G/1 queue is near saturation).
+    let pc = d.predicted.current;
+    assert!(pc.ttft_ms.is_none_or(|p| p > 0.9 * 3000.0) || pc.prefill_utilisation > 0.9, "{d:?}");
+    // Acted before the queue's fluid TTFT reached the target, and the added node held it.
+    assert!(worst_client_ttft < 3.0, "clients saw {worst_client_ttft} s (decision at {t} s)");
+    assert_eq!(sim.count(Role::Prefill), 2);
+}
+
+/// (1b) A burst queues 30 prompts (6000 tokens) on the prefill node at once. The window's
+/// arrival rate barely moves (the burst is spread over 30 s), and no completion has been slow
+/// yet; the backlog alone must raise the prediction and add a prefill node.
+#[test]
+fn a_queued_burst_adds_prefill_before_any_client_sees_it() {
+    let cfg = config(Mode::Auto, 3000.0, 200.0, limits(2, 2, 0, 3), true);
+    let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+    for _ in 0..60 {
+        sim.arrive(0.5, TICK, PROMPT, 100);
+        sim.complete(1, Duration::from_millis(500), Duration::from_millis(45), 100);
+        assert!(sim.tick().is_none());
+    }
+    let e = sim.planner.estimate(&sim.snapshot());
+    assert!(e.predicted.ttft_ms.unwrap() < 0.9 * 3000.0, "{e:?}");
+    for i in 0..30 {
+        sim.planner.on_arrival(cleave_planner::Arrival {
+            at: sim.now + secs(0.01 * f64::from(i)),
+            prompt_tokens: PROMPT,
+            max_tokens: 100,
+        });
+    }
+    let mut decision = None;
+    for _ in 0..5 {
+        sim.arrive(0.5, TICK, PROMPT, 100);
+        for n in sim.nodes_of(Role::Prefill) {
+            n.queued_prefill_tokens = 6000;
+        }
+        if let Some(d) = sim.tick() {
+            decision = Some(d);
+            break;
+        }
+    }
+    let d = decision.expect("a 6000-token backlog (12 s of prefill) did not raise the prefill target");
+    assert_eq!((d.target.prefill, d.target.decode), (2, 1), "{d:?}");
+    assert_eq!(d.reason, Reason::TtftRisk);
+    assert!(d.inputs.observed_ttft_ms.unwrap() < 3000.0);
+    assert!(d.inputs.arrival_rate < 2.0, "the rate alone explains nothing: {}", d.inputs.arrival_rate);
+    assert!(d.why.contains("queue 6000 tokens"), "{}", d.why);
+}
+
+/// (2) Demand rises and decode batches grow (the decode node reports its running sequences,
+/// clients report TPOT) until TPOT nears its 100 ms target. With the node count fixed, the
+/// planner must move a prefill node to decode: 2p1d -> 1p2d.
+#[test]
+fn decode_batch_growth_moves_a_prefill_node_to_decode() {
+    let cfg = config(Mode::Auto, 3000.0, 100.0, limits(2, 2, 0, 3), false);
+    let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Prefill, Role::Decode]);
+    let output = 200u32;
+    let mut decided = None;
+    for step in 0..120 {
+        let rate = 1.0 + 0.02 * f64::from(step);
+        sim.arrive(rate, TICK, 100, output);
+        // Little's law on the decode pool: B = rate * O * TPOT / m with TPOT = 40 ms + 1 ms * B.
+        let m = f64::from(sim.count(Role::Decode));
+        let k = rate * f64::from(output) / m;
+        let batch = k * 0.040 / (1.0 - k * 0.001);
+        let tpot = 0.040 + 0.001 * batch;
+        sim.complete(rate.floor() as u32, Duration::from_millis(300), secs(tpot), output);
+        for n in sim.nodes_of(Role::Decode) {
+            n.running_seqs = batch.round() as u32;
+        }
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            assert!(decided.is_none(), "second decision {d:?}");
+            decided = Some((tpot, d));
+        }
+    }
+    let (tpot, d) = decided.expect("decode growth never moved capacity");
+    assert_eq!((d.current.prefill, d.current.decode), (2, 1));
+    assert_eq!((d.target.prefill, d.target.decode, d.target.colocated), (1, 2, 0), "{d:?}");
+    assert!(matches!(d.reason, Reason::TpotRisk | Reason::TpotBreach), "{:?}: {}", d.reason, d.why);
+    assert!(tpot < 0.100, "moved only once clients saw {tpot} s TPOT");
+    assert_eq!(d.actions.len(), 1);
+    assert!(matches!(d.actions[0], cleave_planner::Action::SwitchRole { from: Role::Prefill, to: Role::Decode, .. }));
+}
+
+/// A small seeded generator (xorshift64*), so the noise is the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The arrival rate at which the prediction for `roles` sits exactly at the scale-up threshold.
+fn borderline_rate(roles: &[Role]) -> f64 {
+    let (mut lo, mut hi) = (0.5, 2.4);
+    for _ in 0..40 {
+        let mid = 0.5 * (lo + hi);
+        let mut sim = Sim::new(config(Mode::Off, 3000.0, 200.0, limits(2, 2, 0, 3), true), roles);
+        for _ in 0..40 {
+            sim.arrive(mid, TICK, PROMPT, 100);
+        }
+        let e = sim.planner.estimate(&sim.snapshot());
+        let ratio = (e.predicted.ttft_ms.unwrap_or(f64::INFINITY) / 3000.0).max(e.predicted.prefill_utilisation);
+        if ratio > 0.9 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    lo
+}
+
+/// Ten minutes of demand jittering +-10% (a new level every 20 s) around the rate where the
+/// starting configuration is borderline: its prediction crosses the scale-up threshold both
+/// ways many times. Returns the changes made.
+fn noisy_run(roles: &[Role], can_add_nodes: bool) -> Vec<Decision> {
+    let level = borderline_rate(roles);
+    let mut sim = Sim::new(config(Mode::Auto, 3000.0, 200.0, limits(2, 2, 0, 3), can_add_nodes), roles);
+    // A shadow planner that never acts, to watch the starting configuration's prediction.
+    let mut shadow = Sim::new(config(Mode::Off, 3000.0, 200.0, limits(2, 2, 0, 3), can_add_nodes), roles);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rate = level;
+    let (mut above, mut below) = (0, 0);
+    let mut changes = Vec::new();
+    for step in 0..600 {
+        if step % 20 == 0 {
+            rate = level * (0.9 + 0.2 * rng.uniform());
+        }
+        sim.arrive(rate, TICK, PROMPT, 100);
+        shadow.arrive(rate, TICK, PROMPT, 100);
+        if step >= 30 {
+            let e = shadow.planner.estimate(&shadow.snapshot());
+            let ratio = (e.predicted.ttft_ms.unwrap_or(f64::INFINITY) / 3000.0).max(e.predicted.prefill_utilisation);
+            if ratio > 0.9 {
+                above += 1;
+            } else {
+                below += 1;
+            }
+        }
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            changes.push(d);
+        }
+    }
+    assert!(above >= 30 && below >= 30, "the noise never straddled the threshold: {above} above, {below} below");
+    changes
+}
+
+/// (3) Noise around the threshold does not flap: at most one change in ten minutes, whether
+/// nodes can be added (1p1d, budget 3) or only roles can move (3 nodes, 1p2d).
+#[test]
+fn noise_around_the_threshold_does_not_flap() {
+    for (roles, can_add) in
+        [(&[Role::Prefill, Role::Decode][..], true), (&[Role::Prefill, Role::Decode, Role::Decode][..], false)]
+    {
+        let changes = noisy_run(roles, can_add);
+        let whys: Vec<_> = changes.iter().map(|d| (d.at_ms, d.why.as_str())).collect();
+        assert!(changes.len() <= 1, "{roles:?}, can_add_nodes {can_add}: {} changes: {whys:#?}", changes.len());
+    }
+}
+
+/// (6) Short prompts (64 tokens, 32 outputs) at 2 req/s on the small CPU model. With a loose
+/// TPOT target (150 ms) one colocated node serves everything, fewer nodes than any
+/// disaggregated split; with a tight one (55 ms) the prefill steps it interleaves (~170 ms)
+/// break TPOT, and disaggregated pools are chosen.
+fn colocation_run(tpot_ms: f64, roles: &[Role]) -> (Sim, Vec<Decision>) {
+    let cfg = config(Mode::Auto, 3000.0, tpot_ms, limits(4, 4, 4, 4), true);
+    let mut sim = Sim::new(cfg, roles);
+    let mut decisions = Vec::new();
+    for _ in 0..90 {
+        sim.arrive(2.0, TICK, 64, 32);
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            decisions.push(d);
+        }
+    }
+    (sim, decisions)
+}
+
+#[test]
+fn loose_tpot_with_short_prompts_colocates() {
+    let (sim, decisions) = colocation_run(150.0, &[Role::Prefill, Role::Decode]);
+    let d = decisions.first().expect("kept 1p1d although one colocated node suffices");
+    assert_eq!(d.reason, Reason::Colocate, "{}", d.why);
+    assert_eq!((d.target.prefill, d.target.decode, d.target.colocated), (0, 0, 1), "{d:?}");
+    assert!(d.target.step_budget.is_some());
+    assert_eq!((sim.count(Role::Prefill), sim.count(Role::Decode), sim.count(Role::Both)), (0, 0, 1));
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+}
+
+#[test]
+fn tight_tpot_keeps_or_picks_disaggregated_pools() {
+    let (_, decisions) = colocation_run(55.0, &[Role::Prefill, Role::Decode]);
+    assert!(decisions.is_empty(), "left disaggregated pools: {decisions:?}");
+    let (sim, decisions) = colocation_run(55.0, &[Role::Both, Role::Both]);
+    let d = decisions.first().expect("kept colocated nodes that miss a tight TPOT");
+    assert_eq!(d.reason, Reason::Disaggregate, "{}", d.why);
+    assert_eq!(d.target.colocated, 0, "{d:?}");
+    assert!(d.target.prefill >= 1 && d.target.decode >= 1);
+    assert_eq!(sim.count(Role::Both), 0);
+    // The same workload on the same colocated nodes is fine with the loose target.
+    let (_, loose) = colocation_run(150.0, &[Role::Both, Role::Both]);
+    assert!(loose.iter().all(|d| d.target.prefill + d.target.decode == 0), "{loose:?}");
+}

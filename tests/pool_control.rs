@@ -1,0 +1,287 @@
+//! Pool control as processes on loopback: the admin API's token, a drain under load, a role
+//! switch under load, and nodes that outlive their coordinator. Streams are checked against
+//! Hugging Face transformers' greedy text (tiny-llama's golden.json); blocks against the nodes'
+//! own reports.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The golden cases, repeated to `n` requests: (prompt, transformers' 32-token greedy text).
+fn load(n: usize) -> Vec<(String, String)> {
+    let cases = golden();
+    (0..n)
+        .map(|i| {
+            let c = &cases[i % cases.len()];
+            (c["prompt"].as_str().unwrap().to_string(), c["text_incremental"].as_str().unwrap().to_string())
+        })
+        .collect()
+}
+
+/// Streams every request of `load` at once; returns when all ended, asserting each text.
+async fn run_load(c: &TestCluster, load: Vec<(String, String)>) {
+    let streams = load.into_iter().map(|(prompt, want)| async move {
+        let (text, finish) = c.stream(greedy(&prompt, 32)).await;
+        assert_eq!(text, want, "a stream's text changed (prompt {prompt:?})");
+        assert_eq!(finish, "length");
+    });
+    futures::future::join_all(streams).await;
+}
+
+fn node_by_name<'a>(nodes: &'a [Value], name: &str) -> &'a Value {
+    nodes.iter().find(|n| n["name"] == name).unwrap_or_else(|| panic!("no node {name} in {nodes:?}"))
+}
+
+/// Waits (bounded) until node `name` is in `state`.
+async fn wait_state(c: &TestCluster, name: &str, state: &str) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let nodes = c.nodes_state().await;
+        let n = node_by_name(&nodes, name).clone();
+        if n["state"] == state {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "{name} never reached {state}: {n}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits (bounded) until node `name` has at least `min` routed decode streams.
+async fn wait_busy(c: &TestCluster, name: &str, min: u64) -> u64 {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let nodes = c.nodes_state().await;
+        let n = node_by_name(&nodes, name);
+        if n["active"]["decode"].as_u64().unwrap() >= min {
+            return n["id"].as_u64().unwrap();
+        }
+        assert!(Instant::now() < deadline, "{name} never got a stream");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn admin_routes_refuse_a_missing_or_wrong_token() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["decode"], &[]);
+    runtime().block_on(async {
+        c.wait_nodes(1).await;
+        let routes = [
+            (reqwest::Method::GET, "/admin/nodes"),
+            (reqwest::Method::GET, "/admin/pools"),
+            (reqwest::Method::GET, "/admin/planner"),
+            (reqwest::Method::PUT, "/admin/planner"),
+            (reqwest::Method::GET, "/admin/planner/decisions"),
+            (reqwest::Method::POST, "/admin/nodes/1/drain"),
+            (reqwest::Method::POST, "/admin/nodes/1/role"),
+            (reqwest::Method::DELETE, "/admin/nodes/1"),
+        ];
+        for (m, path) in &routes {
+            for token in [None, Some("wrong"), Some("test-admin-token-but-longer")] {
+                let mut req = c.client.request(m.clone(), format!("{}{path}", c.http)).json(&json!({"role": "decode"}));
+                if let Some(t) = token {
+                    req = req.bearer_auth(t);
+                }
+                let r = req.send().await.unwrap();
+                assert_eq!(r.status(), 401, "{m} {path} with {token:?}");
+                let v: Value = r.json().await.unwrap();
+                assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+            }
+        }
+        // The API key is not the admin token, and the right token works.
+        let nodes = c.admin(reqwest::Method::GET, "/admin/nodes", None).await;
+        assert_eq!(nodes["nodes"].as_array().unwrap().len(), 1);
+        // Bad admin input is a clear 4xx, never a panic.
+        let r =
+            c.client.post(format!("{}/admin/nodes/999/drain", c.http)).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+        assert_eq!(r.status(), 404);
+        let id = nodes["nodes"][0]["id"].as_u64().unwrap();
+        for body in [json!({"role": "sideways"}), json!({}), json!({"role": "decode", "extra": 1})] {
+            let r = c
+                .client
+                .post(format!("{}/admin/nodes/{id}/role", c.http))
+                .bearer_auth(ADMIN_TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400, "{body}");
+        }
+        let r = c
+            .client
+            .put(format!("{}/admin/planner", c.http))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&json!({"mode": "sometimes"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+    });
+
+    // A coordinator started without --admin-token keeps its admin API closed.
+    let certs = certs_dir(&["coordinator".to_string()]);
+    let args: Vec<String> = [
+        "coordinator",
+        "--model",
+        tiny_llama().to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--cluster-listen",
+        "127.0.0.1:0",
+        "--certs",
+        certs.to_str().unwrap(),
+        "--exit-with-parent",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let closed = Proc::start("closed-coordinator", &args).unwrap();
+    runtime().block_on(async {
+        let r = reqwest::get(format!("http://{}/admin/nodes", closed.ready["http"])).await.unwrap();
+        assert_eq!(r.status(), 401);
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("--admin-token"), "{v}");
+    });
+    let _ = std::fs::remove_dir_all(certs);
+}
+
+#[test]
+fn a_drain_under_load_completes_every_stream_and_the_node_leaves_when_removed() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = TestCluster::start(&tiny_llama(), &["prefill", "decode", "decode"], &["--local-prefill-max-tokens=0"]);
+    runtime().block_on(async {
+        c.wait_nodes(3).await;
+        let load = load(12);
+        let streams = run_load(&c, load.clone());
+        let drain = async {
+            // Drain a decode node while it streams: its streams finish on it.
+            let id = wait_busy(&c, "node-1", 1).await;
+            c.admin(reqwest::Method::POST, &format!("/admin/nodes/{id}/drain"), Some(json!({"then": "stay"}))).await;
+            let n = node_by_name(&c.nodes_state().await, "node-1").clone();
+            assert!(n["state"] == "draining" || n["state"] == "drained", "{n}");
+            id
+        };
+        let ((), id) = tokio::join!(streams, drain);
+        let parked = wait_state(&c, "node-1", "drained").await;
+        assert_eq!(parked["active"]["decode"], 0);
+        // A parked node takes no new work: everything decodes on node-2 now.
+        run_load(&c, load[..4].to_vec()).await;
+        let nodes = c.nodes_state().await;
+        assert_eq!(node_by_name(&nodes, "node-1")["active"]["decode"], 0);
+        c.wait_blocks_free().await;
+        let pools = c.admin(reqwest::Method::GET, "/admin/pools", None).await;
+        assert_eq!(pools["pools"]["decode"]["active_nodes"], 1, "{pools}");
+        // Removing it: it leaves, and its process exits cleanly.
+        c.admin(reqwest::Method::DELETE, &format!("/admin/nodes/{id}"), None).await;
+        c.wait_nodes(2).await;
+        id
+    });
+    let node = &mut c.nodes[1];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = node.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the removed node did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "a node that leaves exits cleanly: {status}");
+}
+
+#[test]
+fn a_role_switch_under_load_loses_no_request_and_keeps_greedy_text() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens=0"]);
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let nodes = c.nodes_state().await;
+        let (p, d) = (node_by_name(&nodes, "node-0")["id"].clone(), node_by_name(&nodes, "node-1")["id"].clone());
+        let load = load(10);
+        let streams = run_load(&c, load.clone());
+        let switch = async {
+            // Every request routed (the only decode node has them all) before both switch.
+            wait_busy(&c, "node-1", 10).await;
+            // Swap the roles while streams run: the decode node finishes its streams first.
+            c.admin(reqwest::Method::POST, &format!("/admin/nodes/{d}/role"), Some(json!({"role": "prefill"}))).await;
+            c.admin(reqwest::Method::POST, &format!("/admin/nodes/{p}/role"), Some(json!({"role": "decode"}))).await;
+        };
+        tokio::join!(streams, switch);
+        let a = wait_state(&c, "node-0", "active").await;
+        let b = wait_state(&c, "node-1", "active").await;
+        assert_eq!((a["role"].as_str(), b["role"].as_str()), (Some("decode"), Some("prefill")));
+        // The swapped cluster serves transformers' text, KV now flowing node-1 -> node-0.
+        run_load(&c, load).await;
+        let nodes = c.nodes_state().await;
+        assert!(node_by_name(&nodes, "node-0")["active"]["decode"].as_u64().unwrap() == 0);
+        c.wait_blocks_free().await;
+        // And back to colocated with a step budget: both take their own requests.
+        c.admin(
+            reqwest::Method::POST,
+            &format!("/admin/nodes/{p}/role"),
+            Some(json!({"role": "both", "step_budget": 64})),
+        )
+        .await;
+        let n = wait_state(&c, "node-0", "active").await;
+        assert_eq!((n["role"].as_str(), n["step_budget"].as_u64()), (Some("both"), Some(64)));
+        check_golden(&c).await;
+    });
+}
+
+#[test]
+fn nodes_survive_a_coordinator_restart() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens=0"]);
+    runtime().block_on(c.wait_nodes(2));
+    // Kill the coordinator; start a new one where the nodes look for it.
+    let _ = c.coordinator.child.kill();
+    let _ = c.coordinator.child.wait();
+    let args: Vec<String> = [
+        "coordinator",
+        "--model",
+        c.model.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--cluster-listen",
+        &c.cluster,
+        "--name",
+        "coordinator",
+        "--certs",
+        c.certs.to_str().unwrap(),
+        "--exit-with-parent",
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--local-prefill-max-tokens=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let fresh = loop {
+        // The old process's UDP port may take a moment to be free.
+        match Proc::start("coordinator-2", &args) {
+            Ok(p) => break p,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("restart: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("the coordinator did not come back: {e}"),
+        }
+    };
+    c.http = format!("http://{}", fresh.ready["http"]);
+    c.coordinator = fresh;
+    runtime().block_on(async {
+        // The nodes re-register on their own and the new coordinator routes to them.
+        c.wait_nodes(2).await;
+        let nodes = c.nodes_state().await;
+        let roles: Vec<&str> = nodes.iter().map(|n| n["role"].as_str().unwrap()).collect();
+        assert!(roles.contains(&"prefill") && roles.contains(&"decode"), "{roles:?}");
+        check_golden(&c).await;
+    });
+}
