@@ -90,3 +90,78 @@ fn up_serves_generate_s_text_and_stops_cleanly() {
     let gone = rt.block_on(async { client.get(format!("http://{addr}/health")).send().await.is_err() });
     assert!(gone, "the coordinator still answers after cleave up stopped");
 }
+
+/// Children of `pid` whose command line has `word` as its first argument.
+fn children(pid: u32, word: &str) -> Vec<u32> {
+    let out = Command::new("pgrep").args(["-P", &pid.to_string()]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(|p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            cmd.split(|b| *b == 0).nth(1) == Some(word.as_bytes())
+        })
+        .collect()
+}
+
+#[test]
+fn up_restarts_a_coordinator_and_a_node_that_die() {
+    let model = shared_dir().join("models/tiny-llama");
+    let exe = env!("CARGO_BIN_EXE_cleave");
+    let mut up = Command::new(exe)
+        .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
+        .args(["--kv-cache-memory", "64m", "--threads", "1", "--coordinator-arg=--local-prefill-max-tokens=0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = up.stdout.take().unwrap();
+    let up = KillOnDrop(up);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split(" at http://").nth(1) {
+                let _ = tx.send(rest.split("/v1").next().unwrap().to_string());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let prompt = "The quick brown fox jumps over the lazy dog";
+    let body = serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    // Serves once the cluster is whole again (bounded).
+    let complete = |what: &str| -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got: Option<String> = rt.block_on(async {
+                let r = client.post(format!("http://{addr}/v1/completions")).json(&body).send().await.ok()?;
+                if !r.status().is_success() {
+                    return None;
+                }
+                let v: serde_json::Value = r.json().await.ok()?;
+                v["choices"][0]["text"].as_str().map(str::to_string)
+            });
+            if let Some(t) = got {
+                return t;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not serve again after {what}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let want = complete("start");
+    let pid = up.0.id();
+
+    for (who, word) in [("the coordinator", "coordinator"), ("a node", "node")] {
+        let victims = children(pid, word);
+        assert!(!victims.is_empty(), "no {word} child of cleave up");
+        let victim = victims[0];
+        assert!(Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
+        // A new process takes its place and the same greedy text comes back.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !children(pid, word).iter().any(|p| *p != victim) || children(pid, word).contains(&victim) {
+            assert!(Instant::now() < deadline, "{who} was not restarted");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(complete(who), want, "after restarting {who}");
+    }
+}

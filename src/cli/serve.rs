@@ -109,6 +109,10 @@ pub struct CoordinatorCmd {
     /// which reads them and starts the processes).
     #[arg(long, hide = true)]
     pub launch_nodes_via_stdout: bool,
+    /// How the planner adds and removes nodes on Kubernetes (feature `kubernetes`).
+    #[cfg(feature = "kubernetes")]
+    #[command(flatten)]
+    pub k8s: cleave_coordinator::cluster::k8s::K8sArgs,
     #[command(flatten)]
     pub planner: PlannerArgs,
 }
@@ -316,7 +320,15 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
         let launch = cmd.launch_nodes_via_stdout;
+        #[cfg(feature = "kubernetes")]
+        let k8s = cleave_coordinator::cluster::k8s::client_from_args(&cmd.k8s)
+            .await
+            .context("connecting to the Kubernetes API")?;
         let cluster = Cluster::start_with(cfg, fingerprint, control, dispatches, move |h| {
+            #[cfg(feature = "kubernetes")]
+            if let Some(k) = k8s {
+                return Box::new(k.into_actuator(h));
+            }
             if launch {
                 Box::new(cleave_coordinator::cluster::LocalProcesses::new(h))
             } else {

@@ -284,7 +284,7 @@ impl K8sClient {
     /// Reads the client configuration (`cfg.api`, else kubeconfig or service account) and
     /// builds the client. Nothing is sent to the API server yet.
     pub async fn connect(cfg: K8sConfig) -> Result<Self, K8sError> {
-        let kube_cfg = match &cfg.api {
+        let mut kube_cfg = match &cfg.api {
             Some(api) => {
                 let url =
                     api.url.parse().map_err(|e| K8sError::Config { reason: format!("API URL `{}`: {e}", api.url) })?;
@@ -296,7 +296,6 @@ impl K8sClient {
                 reason: format!("no kubeconfig and not in a pod with a service account: {e}"),
             })?,
         };
-        let mut kube_cfg = kube_cfg;
         kube_cfg.read_timeout = Some(cfg.request_timeout);
         let namespace = cfg.namespace.clone().unwrap_or_else(|| kube_cfg.default_namespace.clone());
         let client = kube::Client::try_from(kube_cfg).map_err(|e| K8sError::Config { reason: e.to_string() })?;
