@@ -149,6 +149,21 @@ impl Planner {
         self.costs.calibrate(stats);
     }
 
+    /// Prompt tokens a prefill node may have queued and still start a new prompt within the
+    /// TTFT target: its prefill rate (at the mean prompt seen) times what the target leaves
+    /// after one prompt's own prefill, at least one mean prompt. The coordinator uses it as the
+    /// line past which a prefill node counts as saturated and decode nodes prefill locally: the
+    /// bridge that holds TTFT while capacity moves between the pools.
+    pub fn saturation_tokens(&self) -> u64 {
+        let p = if self.means.prompt > 0.0 { self.means.prompt } else { 512.0 };
+        let t = self.costs.prefill_time(p.round().max(1.0) as usize);
+        if !(t.is_finite() && t > 0.0) {
+            return u64::MAX;
+        }
+        let budget = self.cfg.targets.ttft_ms / 1e3 - t;
+        ((p / t) * budget).max(p).round() as u64
+    }
+
     /// A request arrived at the edge.
     pub fn on_arrival(&mut self, a: Arrival) {
         self.see(a.at);

@@ -72,6 +72,12 @@ pub mod metric {
     pub const PLANNER_DECISIONS_TOTAL: &str = "cleave_planner_decisions_total";
     /// The planner's target node count, labelled `pool`.
     pub const PLANNER_DESIRED_NODES: &str = "cleave_planner_desired_nodes";
+    /// Queued prompt tokens past which a prefill node counts as saturated (auto mode).
+    pub const PLANNER_SATURATION_TOKENS: &str = "cleave_planner_saturation_tokens";
+    /// Share of requests in the planner's window that met both targets.
+    pub const PLANNER_SLO_ATTAINMENT: &str = "cleave_planner_slo_attainment";
+    /// The targets, labelled `slo` (`ttft`, `tpot`), in seconds.
+    pub const PLANNER_TARGET_SECONDS: &str = "cleave_planner_target_seconds";
 }
 
 /// What the request path tells the planner (best effort: dropped when the planner lags).
@@ -124,6 +130,7 @@ enum Cmd {
     Release(Assignment),
     ReleasePrefill(Assignment),
     Op(NodeOp, oneshot::Sender<Result<(), NodeOpError>>),
+    Bridge(Option<u64>),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
     States(oneshot::Sender<Vec<registry::NodeState>>),
 }
@@ -198,6 +205,11 @@ impl ClusterHandle {
     /// Tells the planner what happened (never waits; dropped when its queue is full).
     pub fn observe(&self, o: Observation) {
         let _ = self.observations.try_send(o);
+    }
+
+    /// Sets the planner's prefill saturation line (see [`Registry::set_bridge`]).
+    pub async fn set_bridge(&self, tokens: Option<u64>) {
+        let _ = self.tx.send(Cmd::Bridge(tokens)).await;
     }
 
     /// Drains a node, or changes its role (see [`NodeOp`]).
@@ -360,6 +372,10 @@ async fn registry_actor(
                         }
                         let _ = reply.send(r);
                         publish_pools(&reg, &ready);
+                    }
+                    Cmd::Bridge(tokens) => {
+                        tracing::debug!(?tokens, "the planner moved the prefill saturation line");
+                        reg.set_bridge(tokens);
                     }
                     Cmd::Pools(reply) => {
                         let _ = reply.send((reg.pools(), reg.nodes()));

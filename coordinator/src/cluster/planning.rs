@@ -14,8 +14,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use cleave_planner::{
-    Arrival, Completion, LinearCosts, NodeObs, NodeState as PlanState, Planner, PlannerConfig, PlannerUpdate, Role,
-    Snapshot, StepStats,
+    Arrival, Completion, LinearCosts, Mode, NodeObs, NodeState as PlanState, Planner, PlannerConfig, PlannerUpdate,
+    Role, Snapshot, StepStats,
 };
 use cleave_protocol::control::{NodeRole, StepTotals};
 use serde_json::{json, Value};
@@ -85,7 +85,8 @@ pub(super) fn spawn(
     cfg.can_add_nodes = actuator.can_add_nodes();
     let planner = Planner::new(cfg, Box::new(LinearCosts::default()))?;
     let (tx, rx) = mpsc::channel(64);
-    let actor = Actor { planner, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new() };
+    let actor =
+        Actor { planner, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new(), bridge: None };
     let task = tokio::spawn(run(actor, observations, rx));
     Ok((PlannerHandle { tx }, task))
 }
@@ -98,6 +99,8 @@ struct Actor {
     latency: LatencyWindow,
     /// Each node's last step totals (their differences calibrate the costs).
     totals: HashMap<u64, StepTotals>,
+    /// The saturation line last sent to the registry.
+    bridge: Option<u64>,
 }
 
 async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cmds: mpsc::Receiver<Cmd>) {
@@ -119,6 +122,7 @@ async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cm
             _ = tick.tick() => {
                 let Some(states) = a.cluster.node_states().await else { return };
                 a.tick(&states, start.elapsed());
+                a.bridge().await;
             }
         }
     }
@@ -175,6 +179,13 @@ impl Actor {
     fn tick(&mut self, states: &[NodeState], now: Duration) {
         self.calibrate(states);
         let snap = snapshot(states, now);
+        let est = self.planner.estimate(&snap);
+        if let Some(a) = est.inputs.attainment {
+            metrics::gauge!(super::metric::PLANNER_SLO_ATTAINMENT).set(a);
+        }
+        let t = &self.planner.config().targets;
+        metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "ttft").set(t.ttft_ms / 1e3);
+        metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "tpot").set(t.tpot_ms / 1e3);
         let Some(decision) = self.planner.tick(&snap) else { return };
         tracing::info!(
             reason = decision.reason.as_str(),
@@ -197,6 +208,24 @@ impl Actor {
         for action in &decision.actions {
             if let Err(e) = self.actuator.apply(action) {
                 tracing::warn!(?action, error = %e, "planner action not carried out");
+            }
+        }
+    }
+
+    /// In auto mode, keeps the registry's prefill saturation line at what the TTFT target
+    /// allows (decode nodes prefill locally past it while capacity moves); otherwise the
+    /// configured line.
+    async fn bridge(&mut self) {
+        let want = (self.planner.config().mode == Mode::Auto).then(|| self.planner.saturation_tokens());
+        let changed = match (want, self.bridge) {
+            (Some(w), Some(b)) => w.abs_diff(b) * 10 > b,
+            (w, b) => w != b,
+        };
+        if changed {
+            self.bridge = want;
+            self.cluster.set_bridge(want).await;
+            if let Some(t) = want {
+                metrics::gauge!(super::metric::PLANNER_SATURATION_TOKENS).set(t as f64);
             }
         }
     }

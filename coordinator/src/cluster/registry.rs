@@ -262,6 +262,8 @@ pub struct Assignment {
 
 pub struct Registry {
     cfg: RoutingConfig,
+    /// The planner's saturation line (see [`Registry::set_bridge`]); the configured one when None.
+    bridge: Option<u64>,
     fingerprint: Option<u64>,
     layout: Option<KvLayout>,
     nodes: BTreeMap<u64, Node>,
@@ -271,11 +273,24 @@ pub struct Registry {
 impl Registry {
     /// `fingerprint`: the coordinator's model's, when it knows it.
     pub fn new(cfg: RoutingConfig, fingerprint: Option<u64>) -> Self {
-        Self { cfg, fingerprint, layout: None, nodes: BTreeMap::new(), next_id: 1 }
+        Self { cfg, bridge: None, fingerprint, layout: None, nodes: BTreeMap::new(), next_id: 1 }
     }
 
     pub fn config(&self) -> &RoutingConfig {
         &self.cfg
+    }
+
+    /// Queued prompt tokens past which every prefill node counts as saturated (requests then
+    /// prefill on their decode node).
+    pub fn saturation_tokens(&self) -> u64 {
+        self.bridge.unwrap_or(self.cfg.prefill_saturation_tokens)
+    }
+
+    /// The planner (in auto mode) sets the saturation line from the TTFT target and the
+    /// prefill rate, so that decode nodes take prompts a saturated prefill pool would serve too
+    /// late while capacity moves; None restores the configured line.
+    pub fn set_bridge(&mut self, tokens: Option<u64>) {
+        self.bridge = tokens;
     }
 
     pub fn layout(&self) -> Option<&KvLayout> {
@@ -433,7 +448,7 @@ impl Registry {
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::NoPrefillNode },
                 Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
             ),
-            (None, Some((_, queued))) if queued > self.cfg.prefill_saturation_tokens => (
+            (None, Some((_, queued))) if queued > self.saturation_tokens() => (
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::PrefillSaturated },
                 Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
             ),
@@ -873,5 +888,24 @@ mod tests {
         assert_eq!(r.drain(d, AfterDrain::Stay, t), Err(NodeOpError::Leaving { id: d }));
         assert_eq!(r.set_role(99, NodeRole::Decode, None, t), Err(NodeOpError::UnknownNode(99)));
         assert_eq!(r.pools().decode.nodes, 0, "a leaving node is not counted as routable");
+    }
+
+    #[test]
+    fn the_planner_s_saturation_line_replaces_the_configured_one_and_restores_it() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        r.report(p, LoadReport { queued_prefill_tokens: 5_000, ..Default::default() }, t);
+        let (plan, a) = r.plan(&q(200)).unwrap();
+        assert!(matches!(plan, Plan::Remote { .. }), "5000 queued tokens are under the configured 65536: {plan:?}");
+        r.release(&a, t);
+        r.set_bridge(Some(4_000));
+        let (plan, a) = r.plan(&q(200)).unwrap();
+        assert!(matches!(plan, Plan::Local { reason: LocalReason::PrefillSaturated, .. }), "{plan:?}");
+        r.release(&a, t);
+        r.set_bridge(None);
+        assert_eq!(r.saturation_tokens(), 65_536);
+        assert!(matches!(r.plan(&q(200)).unwrap().0, Plan::Remote { .. }));
     }
 }
