@@ -285,3 +285,42 @@ fn nodes_survive_a_coordinator_restart() {
         check_golden(&c).await;
     });
 }
+
+#[test]
+fn the_planner_in_auto_mode_moves_a_node_when_the_limits_say_so() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(
+        &tiny_llama(),
+        &["prefill", "decode"],
+        &["--local-prefill-max-tokens=0", "--planner", "off"],
+    );
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        // Off: nothing happens, whatever the limits.
+        let cfg = c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"limits": {"max_prefill": 0}}))).await;
+        assert_eq!(cfg["mode"], "off");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(node_by_name(&c.nodes_state().await, "node-0")["role"], "prefill");
+        let d = c.admin(reqwest::Method::GET, "/admin/planner/decisions", None).await;
+        assert_eq!(d["decisions"].as_array().unwrap().len(), 0, "{d}");
+        // Auto: the prefill pool may hold no node any more, so the planner switches node-0.
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"mode": "auto", "cooldown_s": 0.0}))).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let moved = loop {
+            let nodes = c.nodes_state().await;
+            let n = node_by_name(&nodes, "node-0").clone();
+            if n["role"] != "prefill" && n["state"] == "active" {
+                break n;
+            }
+            assert!(Instant::now() < deadline, "the planner did not move node-0: {n}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(moved["role"] == "decode" || moved["role"] == "both", "{moved}");
+        let d = c.admin(reqwest::Method::GET, "/admin/planner/decisions", None).await;
+        let last = d["decisions"].as_array().unwrap().last().cloned().unwrap();
+        assert_eq!(last["applied"], true, "{last}");
+        assert_eq!(last["target"]["prefill"], 0, "{last}");
+        // The moved cluster still serves transformers' text.
+        check_golden(&c).await;
+    });
+}

@@ -21,5 +21,6 @@ pub mod schedule;
 pub mod serve;
 pub mod sim;
 pub mod sweep;
+pub mod timeline;
 
 pub use error::{BenchError, Result};

@@ -147,6 +147,18 @@ pub struct ServeArgs {
     /// STEM.png and STEM.svg.
     #[arg(long, value_name = "STEM")]
     pub plot: Option<PathBuf>,
+    /// A load that changes while it runs: phases `DURATION_S:RATE:INPUT_LEN:OUTPUT_LEN`,
+    /// comma-separated, one after another (random dataset; replaces --request-rate, the lengths
+    /// and --num-prompts). Prints the SLO attainment over time and how long it took to recover
+    /// after each phase boundary.
+    #[arg(long, value_parser = crate::timeline::phases_arg)]
+    pub phases: Option<crate::timeline::Phases>,
+    /// Window of the attainment timeline, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub timeline_window: f64,
+    /// Share of a window's requests that must meet the SLOs for it to count as recovered.
+    #[arg(long, default_value_t = 0.9)]
+    pub timeline_target: f64,
 }
 
 #[derive(Parser)]
@@ -206,6 +218,9 @@ pub struct BenchOutcome {
 
 /// The dataset and the schedule of sends into it (`Arrival::index` indexes the dataset).
 pub fn plan(args: &ServeArgs, tok: &Tokenizer) -> Result<(Vec<SampleRequest>, Vec<Arrival>)> {
+    if let Some(phases) = &args.phases {
+        return plan_phases(args, &phases.0, tok);
+    }
     let spec = args.dataset_spec()?;
     if spec.is_trace() {
         let data = dataset::load(&spec, args.num_prompts, args.seed, tok)?;
@@ -232,6 +247,42 @@ pub fn plan(args: &ServeArgs, tok: &Tokenizer) -> Result<(Vec<SampleRequest>, Ve
     };
     // A smaller ShareGPT set than the schedule (duration mode) is cycled.
     let sched = sched.into_iter().map(|a| Arrival { index: a.index % data.len().max(1), ..a }).collect();
+    Ok((data, sched))
+}
+
+/// Each phase's Poisson (or bursty) arrivals over its duration with its own random prompts,
+/// one after another; phase `i` is seeded `seed + i`.
+fn plan_phases(
+    args: &ServeArgs,
+    phases: &[crate::timeline::Phase],
+    tok: &Tokenizer,
+) -> Result<(Vec<SampleRequest>, Vec<Arrival>)> {
+    if args.dataset_name != DatasetName::Random {
+        return Err(BenchError::InvalidArg("--phases needs the random dataset".into()));
+    }
+    let (mut data, mut sched) = (Vec::new(), Vec::new());
+    let mut start = 0.0;
+    for (i, p) in phases.iter().enumerate() {
+        let seed = args.seed.wrapping_add(i as u64);
+        let arrivals = Arrivals {
+            rate: p.rate,
+            burstiness: args.burstiness,
+            ramp: None,
+            seed,
+            length: Length::Duration { secs: p.duration_s, max_count: usize::MAX },
+        };
+        let part = schedule::open_loop(&arrivals)?;
+        let spec = DatasetSpec::Random {
+            input_len: p.input_len,
+            output_len: p.output_len,
+            range_ratio: args.random_range_ratio,
+            prefix_len: args.random_prefix_len,
+        };
+        let first = data.len();
+        data.extend(dataset::load(&spec, Some(part.len()), seed, tok)?);
+        sched.extend(part.into_iter().map(|a| Arrival { offset_s: start + a.offset_s, index: first + a.index }));
+        start += p.duration_s;
+    }
     Ok((data, sched))
 }
 
@@ -390,8 +441,24 @@ pub fn run(args: ServeArgs, tokenizer: Tokenizer) -> Result<BenchOutcome> {
         .map_err(|e| BenchError::io("tokio runtime", e))?;
     let outcome = rt.block_on(run_benchmark(&args, &tokenizer))?;
     print!("{}", result::table(&outcome.info, &outcome.summary));
+    let timeline = args.phases.as_ref().map(|phases| {
+        crate::timeline::timeline(
+            &outcome.records,
+            &outcome.info.slo,
+            &phases.0,
+            args.timeline_window.max(1e-3),
+            args.timeline_target,
+        )
+    });
+    if let Some(t) = &timeline {
+        print!("{}", crate::timeline::table(t));
+    }
     if let Some(path) = result_path(&args, &outcome.info) {
-        let json = result::result_json(&outcome.info, &outcome.summary, &outcome.records)?;
+        let mut json = result::result_json(&outcome.info, &outcome.summary, &outcome.records)?;
+        if let (Some(t), Some(obj)) = (&timeline, json.as_object_mut()) {
+            obj.insert("phases".into(), serde_json::to_value(&args.phases).unwrap_or_default());
+            obj.insert("timeline".into(), serde_json::to_value(t).unwrap_or_default());
+        }
         result::save(&path, &json)?;
         eprintln!("result written to {}", path.display());
     }
