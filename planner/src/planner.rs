@@ -66,6 +66,9 @@ pub struct Planner {
     factors_at: Option<Duration>,
     /// (tick time, raw TTFT s, raw TPOT s) predicted for the current configuration.
     history: VecDeque<(Duration, f64, f64)>,
+    /// What clients experienced under recent configurations: the worst ratio to target of each,
+    /// judged once enough requests were served under it, and when (see [`Planner::tick`]).
+    experienced: Vec<Experience>,
     config_since: Duration,
     last_current: Option<PoolTarget>,
     pending: Option<(PoolTarget, u32)>,
@@ -119,6 +122,7 @@ impl Planner {
             factors: Factors::default(),
             factors_at: None,
             history: VecDeque::new(),
+            experienced: Vec::new(),
             config_since: Duration::ZERO,
             last_current: None,
             pending: None,
@@ -340,7 +344,29 @@ impl Planner {
             allow_fewer: warm && clients_ok,
         };
         let in_limits = within_limits(&a.current, &cfg);
-        let Some(mv) = search.decide(&current, in_limits, policy) else {
+        // Memory of experience: the current configuration's ratio, corrected by what clients
+        // saw and computed with the queues it really built, is what it was like to run it. A move
+        // back to a configuration left within the last two windows must beat what was seen
+        // there, not only what the model predicts for it: otherwise two configurations that
+        // both miss the targets trade places forever, each predicted better than the other
+        // measured.
+        let demand = [a.inputs.arrival_rate, a.inputs.mean_prompt_tokens, a.inputs.mean_output_tokens];
+        let horizon = cfg.window * EXPERIENCE_WINDOWS;
+        self.experienced
+            .retain(|e| now.saturating_sub(e.at) <= horizon && e.target != a.current && similar(&e.demand, &demand));
+        // Judged once enough requests finished under it, or once it has run a third of a
+        // window (its queues and the nodes' load are then its own, whatever the completions).
+        if a.stats.since_count >= MIN_CORRECTION_SAMPLES || now.saturating_sub(self.config_since) >= cfg.window / 3 {
+            self.experienced.push(Experience { target: a.current, at: now, ratio: current.ratio, demand });
+        }
+        let decided = search.decide(&current, in_limits, policy);
+        let seen_worse = |to: &PoolTarget| {
+            self.experienced
+                .iter()
+                .any(|e| e.target == *to && (e.ratio.is_nan() || e.ratio > current.ratio * cfg.scale_up_margin))
+        };
+        let decided = decided.filter(|mv| mv.kind != MoveKind::Relieve || !seen_worse(&mv.to.target));
+        let Some(mv) = decided else {
             self.pending = None;
             self.last_target = None;
             self.down_since = None;
@@ -404,6 +430,24 @@ impl Planner {
             predicted,
         }
     }
+}
+
+/// How long (in windows) a configuration's experience counts, at most.
+const EXPERIENCE_WINDOWS: u32 = 10;
+
+/// What running a configuration was like: its worst ratio to target, and the demand then.
+#[derive(Debug, Clone, Copy)]
+struct Experience {
+    target: PoolTarget,
+    at: Duration,
+    ratio: f64,
+    /// Arrival rate, mean prompt and mean output tokens.
+    demand: [f64; 3],
+}
+
+/// Demand within 25% on every count: experience under it still says something.
+fn similar(a: &[f64; 3], b: &[f64; 3]) -> bool {
+    a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 0.25 * x.abs().max(y.abs()).max(1e-9))
 }
 
 fn within_limits(t: &PoolTarget, cfg: &PlannerConfig) -> bool {
