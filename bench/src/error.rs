@@ -26,6 +26,13 @@ pub enum BenchError {
     Profile(String),
     #[error("a request task of the benchmark panicked or was cancelled: {0}")]
     Task(String),
+    #[error("planner: {0}")]
+    Planner(#[from] cleave_planner::PlannerError),
+    #[error(
+        "simulation stalled at {at_s:.0} s: {unfinished} requests unfinished {since_last_arrival_s:.0} s after the \
+         last arrival (no node left that can serve them?)"
+    )]
+    Stalled { at_s: f64, unfinished: usize, since_last_arrival_s: f64 },
 }
 
 pub type Result<T> = std::result::Result<T, BenchError>;

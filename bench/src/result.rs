@@ -149,6 +149,58 @@ pub fn table(info: &RunInfo, s: &Summary) -> String {
     t
 }
 
+/// The per-request records back from a result file written by [`result_json`] (for re-analysing a
+/// run under other SLOs). A request with an error kind is a failure; missing arrays are an error.
+pub fn records_from_json(v: &Value) -> Result<Vec<RequestRecord>> {
+    let bad = |what: &str| BenchError::InvalidArg(format!("result file: {what}"));
+    let arr = |k: &str| v[k].as_array().ok_or_else(|| bad(&format!("no array {k:?}")));
+    let f = |k: &str, i: usize| -> Result<f64> { arr(k)?.get(i).and_then(Value::as_f64).ok_or_else(|| bad(k)) };
+    let n = arr("ttfts")?.len();
+    let kinds = arr("error_kinds")?;
+    let errors = arr("errors")?;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let kind = match kinds.get(i).and_then(Value::as_str) {
+            None => None,
+            Some(s) => Some(
+                [
+                    crate::metrics::ErrorKind::Http4xx,
+                    crate::metrics::ErrorKind::Http5xx,
+                    crate::metrics::ErrorKind::Timeout,
+                    crate::metrics::ErrorKind::Connection,
+                    crate::metrics::ErrorKind::StreamError,
+                    crate::metrics::ErrorKind::Truncated,
+                ]
+                .into_iter()
+                .find(|k| k.as_str() == s)
+                .ok_or_else(|| bad(&format!("unknown error kind {s:?}")))?,
+            ),
+        };
+        let success = kind.is_none();
+        let output_tokens = f("output_lens", i)? as usize;
+        let (ttft, e2el) = (f("ttfts", i)?, f("e2els", i)?);
+        out.push(RequestRecord {
+            index: i,
+            success,
+            error: kind.map(|k| (k, errors.get(i).and_then(Value::as_str).unwrap_or_default().to_string())),
+            prompt_len: f("input_lens", i)? as usize,
+            output_tokens,
+            scheduled_s: f("scheduled_offsets", i)?,
+            start_s: f("start_times", i)?,
+            ttft_s: success.then_some(ttft),
+            tpot_s: if success { crate::metrics::tpot(ttft, e2el, output_tokens) } else { None },
+            e2el_s: success.then_some(e2el),
+            itls_s: arr("itls")?
+                .get(i)
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default(),
+            generated_text: String::new(),
+        });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,56 +276,4 @@ mod tests {
         let tighter = summarize(&back, 1.0, &Slo { ttft_ms: Some(50.0), ..Default::default() }, &[99.0]);
         assert_eq!(tighter.request_goodput, Some(0.0));
     }
-}
-
-/// The per-request records back from a result file written by [`result_json`] (for re-analysing a
-/// run under other SLOs). A request with an error kind is a failure; missing arrays are an error.
-pub fn records_from_json(v: &Value) -> Result<Vec<RequestRecord>> {
-    let bad = |what: &str| BenchError::InvalidArg(format!("result file: {what}"));
-    let arr = |k: &str| v[k].as_array().ok_or_else(|| bad(&format!("no array {k:?}")));
-    let f = |k: &str, i: usize| -> Result<f64> { arr(k)?.get(i).and_then(Value::as_f64).ok_or_else(|| bad(k)) };
-    let n = arr("ttfts")?.len();
-    let kinds = arr("error_kinds")?;
-    let errors = arr("errors")?;
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let kind = match kinds.get(i).and_then(Value::as_str) {
-            None => None,
-            Some(s) => Some(
-                [
-                    crate::metrics::ErrorKind::Http4xx,
-                    crate::metrics::ErrorKind::Http5xx,
-                    crate::metrics::ErrorKind::Timeout,
-                    crate::metrics::ErrorKind::Connection,
-                    crate::metrics::ErrorKind::StreamError,
-                    crate::metrics::ErrorKind::Truncated,
-                ]
-                .into_iter()
-                .find(|k| k.as_str() == s)
-                .ok_or_else(|| bad(&format!("unknown error kind {s:?}")))?,
-            ),
-        };
-        let success = kind.is_none();
-        let output_tokens = f("output_lens", i)? as usize;
-        let (ttft, e2el) = (f("ttfts", i)?, f("e2els", i)?);
-        out.push(RequestRecord {
-            index: i,
-            success,
-            error: kind.map(|k| (k, errors.get(i).and_then(Value::as_str).unwrap_or_default().to_string())),
-            prompt_len: f("input_lens", i)? as usize,
-            output_tokens,
-            scheduled_s: f("scheduled_offsets", i)?,
-            start_s: f("start_times", i)?,
-            ttft_s: success.then_some(ttft),
-            tpot_s: if success { crate::metrics::tpot(ttft, e2el, output_tokens) } else { None },
-            e2el_s: success.then_some(e2el),
-            itls_s: arr("itls")?
-                .get(i)
-                .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_f64).collect())
-                .unwrap_or_default(),
-            generated_text: String::new(),
-        });
-    }
-    Ok(out)
 }

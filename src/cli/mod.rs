@@ -69,7 +69,9 @@ enum BenchCommand {
     /// their goodput.
     Sweep(cleave_bench::sweep::SweepArgs),
     /// Simulate a cleave cluster (xPyD or colocated) from a measured profile: predicted
-    /// TTFT/TPOT, goodput, and the configuration with the most goodput per node.
+    /// TTFT/TPOT, goodput, and the configuration with the most goodput per node; with
+    /// `--planner auto`, the coordinator's planner resizing the pools over a trace whose mix and
+    /// rate change, against the best static configuration.
     Simulate(cleave_bench::sim::SimulateArgs),
     /// Measure this machine's engine cost profile (prefill time against tokens, decode step time
     /// against batch and context) for `bench simulate`.

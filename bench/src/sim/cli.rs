@@ -23,7 +23,7 @@ pub struct SimulateArgs {
     #[arg(long, value_delimiter = ',')]
     pub config: Vec<String>,
     /// Add the search space for this many nodes: every XpYd and Kc up to it when ≤ 8, else Nc and
-    /// up to 24 prefill:decode splits of exactly N nodes.
+    /// up to 24 prefill:decode splits of exactly N nodes. With --planner: the node budget.
     #[arg(long)]
     pub max_nodes: Option<usize>,
     /// Predict at this request rate (req/s) instead of searching for goodput.
@@ -83,6 +83,61 @@ pub struct SimulateArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Planner mode: run --trace under cleave's SLO planner, from --initial within --max-nodes
+    /// nodes. `auto` carries its decisions out (role switches, step budgets, node starts and
+    /// stops), `advise` only records them, `off` keeps the initial topology. Reports attainment
+    /// per window, nodes used, actions per hour, and the best static topology at the same
+    /// attainment.
+    #[arg(long, value_name = "auto|advise|off", conflicts_with_all = ["rate", "search", "compare_sweep", "config"])]
+    pub planner: Option<String>,
+    /// Planner mode: TTFT target at the planner's quantile (p90), ms.
+    #[arg(long)]
+    pub ttft_target_ms: Option<f64>,
+    /// Planner mode: TPOT target at the planner's quantile (p90), ms.
+    #[arg(long)]
+    pub tpot_target_ms: Option<f64>,
+    /// Planner mode: the topology at time 0, `XpYd` or `Kc`.
+    #[arg(long, default_value = "1p1d")]
+    pub initial: String,
+    /// Planner mode: `day` (a diurnal rate, prefill-heavy at night and decode-heavy by day),
+    /// `shift` (prefill-heavy, decode-heavy, prefill-heavy, then a rate step: four equal
+    /// phases), or a JSON file with a list of phases `{"duration_s", "rate", "input_len": [MIN,
+    /// MAX], "output_len": [MIN, MAX]}`.
+    #[arg(long, default_value = "shift")]
+    pub trace: String,
+    /// Planner mode: a preset's length, seconds (day: 86400, shift: 600).
+    #[arg(long)]
+    pub trace_duration_s: Option<f64>,
+    /// Planner mode: a preset's busiest phase asks for this share of the node budget's capacity
+    /// (estimated from the profile).
+    #[arg(long, default_value_t = 0.6)]
+    pub trace_load: f64,
+    /// Planner mode: seconds of simulated time between planner ticks.
+    #[arg(long, default_value_t = 1.0)]
+    pub planner_tick_s: f64,
+    /// Planner mode: seconds from a node start to the node serving (model load).
+    #[arg(long, default_value_t = 20.0)]
+    pub start_delay_s: f64,
+    /// Planner mode: seconds per report window (attainment over time).
+    #[arg(long, default_value_t = 60.0)]
+    pub report_window_s: f64,
+    /// Planner mode: the actuator can only switch roles (no node starts or stops).
+    #[arg(long)]
+    pub fixed_nodes: bool,
+    /// Planner mode: no colocated nodes (the planner plans prefill and decode pools only).
+    #[arg(long)]
+    pub no_colocate: bool,
+    /// Planner mode: skip the static baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Planner mode: a JSON partial update of the planner's settings (as `PUT /admin/planner`
+    /// takes: `window_s`, `cooldown_s`, `targets.quantile`, `limits.step_budgets`, ...).
+    #[arg(long, value_name = "FILE")]
+    pub planner_update: Option<PathBuf>,
+    /// Planner mode: plot attainment and nodes over time to STEM-attainment.{png,svg} and
+    /// STEM-nodes.{png,svg}.
+    #[arg(long, value_name = "STEM")]
+    pub plot: Option<PathBuf>,
 }
 
 /// Parses `N` or `MIN..MAX` (also `MIN..=MAX`).
@@ -126,6 +181,8 @@ pub struct SimulateReport {
     pub recommended: Option<String>,
     /// Predicted against measured, per sweep point (--compare-sweep).
     pub comparisons: Vec<super::validate::PointComparison>,
+    /// Planner mode (--planner).
+    pub planner: Option<super::plan_report::PlannerReport>,
 }
 
 /// Runs the subcommand: prints a table and writes `--output`.
@@ -145,6 +202,34 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
     }
     if let Some(x) = args.kv_capacity_tokens {
         limits.kv_capacity_tokens = x;
+    }
+    if args.planner.is_some() {
+        let p = super::plan_report::run(args, &cost, limits)?;
+        let report = SimulateReport {
+            model: profile.model.clone(),
+            profile_threads: profile.threads,
+            limits,
+            handoff,
+            workload: WorkloadSpec {
+                num_requests: p.summary.requests,
+                input_len: args.input_len,
+                output_len: args.output_len,
+                burstiness: args.burstiness,
+                seed: args.seed,
+            },
+            slo: p.slo,
+            attainment_target: args.attainment,
+            rate: None,
+            predictions: Vec::new(),
+            goodput: Vec::new(),
+            recommended: None,
+            comparisons: Vec::new(),
+            planner: Some(p),
+        };
+        if let Some(path) = &args.output {
+            write_json(path, &report)?;
+        }
+        return Ok(report);
     }
     if let Some(dir) = &args.compare_sweep {
         let slo = Slo::parse(&args.goodput)?;
@@ -169,6 +254,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
             goodput: Vec::new(),
             recommended: None,
             comparisons: rows,
+            planner: None,
         };
         if let Some(path) = &args.output {
             write_json(path, &report)?;
@@ -209,6 +295,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
         goodput: Vec::new(),
         recommended: None,
         comparisons: Vec::new(),
+        planner: None,
     };
     println!(
         "profile: {} ({} threads); {} requests, input {:?}, output {:?}, seed {}",

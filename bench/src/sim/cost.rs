@@ -231,6 +231,32 @@ impl CostModel {
     }
 }
 
+/// The planner predicts with the very costs the simulator runs on. Cold prompts (the planner
+/// models no prefix cache); a mixed step's prefill part is one chunk. The fitted model keeps the
+/// profile's measurements exactly, so where those are not monotone (a noisy grid) neither is
+/// the model, which the planner's search assumes; its predictions then err a little.
+impl cleave_planner::StepCosts for CostModel {
+    fn prefill_time(&self, tokens: usize) -> f64 {
+        CostModel::prefill_time(self, tokens, 0)
+    }
+
+    fn decode_step_time(&self, batch: usize, total_context: usize) -> f64 {
+        CostModel::decode_step_time(self, batch, total_context)
+    }
+
+    fn mixed_step_time(&self, prefill_tokens: usize, batch: usize, total_context: usize) -> f64 {
+        CostModel::mixed_step_time(self, [(prefill_tokens, 0)], batch, total_context)
+    }
+
+    fn handoff_time(&self, tokens: usize) -> f64 {
+        CostModel::handoff_time(self, tokens)
+    }
+
+    fn kv_capacity_tokens(&self) -> usize {
+        self.kv_capacity_tokens
+    }
+}
+
 /// Leading coefficient of the quadratic through the last three points of a sorted grid, when
 /// positive (the attention term of prefill); else 0.
 fn quadratic_coef(g: &[(f64, f64)]) -> f64 {
@@ -260,7 +286,7 @@ fn bracket(axis: &[f64], x: f64) -> (usize, usize, f64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sim::profile::{DecodePoint, MixedPoint, PrefillPoint, PROFILE_VERSION};
 
@@ -356,6 +382,19 @@ mod tests {
         assert!((m.prefill_time(256, 1024) - p.prefill[5].seconds).abs() < 1e-12);
         assert!((m.mixed_step_time([(256, 0)], 4, 512) - 0.9 * 0.042).abs() < 1e-12);
         assert_eq!(m.mixed_step_time([(0, 0)], 4, 512), m.decode_step_time(4, 512));
+    }
+
+    #[test]
+    fn the_planner_sees_the_same_costs() {
+        use cleave_planner::StepCosts;
+        let m = CostModel::from_profile(&profile(), HandoffCost::default()).unwrap();
+        let p: &dyn StepCosts = &m;
+        assert_eq!(p.prefill_time(640), m.prefill_time(640, 0));
+        assert_eq!(p.decode_step_time(4, 2000), m.decode_step_time(4, 2000));
+        assert_eq!(p.mixed_step_time(256, 4, 2000), m.mixed_step_time([(256, 0)], 4, 2000));
+        assert_eq!(p.mixed_step_time(0, 4, 2000), m.decode_step_time(4, 2000));
+        assert_eq!(p.handoff_time(1000), m.handoff_time(1000));
+        assert_eq!(p.kv_capacity_tokens(), 100_000);
     }
 
     #[test]

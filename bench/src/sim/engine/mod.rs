@@ -1,0 +1,821 @@
+//! The discrete-event simulator. Pure and deterministic: the same config, cost model and requests
+//! always give the same records. Time is `f64` seconds from 0.
+//!
+//! Rules (what the tests compute by hand):
+//! - A prefill node runs a step whenever it has queued prompts: FIFO chunks up to its token
+//!   budget, costed by [`CostModel::prefill_step_time`]. A prompt whose last chunk ran is handed
+//!   off at the step's end to the decode node with the fewest outstanding requests; the KV lands
+//!   `handoff_time(input_len)` later. The first token reaches the client when the decode node
+//!   admits the request (a seat and KV reserved): at landing on a node with room (TTFT =
+//!   queueing + prefill steps + handoff), else when room frees up.
+//! - A decode or colocated node admits waiting requests in FIFO order while a seat
+//!   (`max_num_seqs`) and KV (prompt + output reserved) are free: on a handoff's landing and at
+//!   each step's start. It runs a step whenever it has admitted work: it plans every running
+//!   sequence's decode token first and fills the rest of the token budget with prefill chunks
+//!   (vLLM's chunked prefill). The step costs [`CostModel::mixed_step_time`]. At its end every
+//!   decode emits a token, and a prompt whose last chunk ran emits its first token (TTFT on a
+//!   colocated node: no handoff) and decodes from the next step on. Requests that arrive
+//!   mid-step wait for the step's end; requests that arrive at the same instant on an idle node
+//!   share its next step.
+//! - Conditional disaggregation: a prompt shorter than `local_prefill_below` goes straight to a
+//!   decode node and is prefilled there as above.
+//! - TPOT = (finish − first token) / (output_len − 1), 0 for one-token outputs.
+//!
+//! Routing keeps each role's active nodes in a `BTreeSet` keyed by load (O(log n)): prefill
+//! nodes by queued prompt tokens, decode and colocated nodes by outstanding requests. A request
+//! goes to the least-loaded decoding node (decode or colocated; a tie goes to the colocated
+//! one): a colocated node serves it whole; a decode node prefills it itself when the prompt is
+//! short or no prefill node is active, else the least-loaded prefill node prefills it and the
+//! decode node is chosen when its KV leaves (decode nodes first, colocated ones when no decode
+//! node is active). A fixed topology has one kind of decoding node, so this is the rule above.
+//!
+//! # Nodes that change (planner mode, see [`super::planned`])
+//!
+//! Each node has a role and a life: `Queued` (asked for, no slot in the node budget yet),
+//! `Loading` (model load, `start_delay_s`), `Active` (routed), `Switching { to }`, `Stopping`,
+//! `Gone`. Only active nodes are routed new work. Like the coordinator's registry, a switch
+//! drains only the work the new role does not do: prefill work (prompts queued for handoff, and
+//! a colocated node's prompts not yet prefilled) when the new role does not prefill (prefill or
+//! colocated to decode), streams (waiting, admitted and landing requests) when it does not
+//! decode (decode or colocated to prefill); a switch to colocated drains nothing and takes
+//! effect at once. A node that became colocated with prompts still queued for handoff prefills
+//! them in its mixed steps and hands them off. A stop drains everything, then frees the node's
+//! slot, which a queued start takes. Requests no active node can take wait at the edge (and
+//! handoffs with no decoding node wait with their KV) until a node becomes active.
+//!
+//! Invariants: every request is in exactly one place (the edge, a node's queue, a handoff in
+//! flight, or done); nodes holding a machine (loading, active, switching, stopping) never
+//! exceed the node budget; a node is in its role's routing set iff it is active.
+
+use cleave_planner::Role;
+use serde::{Deserialize, Serialize};
+use std::cmp::Ordering;
+use std::collections::{BTreeSet, BinaryHeap, VecDeque};
+
+use super::cluster::{ClusterConfig, Topology};
+use super::cost::CostModel;
+use super::workload::SimRequest;
+use crate::error::{BenchError, Result};
+
+mod lifecycle;
+
+pub(super) use lifecycle::Dynamics;
+pub use lifecycle::{Life, Transition};
+
+/// Shortest step, seconds: keeps time moving if a cost model extrapolates to 0.
+const MIN_STEP_S: f64 = 1e-9;
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SimRecord {
+    /// Index into the input slice.
+    pub id: usize,
+    pub arrival_s: f64,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub ttft_s: f64,
+    pub tpot_s: f64,
+    pub e2el_s: f64,
+    /// The prefill node (None: prefilled where it decoded).
+    pub prefill_node: Option<usize>,
+    /// The decode or colocated node (the prefill node for a one-token output, which never
+    /// reaches a decode node). Nodes are numbered prefill first, then decode, then in the
+    /// order they were started.
+    pub decode_node: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    Arrival(usize),
+    StepDone(usize),
+    HandoffDone(usize),
+    /// Start a step on an idle node, after everything else due at the same instant.
+    Kick(usize),
+    /// A one-token remote request's token reaches the client (planner mode only).
+    Finished(usize),
+    /// A started node has loaded its model.
+    Ready(usize),
+    /// The controller's turn (planner mode only).
+    Tick,
+}
+
+struct Timed {
+    t: f64,
+    seq: u64,
+    ev: Event,
+}
+
+impl PartialEq for Timed {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Timed {}
+impl PartialOrd for Timed {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Timed {
+    /// Reversed, so that `BinaryHeap` pops the earliest event (ties: the first pushed).
+    fn cmp(&self, o: &Self) -> Ordering {
+        o.t.total_cmp(&self.t).then(o.seq.cmp(&self.seq))
+    }
+}
+
+fn pool_of(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+        Role::Both => 2,
+    }
+}
+
+/// Active nodes of one role, ordered by load, then by least recent assignment (round robin
+/// among equals), then by id. Invariant: `set` holds `(load, stamp, id)` of exactly the active
+/// nodes of the role, with their current load and stamp.
+#[derive(Default)]
+struct Pool {
+    clock: u64,
+    set: BTreeSet<(u64, u64, usize)>,
+}
+
+impl Pool {
+    /// The least-loaded node: `(load, id)`.
+    fn first(&self) -> Option<(u64, usize)> {
+        self.set.first().map(|&(l, _, i)| (l, i))
+    }
+}
+
+/// Which load counter an adjustment is to.
+#[derive(Clone, Copy, PartialEq)]
+enum Counter {
+    /// Prompt tokens queued for handoff (a prefill node's routing load).
+    Queued,
+    /// Requests assigned to decode here and not finished (a decoding node's routing load).
+    Outstanding,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum StepKind {
+    Prefill,
+    Mixed,
+}
+
+struct Node {
+    role: Role,
+    life: Life,
+    /// Tokens per step.
+    budget: usize,
+    busy: bool,
+    /// A `Kick` is queued.
+    kicked: bool,
+    step: StepKind,
+    /// Prompts to prefill here and hand off (FIFO).
+    remote: VecDeque<usize>,
+    /// Not yet admitted (FIFO).
+    waiting: VecDeque<usize>,
+    /// Admitted with its KV landed, joins `running` at the next step's start.
+    ready: Vec<usize>,
+    /// Admitted, prompt not fully computed (FIFO).
+    prefilling: VecDeque<usize>,
+    /// Decoding.
+    running: Vec<usize>,
+    /// KV tokens reserved by admitted requests.
+    reserved: usize,
+    /// Σ (input + generated) over `running`.
+    context: usize,
+    /// Chunks `(request, tokens)` of the step in flight; `running` at its start decodes.
+    /// Chunks from `remote_from` on are of `remote` prompts.
+    chunks: Vec<(usize, usize)>,
+    remote_from: usize,
+    decodes: usize,
+    /// Handoffs in flight to this node.
+    inbound: usize,
+    /// Routing loads (see [`Counter`]) and the pool stamp.
+    queued: u64,
+    outstanding: u64,
+    stamp: u64,
+    /// Prompt tokens of requests decoding here not yet prefilled.
+    unprefilled_local: u64,
+}
+
+impl Node {
+    fn new(role: Role, life: Life, budget: usize) -> Self {
+        Self {
+            role,
+            life,
+            budget,
+            busy: false,
+            kicked: false,
+            step: StepKind::Mixed,
+            remote: VecDeque::new(),
+            waiting: VecDeque::new(),
+            ready: Vec::new(),
+            prefilling: VecDeque::new(),
+            running: Vec::new(),
+            reserved: 0,
+            context: 0,
+            chunks: Vec::new(),
+            remote_from: 0,
+            decodes: 0,
+            inbound: 0,
+            queued: 0,
+            outstanding: 0,
+            stamp: 0,
+            unprefilled_local: 0,
+        }
+    }
+
+    fn prefill_work(&self) -> bool {
+        !self.remote.is_empty() || self.unprefilled_local > 0
+    }
+
+    fn stream_work(&self) -> bool {
+        !self.waiting.is_empty()
+            || !self.ready.is_empty()
+            || !self.prefilling.is_empty()
+            || !self.running.is_empty()
+            || self.inbound > 0
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct ReqState {
+    prefilled: usize,
+    generated: usize,
+    first_token_s: f64,
+    finish_s: f64,
+    prefill_node: Option<usize>,
+    decode_node: usize,
+}
+
+/// The simulator's caller in planner mode: it sees arrivals and completions and gets a turn at
+/// every `Tick`.
+pub(super) trait Control {
+    /// A request arrived (before it is routed).
+    fn arrival(&mut self, req: &SimRequest, t: f64);
+    /// A request's last token reached its client. False stops the run.
+    fn completion(&mut self, rec: &SimRecord, t: f64) -> bool;
+    /// The controller's turn; returns when its next turn is (`None`: no more).
+    fn tick(&mut self, sim: &mut Sim<'_>, t: f64) -> Result<Option<f64>>;
+}
+
+pub(super) struct Sim<'a> {
+    cfg: &'a ClusterConfig,
+    cost: &'a CostModel,
+    reqs: &'a [SimRequest],
+    state: Vec<ReqState>,
+    nodes: Vec<Node>,
+    pools: [Pool; 3],
+    heap: BinaryHeap<Timed>,
+    seq: u64,
+    /// Request ids by (arrival, id), and the next to arrive. Arrivals are not kept in the heap
+    /// (a day's trace holds millions); they merge with it as if pushed first, in id order
+    /// (sequence numbers 1..=n), which is the order the heap would give them.
+    arrivals: Vec<usize>,
+    next_arrival: usize,
+    /// Planner mode: completions are reported, transitions logged, the node budget enforced.
+    dynamics: Option<Dynamics>,
+    /// Finished since the controller last heard (planner mode).
+    completed: Vec<usize>,
+    done: usize,
+    /// Arrivals no active node could take, in order.
+    edge: VecDeque<usize>,
+    /// Handoffs with no decoding node to go to: (request, KV ready at).
+    parked: VecDeque<(usize, f64)>,
+    /// Nodes asked for that wait for a slot, in order.
+    queued_starts: VecDeque<usize>,
+    holding: usize,
+    /// One-token requests whose token is on its way (a `Finished` event queued).
+    landing: usize,
+    /// Which requests finished (planner mode; a request finishes once).
+    finished: Vec<bool>,
+    pub(super) peak_holding: usize,
+    /// Requests that waited at the edge (arrivals and handoffs).
+    pub(super) held_at_edge: usize,
+    pub(super) transitions: Vec<Transition>,
+}
+
+/// Runs the requests through the cluster and returns one record per request, in input order.
+pub fn simulate(cfg: &ClusterConfig, cost: &CostModel, requests: &[SimRequest]) -> Result<Vec<SimRecord>> {
+    let mut sim = Sim::new(cfg, cost, requests, None)?;
+    sim.run(None)?;
+    Ok(sim.records())
+}
+
+impl<'a> Sim<'a> {
+    /// A cluster of `cfg.topology` with every request's arrival queued. With `dynamics` (planner
+    /// mode) completions are reported to the controller and nodes may change.
+    pub(super) fn new(
+        cfg: &'a ClusterConfig,
+        cost: &'a CostModel,
+        requests: &'a [SimRequest],
+        dynamics: Option<Dynamics>,
+    ) -> Result<Self> {
+        let l = &cfg.limits;
+        if l.max_num_batched_tokens == 0 || l.max_num_seqs == 0 || cfg.topology.nodes() == 0 {
+            return Err(BenchError::InvalidArg(format!(
+                "cluster {}: limits and node counts must be positive",
+                cfg.topology
+            )));
+        }
+        if let Topology::Disaggregated { prefill: 0, .. } | Topology::Disaggregated { decode: 0, .. } = cfg.topology {
+            return Err(BenchError::InvalidArg(format!("cluster {}: needs prefill and decode nodes", cfg.topology)));
+        }
+        for (i, r) in requests.iter().enumerate() {
+            if r.input_len == 0 || r.output_len == 0 || !r.arrival_s.is_finite() || r.arrival_s < 0.0 {
+                return Err(BenchError::InvalidArg(format!(
+                    "request {i}: needs a prompt, an output and a finite arrival ≥ 0 (got {r:?})"
+                )));
+            }
+        }
+        let (np, nd, decoder) = match cfg.topology {
+            Topology::Disaggregated { prefill, decode } => (prefill, decode, Role::Decode),
+            Topology::Colocated { nodes } => (0, nodes, Role::Both),
+        };
+        if let Some(d) = dynamics {
+            if np + nd > d.max_nodes {
+                return Err(BenchError::InvalidArg(format!(
+                    "initial cluster {} has more than the {} nodes of the budget",
+                    cfg.topology, d.max_nodes
+                )));
+            }
+        }
+        let budget = l.max_num_batched_tokens;
+        let nodes: Vec<Node> = (0..np + nd)
+            .map(|i| Node::new(if i < np { Role::Prefill } else { decoder }, Life::Active, budget))
+            .collect();
+        let mut sim = Sim {
+            cfg,
+            cost,
+            reqs: requests,
+            state: vec![ReqState::default(); requests.len()],
+            nodes,
+            pools: Default::default(),
+            heap: BinaryHeap::with_capacity(np + nd),
+            seq: requests.len() as u64,
+            arrivals: (0..requests.len()).collect(),
+            next_arrival: 0,
+            dynamics,
+            completed: Vec::new(),
+            done: 0,
+            edge: VecDeque::new(),
+            parked: VecDeque::new(),
+            queued_starts: VecDeque::new(),
+            holding: np + nd,
+            landing: 0,
+            finished: if dynamics.is_some() { vec![false; requests.len()] } else { Vec::new() },
+            peak_holding: np + nd,
+            held_at_edge: 0,
+            transitions: Vec::new(),
+        };
+        for n in 0..np + nd {
+            sim.join(n);
+            sim.log(n, 0.0);
+        }
+        sim.arrivals.sort_by(|&a, &b| requests[a].arrival_s.total_cmp(&requests[b].arrival_s).then(a.cmp(&b)));
+        Ok(sim)
+    }
+
+    /// Runs events until none is left or the controller stops the run; false when stopped.
+    pub(super) fn run(&mut self, mut ctl: Option<&mut dyn Control>) -> Result<bool> {
+        while let Some((t, ev)) = self.pop() {
+            match ev {
+                Event::Arrival(r) => {
+                    if let Some(c) = ctl.as_deref_mut() {
+                        c.arrival(&self.reqs[r], t);
+                    }
+                    if !self.route(r, t) {
+                        self.edge.push_back(r);
+                        self.held_at_edge += 1;
+                    }
+                }
+                Event::StepDone(n) => self.step_done(n, t),
+                Event::HandoffDone(r) => {
+                    let node = self.state[r].decode_node;
+                    self.nodes[node].inbound -= 1;
+                    self.nodes[node].waiting.push_back(r);
+                    self.admit(node, t);
+                    self.kick(node, t);
+                }
+                Event::Kick(n) => {
+                    self.nodes[n].kicked = false;
+                    self.try_start(n, t);
+                }
+                Event::Finished(r) => {
+                    self.landing -= 1;
+                    self.finish(r);
+                }
+                Event::Ready(n) => {
+                    self.nodes[n].life = Life::Active;
+                    self.activate(n, t);
+                }
+                Event::Tick => {
+                    if let Some(c) = ctl.as_deref_mut() {
+                        if let Some(next) = c.tick(self, t)? {
+                            self.push(next, Event::Tick);
+                        }
+                    }
+                }
+            }
+            if !self.completed.is_empty() {
+                let done = std::mem::take(&mut self.completed);
+                if let Some(c) = ctl.as_deref_mut() {
+                    for &r in &done {
+                        if !c.completion(&self.record(r), t) {
+                            return Ok(false);
+                        }
+                    }
+                }
+                self.completed = done;
+                self.completed.clear();
+            }
+        }
+        Ok(true)
+    }
+
+    /// Requests not finished yet (planner mode).
+    pub(super) fn unfinished(&self) -> usize {
+        self.reqs.len() - self.done
+    }
+
+    pub(super) fn push_tick(&mut self, t: f64) {
+        self.push(t, Event::Tick);
+    }
+
+    /// The earliest event: the heap's or the next arrival (sequence number id + 1).
+    fn pop(&mut self) -> Option<(f64, Event)> {
+        let arrival = self.arrivals.get(self.next_arrival).map(|&i| (self.reqs[i].arrival_s, i as u64 + 1, i));
+        match (arrival, self.heap.peek()) {
+            (Some((t, seq, _)), Some(top)) if top.t.total_cmp(&t).then(top.seq.cmp(&seq)) == Ordering::Less => {
+                self.heap.pop().map(|e| (e.t, e.ev))
+            }
+            (Some((t, _, i)), _) => {
+                self.next_arrival += 1;
+                Some((t, Event::Arrival(i)))
+            }
+            (None, _) => self.heap.pop().map(|e| (e.t, e.ev)),
+        }
+    }
+
+    fn push(&mut self, t: f64, ev: Event) {
+        self.seq += 1;
+        self.heap.push(Timed { t, seq: self.seq, ev });
+    }
+
+    fn finish(&mut self, r: usize) {
+        if self.dynamics.is_some() {
+            debug_assert!(!self.finished[r], "request {r} finished twice");
+            self.finished[r] = true;
+            self.completed.push(r);
+            self.done += 1;
+        }
+    }
+
+    fn log(&mut self, n: usize, t: f64) {
+        if self.dynamics.is_some() {
+            let node = &self.nodes[n];
+            self.transitions.push(Transition { t, node: n, life: node.life, role: node.role });
+        }
+    }
+
+    // ---- routing ----
+
+    fn join(&mut self, n: usize) {
+        let node = &self.nodes[n];
+        let load = if node.role == Role::Prefill { node.queued } else { node.outstanding };
+        self.pools[pool_of(node.role)].set.insert((load, node.stamp, n));
+    }
+
+    fn leave(&mut self, n: usize) {
+        let node = &self.nodes[n];
+        let load = if node.role == Role::Prefill { node.queued } else { node.outstanding };
+        self.pools[pool_of(node.role)].set.remove(&(load, node.stamp, n));
+    }
+
+    /// Adds `delta` to one of a node's loads, re-keying it in its pool when the pool orders by
+    /// that load; `assigned` marks it as the pool's most recently chosen.
+    fn adjust(&mut self, n: usize, counter: Counter, delta: i64, assigned: bool) {
+        let node = &self.nodes[n];
+        let keyed = node.life == Life::Active && (counter == Counter::Queued) == (node.role == Role::Prefill);
+        if keyed {
+            self.leave(n);
+        }
+        let pool = &mut self.pools[pool_of(self.nodes[n].role)];
+        let node = &mut self.nodes[n];
+        let c = match counter {
+            Counter::Queued => &mut node.queued,
+            Counter::Outstanding => &mut node.outstanding,
+        };
+        *c = c.saturating_add_signed(delta);
+        if assigned && keyed {
+            pool.clock += 1;
+            node.stamp = pool.clock;
+        }
+        if keyed {
+            self.join(n);
+        }
+    }
+
+    /// Sends an arrival to a node; false when no node is active.
+    fn route(&mut self, r: usize, t: f64) -> bool {
+        let len = self.reqs[r].input_len;
+        let local = len < self.cfg.local_prefill_below;
+        let decoder = match (self.pools[1].first(), self.pools[2].first()) {
+            (Some(d), Some(b)) => Some(if b.0 <= d.0 { b.1 } else { d.1 }),
+            (d, b) => d.or(b).map(|x| x.1),
+        };
+        let prefill = self.pools[0].first().map(|x| x.1);
+        let local_on = decoder.filter(|&n| self.nodes[n].role == Role::Both || local || prefill.is_none());
+        match (local_on, prefill) {
+            (Some(n), _) => {
+                self.adjust(n, Counter::Outstanding, 1, true);
+                self.state[r].decode_node = n;
+                self.nodes[n].unprefilled_local += len as u64;
+                self.nodes[n].waiting.push_back(r);
+                self.kick(n, t);
+            }
+            (None, Some(p)) => {
+                self.adjust(p, Counter::Queued, len as i64, true);
+                self.state[r].prefill_node = Some(p);
+                self.nodes[p].remote.push_back(r);
+                self.kick(p, t);
+            }
+            (None, None) => return false,
+        }
+        true
+    }
+
+    /// Where a prefilled request decodes: decode nodes first, then colocated ones.
+    fn handoff_target(&self) -> Option<usize> {
+        self.pools[1].first().or(self.pools[2].first()).map(|x| x.1)
+    }
+
+    fn send_handoff(&mut self, r: usize, d: usize, land: f64) {
+        self.adjust(d, Counter::Outstanding, 1, true);
+        self.state[r].decode_node = d;
+        self.nodes[d].inbound += 1;
+        self.push(land, Event::HandoffDone(r));
+    }
+
+    /// A remote prompt's last chunk ran on node `n` at `t`: its KV leaves for a decoding node.
+    fn hand_off(&mut self, r: usize, n: usize, t: f64) {
+        self.state[r].generated = 1;
+        let land = t + self.cost.handoff_time(self.reqs[r].input_len);
+        if self.reqs[r].output_len == 1 {
+            self.state[r].first_token_s = land;
+            self.state[r].finish_s = land;
+            self.state[r].decode_node = n;
+            if self.dynamics.is_some() {
+                self.landing += 1;
+                self.push(land, Event::Finished(r));
+            }
+        } else {
+            match self.handoff_target() {
+                Some(d) => self.send_handoff(r, d, land),
+                None => {
+                    self.parked.push_back((r, land));
+                    self.held_at_edge += 1;
+                }
+            }
+        }
+    }
+
+    /// Work that waited for an active node goes out now.
+    fn flush(&mut self, t: f64) {
+        while let Some(&(r, land)) = self.parked.front() {
+            let Some(d) = self.handoff_target() else { break };
+            self.parked.pop_front();
+            self.send_handoff(r, d, land.max(t));
+        }
+        while let Some(&r) = self.edge.front() {
+            if !self.route(r, t) {
+                break;
+            }
+            self.edge.pop_front();
+        }
+    }
+
+    // ---- steps ----
+
+    /// Schedules a step start on an idle node once every event due now has run, so that requests
+    /// arriving at the same instant share the step.
+    fn kick(&mut self, n: usize, now: f64) {
+        if !self.nodes[n].busy && !self.nodes[n].kicked {
+            self.nodes[n].kicked = true;
+            self.push(now, Event::Kick(n));
+        }
+    }
+
+    fn try_start(&mut self, n: usize, now: f64) {
+        let node = &self.nodes[n];
+        if node.busy || matches!(node.life, Life::Queued | Life::Loading | Life::Gone) {
+            return;
+        }
+        let (kind, dur) = if node.role == Role::Prefill {
+            (StepKind::Prefill, self.plan_prefill(n))
+        } else {
+            (StepKind::Mixed, self.plan_mixed(n, now))
+        };
+        if let Some(d) = dur {
+            self.nodes[n].busy = true;
+            self.nodes[n].step = kind;
+            self.push(now + d.max(MIN_STEP_S), Event::StepDone(n));
+        }
+    }
+
+    /// FIFO chunks from the queue up to the token budget; None when idle.
+    fn plan_prefill(&mut self, n: usize) -> Option<f64> {
+        let node = &mut self.nodes[n];
+        let budget = node.budget;
+        node.chunks.clear();
+        let mut used = 0;
+        for &r in &node.remote {
+            if used == budget {
+                break;
+            }
+            let left = self.reqs[r].input_len - self.state[r].prefilled;
+            let take = left.min(budget - used);
+            node.chunks.push((r, take));
+            used += take;
+        }
+        if node.chunks.is_empty() {
+            return None;
+        }
+        let st = &self.state;
+        Some(self.cost.prefill_step_time(node.chunks.iter().map(|&(r, k)| (k, st[r].prefilled))))
+    }
+
+    /// Admits waiting requests in FIFO order while a seat and KV are free (an empty node admits
+    /// its head regardless of KV). A request that arrives prefilled (a handoff) gets its first
+    /// token now, and joins `running` at the next step's start.
+    fn admit(&mut self, n: usize, now: f64) {
+        let l = self.cfg.limits;
+        let node = &mut self.nodes[n];
+        while let Some(&r) = node.waiting.front() {
+            let admitted = node.prefilling.len() + node.running.len() + node.ready.len();
+            let need = self.reqs[r].input_len + self.reqs[r].output_len;
+            let fits = node.reserved.saturating_add(need) <= l.kv_capacity_tokens;
+            if admitted >= l.max_num_seqs || (!fits && admitted > 0) {
+                break;
+            }
+            node.waiting.pop_front();
+            node.reserved += need;
+            if self.state[r].prefilled < self.reqs[r].input_len {
+                node.prefilling.push_back(r);
+            } else {
+                self.state[r].first_token_s = now;
+                node.ready.push(r);
+            }
+        }
+    }
+
+    /// Admission, then decodes first and prefill chunks (its own prompts, then any queued for
+    /// handoff) in the remaining budget; None when idle.
+    fn plan_mixed(&mut self, n: usize, now: f64) -> Option<f64> {
+        self.admit(n, now);
+        let node = &mut self.nodes[n];
+        for r in node.ready.drain(..) {
+            node.context += self.reqs[r].input_len + self.state[r].generated;
+            node.running.push(r);
+        }
+        node.decodes = node.running.len();
+        node.chunks.clear();
+        let mut budget = node.budget.saturating_sub(node.decodes);
+        for &r in node.prefilling.iter() {
+            if budget == 0 {
+                break;
+            }
+            let take = (self.reqs[r].input_len - self.state[r].prefilled).min(budget);
+            node.chunks.push((r, take));
+            budget -= take;
+        }
+        node.remote_from = node.chunks.len();
+        for &r in node.remote.iter() {
+            if budget == 0 {
+                break;
+            }
+            let take = (self.reqs[r].input_len - self.state[r].prefilled).min(budget);
+            node.chunks.push((r, take));
+            budget -= take;
+        }
+        if node.decodes == 0 && node.chunks.is_empty() {
+            return None;
+        }
+        let st = &self.state;
+        Some(self.cost.mixed_step_time(
+            node.chunks.iter().map(|&(r, k)| (k, st[r].prefilled)),
+            node.decodes,
+            node.context,
+        ))
+    }
+
+    fn step_done(&mut self, n: usize, t: f64) {
+        self.nodes[n].busy = false;
+        match self.nodes[n].step {
+            StepKind::Prefill => self.prefill_done(n, t),
+            StepKind::Mixed => self.mixed_done(n, t),
+        }
+        if self.nodes[n].life != Life::Active {
+            self.check_drain(n, t);
+        }
+        self.try_start(n, t);
+    }
+
+    fn prefill_done(&mut self, n: usize, t: f64) {
+        let chunks = std::mem::take(&mut self.nodes[n].chunks);
+        self.remote_chunks_done(n, &chunks, t);
+        self.nodes[n].chunks = chunks;
+    }
+
+    /// Chunks of prompts queued for handoff ran on node `n`.
+    fn remote_chunks_done(&mut self, n: usize, chunks: &[(usize, usize)], t: f64) {
+        for &(r, k) in chunks {
+            self.state[r].prefilled += k;
+            self.adjust(n, Counter::Queued, -(k as i64), false);
+            if self.state[r].prefilled == self.reqs[r].input_len {
+                // Completed chunks are always a prefix of the FIFO queue.
+                self.nodes[n].remote.pop_front();
+                self.hand_off(r, n, t);
+            }
+        }
+    }
+
+    fn mixed_done(&mut self, n: usize, t: f64) {
+        let mut finished = Vec::new();
+        let remote;
+        {
+            let node = &mut self.nodes[n];
+            for &r in &node.running[..node.decodes] {
+                let s = &mut self.state[r];
+                s.generated += 1;
+                node.context += 1;
+                if s.generated == self.reqs[r].output_len {
+                    s.finish_s = t;
+                    finished.push(r);
+                }
+            }
+            for &(r, k) in &node.chunks[..node.remote_from] {
+                let s = &mut self.state[r];
+                s.prefilled += k;
+                node.unprefilled_local -= k as u64;
+                if s.prefilled == self.reqs[r].input_len {
+                    node.prefilling.pop_front();
+                    s.generated = 1;
+                    s.first_token_s = t;
+                    node.context += self.reqs[r].input_len + 1;
+                    node.running.push(r);
+                    if self.reqs[r].output_len == 1 {
+                        s.finish_s = t;
+                        finished.push(r);
+                    }
+                }
+            }
+            remote = node.remote_from < node.chunks.len();
+        }
+        if remote {
+            let chunks = std::mem::take(&mut self.nodes[n].chunks);
+            let from = self.nodes[n].remote_from;
+            self.remote_chunks_done(n, &chunks[from..], t);
+            self.nodes[n].chunks = chunks;
+        }
+        if finished.is_empty() {
+            return;
+        }
+        let node = &mut self.nodes[n];
+        for &r in &finished {
+            node.reserved -= self.reqs[r].input_len + self.reqs[r].output_len;
+            node.context -= self.reqs[r].input_len + self.state[r].generated;
+        }
+        let reqs = self.reqs;
+        let state = &self.state;
+        node.running.retain(|&r| state[r].generated < reqs[r].output_len);
+        for &r in &finished {
+            self.adjust(n, Counter::Outstanding, -1, false);
+            self.finish(r);
+        }
+    }
+
+    // ---- results ----
+
+    fn record(&self, id: usize) -> SimRecord {
+        let (r, s) = (&self.reqs[id], &self.state[id]);
+        let tpot_s = if r.output_len > 1 { (s.finish_s - s.first_token_s) / (r.output_len - 1) as f64 } else { 0.0 };
+        SimRecord {
+            id,
+            arrival_s: r.arrival_s,
+            input_len: r.input_len,
+            output_len: r.output_len,
+            ttft_s: s.first_token_s - r.arrival_s,
+            tpot_s,
+            e2el_s: s.finish_s - r.arrival_s,
+            prefill_node: s.prefill_node,
+            decode_node: s.decode_node,
+        }
+    }
+
+    pub(super) fn records(&self) -> Vec<SimRecord> {
+        (0..self.reqs.len()).map(|i| self.record(i)).collect()
+    }
+}
