@@ -165,3 +165,71 @@ fn up_restarts_a_coordinator_and_a_node_that_die() {
         assert_eq!(complete(who), want, "after restarting {who}");
     }
 }
+
+#[test]
+fn up_starts_a_node_the_planner_asks_for_within_the_budget() {
+    let model = shared_dir().join("models/tiny-llama");
+    let exe = env!("CARGO_BIN_EXE_cleave");
+    let mut up = Command::new(exe)
+        .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
+        .args(["--kv-cache-memory", "64m", "--threads", "1", "--max-nodes", "3", "--planner", "auto"])
+        .args(["--admin-token", "up-test-token"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = up.stdout.take().unwrap();
+    let _up = KillOnDrop(up);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split(" at http://").nth(1) {
+                let _ = tx.send(rest.split("/v1").next().unwrap().to_string());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let admin = |m: reqwest::Method, path: &str, body: Option<serde_json::Value>| -> serde_json::Value {
+        rt.block_on(async {
+            let mut r = client.request(m, format!("http://{addr}{path}")).bearer_auth("up-test-token");
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            let r = r.send().await.unwrap();
+            assert!(r.status().is_success(), "{path}: {}", r.status());
+            r.json().await.unwrap()
+        })
+    };
+    let nodes = |admin: &dyn Fn(reqwest::Method, &str, Option<serde_json::Value>) -> serde_json::Value| {
+        admin(reqwest::Method::GET, "/admin/nodes", None)["nodes"].as_array().unwrap().clone()
+    };
+    assert_eq!(nodes(&admin).len(), 2);
+    // A prefill node and two decode nodes at least, room for three: the planner asks for one
+    // more node (switching the prefill node would break min_prefill).
+    admin(
+        reqwest::Method::PUT,
+        "/admin/planner",
+        Some(serde_json::json!({"limits": {"min_prefill": 1, "min_decode": 2}, "cooldown_s": 0.0})),
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let n = nodes(&admin);
+        let decoders = n.iter().filter(|x| x["role"] == "decode" && x["state"] == "active").count();
+        if n.len() == 3 && decoders >= 2 {
+            assert!(n.iter().any(|x| x["name"] == "extra-0"), "{n:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no node was started for the planner: {n:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // `cleave up`'s budget holds: a planner allowed four nodes asks for a fourth, and nothing
+    // more is started.
+    admin(
+        reqwest::Method::PUT,
+        "/admin/planner",
+        Some(serde_json::json!({"limits": {"max_nodes": 4, "min_decode": 3}})),
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(nodes(&admin).len(), 3);
+}
