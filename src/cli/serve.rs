@@ -150,12 +150,12 @@ pub enum PlannerModeArg {
 
 impl PlannerArgs {
     pub fn to_config(&self) -> anyhow::Result<cleave_planner::PlannerConfig> {
-        let mut c = cleave_planner::PlannerConfig::default();
-        c.mode = match self.planner {
+        let mode = match self.planner {
             PlannerModeArg::Off => cleave_planner::Mode::Off,
             PlannerModeArg::Advise => cleave_planner::Mode::Advise,
             PlannerModeArg::Auto => cleave_planner::Mode::Auto,
         };
+        let mut c = cleave_planner::PlannerConfig { mode, ..Default::default() };
         c.targets.ttft_ms = self.ttft_target_ms;
         c.targets.tpot_ms = self.tpot_target_ms;
         if let Some(n) = self.max_nodes {

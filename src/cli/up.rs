@@ -442,8 +442,7 @@ async fn supervise(
                 }
             }
             _ = tick.tick() => {
-                for i in 0..procs.len() {
-                    let p = &mut procs[i];
+                for (i, p) in procs.iter_mut().enumerate() {
                     if p.done {
                         continue;
                     }

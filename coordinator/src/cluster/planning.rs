@@ -303,6 +303,9 @@ struct Entry {
     ok: bool,
 }
 
+/// Which of a path's latencies count for a pool: (TTFT, TPOT).
+type PathPick = fn(&str) -> (bool, bool);
+
 /// Most completions kept (the window's time bound usually comes first).
 const MAX_ENTRIES: usize = 100_000;
 
@@ -325,7 +328,7 @@ impl LatencyWindow {
         while self.entries.front().is_some_and(|e| now.saturating_sub(e.at) > window) {
             self.entries.pop_front();
         }
-        let pools: [(&str, fn(&str) -> (bool, bool)); 4] = [
+        let pools: [(&str, PathPick); 4] = [
             // (counts for TTFT, counts for TPOT)
             ("prefill", |p| (p == "remote", false)),
             ("decode", |p| (p != "remote" && p != "colocated", p != "colocated")),

@@ -226,7 +226,7 @@ impl Node {
 
     /// No attempt of the drained kinds is routed here any more.
     fn routed_quiet(&self, k: Kinds) -> bool {
-        !(k.prefill && self.active_prefill > 0) && !(k.decode && self.active_decode > 0)
+        !(k.prefill && self.active_prefill > 0 || k.decode && self.active_decode > 0)
     }
 
     /// The engine, as last reported, holds no work of the drained kinds.
