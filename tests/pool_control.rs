@@ -67,6 +67,15 @@ async fn wait_busy(c: &TestCluster, name: &str, min: u64) -> u64 {
     }
 }
 
+/// Requests the coordinator has routed so far (its `cleave_route_decisions_total`).
+async fn routed(c: &TestCluster) -> f64 {
+    let text = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("cleave_route_decisions_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 #[test]
 fn admin_routes_refuse_a_missing_or_wrong_token() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -206,8 +215,15 @@ fn a_role_switch_under_load_loses_no_request_and_keeps_greedy_text() {
         let load = load(10);
         let streams = run_load(&c, load.clone());
         let switch = async {
-            // Every request routed (the only decode node has them all) before both switch.
-            wait_busy(&c, "node-1", 10).await;
+            // Every request routed before both switch (while they drain, no node decodes new
+            // work), and streams running on the decode node.
+            let deadline = Instant::now() + WAIT;
+            while routed(&c).await < 10.0 {
+                assert!(Instant::now() < deadline, "the requests were never routed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let running = node_by_name(&c.nodes_state().await, "node-1")["active"]["decode"].clone();
+            eprintln!("switching with {running} streams on the decode node");
             // Swap the roles while streams run: the decode node finishes its streams first.
             c.admin(reqwest::Method::POST, &format!("/admin/nodes/{d}/role"), Some(json!({"role": "prefill"}))).await;
             c.admin(reqwest::Method::POST, &format!("/admin/nodes/{p}/role"), Some(json!({"role": "decode"}))).await;
