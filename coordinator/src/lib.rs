@@ -6,8 +6,13 @@
 //! SSE here ([`generate`], [`respond`]), because only the edge sees a request's whole
 //! stream. HTTP statuses are chosen in [`error`] only.
 //!
-//! Allowed dependencies: cleave-protocol and cleave-tokenizer (never the engine or
-//! kernels), axum/tokio, metrics.
+//! The cluster side ([`cluster`]): the node registry (drain, role switch, leave), routing,
+//! each request's path through the nodes, the admin API, and the planner's actor with its
+//! actuators.
+//!
+//! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-planner and kv-transfer's
+//! authenticated streams (never the engine or kernels), axum/tokio, metrics; kube behind the
+//! `kubernetes` feature.
 
 pub mod api;
 pub mod cluster;
