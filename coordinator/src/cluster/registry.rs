@@ -267,13 +267,24 @@ pub struct Registry {
     fingerprint: Option<u64>,
     layout: Option<KvLayout>,
     nodes: BTreeMap<u64, Node>,
+    /// Ids of the nodes in [`Lifecycle::Draining`]: [`Registry::lifecycle`] runs after every
+    /// command, and looks at these only (not at every node on every routed request).
+    draining: std::collections::BTreeSet<u64>,
     next_id: u64,
 }
 
 impl Registry {
     /// `fingerprint`: the coordinator's model's, when it knows it.
     pub fn new(cfg: RoutingConfig, fingerprint: Option<u64>) -> Self {
-        Self { cfg, bridge: None, fingerprint, layout: None, nodes: BTreeMap::new(), next_id: 1 }
+        Self {
+            cfg,
+            bridge: None,
+            fingerprint,
+            layout: None,
+            nodes: BTreeMap::new(),
+            draining: Default::default(),
+            next_id: 1,
+        }
     }
 
     pub fn config(&self) -> &RoutingConfig {
@@ -367,6 +378,7 @@ impl Registry {
     }
 
     pub fn remove(&mut self, id: u64) -> Option<NodeRef> {
+        self.draining.remove(&id);
         self.nodes.remove(&id).map(|n| n.node_ref(id))
     }
 
@@ -525,6 +537,7 @@ impl Registry {
             _ => now,
         };
         n.lifecycle = Lifecycle::Draining { then, since };
+        self.draining.insert(id);
         if n.quiet_since.is_none() {
             n.quiet_since = Some(now);
         }
@@ -544,6 +557,7 @@ impl Registry {
         if n.lifecycle == Lifecycle::Drained {
             let n = self.nodes.get_mut(&id).ok_or(NodeOpError::UnknownNode(id))?;
             n.lifecycle = Lifecycle::Draining { then: AfterDrain::Role { role, step_budget }, since: now };
+            self.draining.insert(id);
             n.quiet_since = Some(now);
             return Ok(());
         }
@@ -554,7 +568,9 @@ impl Registry {
     /// Returns what nodes must be told. Call after reports, releases and drains.
     pub fn lifecycle(&mut self) -> Vec<Effect> {
         let mut out = Vec::new();
-        for (&id, n) in self.nodes.iter_mut() {
+        let mut done = Vec::new();
+        for &id in &self.draining {
+            let Some(n) = self.nodes.get_mut(&id) else { continue };
             let Lifecycle::Draining { then, .. } = n.lifecycle else { continue };
             let k = n.drain_kinds();
             if !n.routed_quiet(k) {
@@ -586,6 +602,10 @@ impl Registry {
                 }
             }
             n.quiet_since = None;
+            done.push(id);
+        }
+        for id in done {
+            self.draining.remove(&id);
         }
         out
     }
