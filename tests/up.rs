@@ -104,13 +104,14 @@ fn children(pid: u32, word: &str) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn up_restarts_a_coordinator_and_a_node_that_die() {
+/// Starts `cleave up` on the tiny model with `args` (after the common ones) and waits for the URL
+/// it prints; the process is killed on drop.
+fn start_up(args: &[&str]) -> (KillOnDrop, String) {
     let model = shared_dir().join("models/tiny-llama");
-    let exe = env!("CARGO_BIN_EXE_cleave");
-    let mut up = Command::new(exe)
+    let mut up = Command::new(env!("CARGO_BIN_EXE_cleave"))
         .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
-        .args(["--kv-cache-memory", "64m", "--threads", "1", "--coordinator-arg=--local-prefill-max-tokens=0"])
+        .args(["--kv-cache-memory", "64m", "--threads", "1"])
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -125,6 +126,12 @@ fn up_restarts_a_coordinator_and_a_node_that_die() {
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+    (up, addr)
+}
+
+#[test]
+fn up_restarts_a_coordinator_and_a_node_that_die() {
+    let (up, addr) = start_up(&["--coordinator-arg=--local-prefill-max-tokens=0"]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     let prompt = "The quick brown fox jumps over the lazy dog";
@@ -168,26 +175,7 @@ fn up_restarts_a_coordinator_and_a_node_that_die() {
 
 #[test]
 fn up_starts_a_node_the_planner_asks_for_within_the_budget() {
-    let model = shared_dir().join("models/tiny-llama");
-    let exe = env!("CARGO_BIN_EXE_cleave");
-    let mut up = Command::new(exe)
-        .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
-        .args(["--kv-cache-memory", "64m", "--threads", "1", "--max-nodes", "3", "--planner", "auto"])
-        .args(["--admin-token", "up-test-token"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = up.stdout.take().unwrap();
-    let _up = KillOnDrop(up);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.split(" at http://").nth(1) {
-                let _ = tx.send(rest.split("/v1").next().unwrap().to_string());
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+    let (_up, addr) = start_up(&["--max-nodes", "3", "--planner", "auto", "--admin-token", "up-test-token"]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let client = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     let admin = |m: reqwest::Method, path: &str, body: Option<serde_json::Value>| -> serde_json::Value {
