@@ -246,6 +246,23 @@ fn a_role_switch_under_load_loses_no_request_and_keeps_greedy_text() {
         .await;
         let n = wait_state(&c, "node-0", "active").await;
         assert_eq!((n["role"].as_str(), n["step_budget"].as_u64()), (Some("both"), Some(64)));
+        // A budget the node's engine refuses (below its 64 sequences) is not shown as taken:
+        // the node's next reports say what it really runs.
+        c.admin(
+            reqwest::Method::POST,
+            &format!("/admin/nodes/{p}/role"),
+            Some(json!({"role": "both", "step_budget": 1})),
+        )
+        .await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let n = node_by_name(&c.nodes_state().await, "node-0").clone();
+            if n["state"] == "active" && n["step_budget"] == 64 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the refused budget is still shown: {n}");
+        }
         check_golden(&c).await;
     });
 }

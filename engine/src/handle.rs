@@ -284,6 +284,7 @@ impl EngineHandle {
             total_blocks: n(snap.kv_blocks_total),
             prefix_hashes: hashes.into_iter().take(max_hashes).collect(),
             steps: snap.step_totals,
+            step_budget: u32::try_from(snap.step_budget).ok(),
         })
     }
 }

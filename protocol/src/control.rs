@@ -102,6 +102,9 @@ pub struct LoadReport {
     pub prefix_hashes: Vec<u64>,
     /// Cumulative step timings since the node started.
     pub steps: StepTotals,
+    /// Most tokens per engine step the node runs with now (None: not said): what it really
+    /// runs, after it accepted or refused a `SetRole`'s budget.
+    pub step_budget: Option<u32>,
 }
 
 /// Cumulative engine step timings of a node (monotonic; the coordinator differences two
@@ -245,6 +248,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             decode_seqs_total: l.steps.decode_seqs,
             decode_context_total: l.steps.decode_context,
             decode_us_total: l.steps.decode_us,
+            step_budget: l.step_budget.unwrap_or(0),
         })),
         ControlMsg::PrefillRequest(p) => fb::BodyT::PrefillRequest(Box::new(fb::PrefillRequestT {
             request_id: p.work.id.0,
@@ -424,6 +428,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 decode_context: l.decode_context_total,
                 decode_us: l.decode_us_total,
             },
+            step_budget: (l.step_budget > 0).then_some(l.step_budget),
         })),
         fb::BodyT::PrefillRequest(p) => {
             const M: &str = "PrefillRequest";

@@ -71,6 +71,7 @@ fn samples() -> Vec<ControlMsg> {
                 decode_context: 5,
                 decode_us: u64::MAX,
             },
+            step_budget: Some(96),
         }),
         ControlMsg::SetRole(SetRole { role: NodeRole::Both, step_budget: Some(256) }),
         ControlMsg::SetRole(SetRole { role: NodeRole::Prefill, step_budget: None }),

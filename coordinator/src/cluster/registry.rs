@@ -369,6 +369,10 @@ impl Registry {
     pub fn report(&mut self, id: u64, load: LoadReport, now: Instant) -> bool {
         let Some(n) = self.nodes.get_mut(&id) else { return false };
         n.prefix = load.prefix_hashes.iter().copied().collect();
+        // The node's own word on its step budget wins over what it was asked for.
+        if load.step_budget.is_some() {
+            n.reg.step_budget = load.step_budget;
+        }
         n.load = load;
         n.last_report = now;
         n.inflight_prefill_tokens = 0;

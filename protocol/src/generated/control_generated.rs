@@ -1567,6 +1567,7 @@ impl<'a> LoadReport<'a> {
   pub const VT_DECODE_SEQS_TOTAL: ::flatbuffers::VOffsetT = 24;
   pub const VT_DECODE_CONTEXT_TOTAL: ::flatbuffers::VOffsetT = 26;
   pub const VT_DECODE_US_TOTAL: ::flatbuffers::VOffsetT = 28;
+  pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 30;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1585,6 +1586,7 @@ impl<'a> LoadReport<'a> {
     builder.add_prefill_us_total(args.prefill_us_total);
     builder.add_prefill_tokens_total(args.prefill_tokens_total);
     builder.add_queued_prefill_tokens(args.queued_prefill_tokens);
+    builder.add_step_budget(args.step_budget);
     if let Some(x) = args.prefix_hashes { builder.add_prefix_hashes(x); }
     builder.add_total_blocks(args.total_blocks);
     builder.add_cached_blocks(args.cached_blocks);
@@ -1610,6 +1612,7 @@ impl<'a> LoadReport<'a> {
     let decode_seqs_total = self.decode_seqs_total();
     let decode_context_total = self.decode_context_total();
     let decode_us_total = self.decode_us_total();
+    let step_budget = self.step_budget();
     LoadReportT {
       queued_prefill_tokens,
       waiting_seqs,
@@ -1624,6 +1627,7 @@ impl<'a> LoadReport<'a> {
       decode_seqs_total,
       decode_context_total,
       decode_us_total,
+      step_budget,
     }
   }
 
@@ -1722,6 +1726,14 @@ impl<'a> LoadReport<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u64>(LoadReport::VT_DECODE_US_TOTAL, Some(0)).unwrap()}
   }
+  /// Most tokens per engine step the node runs with now (0: not said).
+  #[inline]
+  pub fn step_budget(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(LoadReport::VT_STEP_BUDGET, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for LoadReport<'_> {
@@ -1743,6 +1755,7 @@ impl ::flatbuffers::Verifiable for LoadReport<'_> {
      .visit_field::<u64>("decode_seqs_total", Self::VT_DECODE_SEQS_TOTAL, false)?
      .visit_field::<u64>("decode_context_total", Self::VT_DECODE_CONTEXT_TOTAL, false)?
      .visit_field::<u64>("decode_us_total", Self::VT_DECODE_US_TOTAL, false)?
+     .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
      .finish();
     Ok(())
   }
@@ -1761,6 +1774,7 @@ pub struct LoadReportArgs<'a> {
     pub decode_seqs_total: u64,
     pub decode_context_total: u64,
     pub decode_us_total: u64,
+    pub step_budget: u32,
 }
 impl<'a> Default for LoadReportArgs<'a> {
   #[inline]
@@ -1779,6 +1793,7 @@ impl<'a> Default for LoadReportArgs<'a> {
       decode_seqs_total: 0,
       decode_context_total: 0,
       decode_us_total: 0,
+      step_budget: 0,
     }
   }
 }
@@ -1841,6 +1856,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LoadReportBuilder<'a, 'b, A> 
     self.fbb_.push_slot::<u64>(LoadReport::VT_DECODE_US_TOTAL, decode_us_total, 0);
   }
   #[inline]
+  pub fn add_step_budget(&mut self, step_budget: u32) {
+    self.fbb_.push_slot::<u32>(LoadReport::VT_STEP_BUDGET, step_budget, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LoadReportBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     LoadReportBuilder {
@@ -1871,6 +1890,7 @@ impl ::core::fmt::Debug for LoadReport<'_> {
       ds.field("decode_seqs_total", &self.decode_seqs_total());
       ds.field("decode_context_total", &self.decode_context_total());
       ds.field("decode_us_total", &self.decode_us_total());
+      ds.field("step_budget", &self.step_budget());
       ds.finish()
   }
 }
@@ -1890,6 +1910,7 @@ pub struct LoadReportT {
   pub decode_seqs_total: u64,
   pub decode_context_total: u64,
   pub decode_us_total: u64,
+  pub step_budget: u32,
 }
 impl Default for LoadReportT {
   fn default() -> Self {
@@ -1907,6 +1928,7 @@ impl Default for LoadReportT {
       decode_seqs_total: 0,
       decode_context_total: 0,
       decode_us_total: 0,
+      step_budget: 0,
     }
   }
 }
@@ -1930,6 +1952,7 @@ impl LoadReportT {
     let decode_seqs_total = self.decode_seqs_total;
     let decode_context_total = self.decode_context_total;
     let decode_us_total = self.decode_us_total;
+    let step_budget = self.step_budget;
     LoadReport::create(_fbb, &LoadReportArgs{
       queued_prefill_tokens,
       waiting_seqs,
@@ -1944,6 +1967,7 @@ impl LoadReportT {
       decode_seqs_total,
       decode_context_total,
       decode_us_total,
+      step_budget,
     })
   }
 }
