@@ -12,6 +12,7 @@
 //! Dependencies: HTTP and the shared tokenizer only; never the engine or kernels.
 
 pub mod client;
+pub mod compare;
 pub mod dataset;
 pub mod error;
 pub mod metrics;

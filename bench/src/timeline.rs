@@ -9,13 +9,13 @@
 //!
 //! Pure functions of the records: no clock, no I/O.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::metrics::{RequestRecord, Slo};
 use crate::{BenchError, Result};
 
 /// One stretch of constant load.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Phase {
     pub duration_s: f64,
     /// Requests per second (Poisson, or the run's burstiness).

@@ -216,7 +216,7 @@ fn cli_predicts_and_searches_from_a_profile_file() {
     }
     let dir = tempfile::tempdir().unwrap();
     let prof = dir.path().join("p.json");
-    profile(5e-5, 0.01).save(&prof).unwrap();
+    cleave_bench::sim::profile::save(&profile(5e-5, 0.01), &prof).unwrap();
     let out = dir.path().join("r.json");
     let p = prof.to_str().unwrap();
     let o = out.to_str().unwrap();

@@ -30,7 +30,7 @@ fn synthetic() -> Profile {
 }
 
 fn measured() -> Profile {
-    Profile::load(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/base-100m-1thread.json")))
+    cleave_bench::sim::profile::load(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/base-100m-1thread.json")))
         .unwrap()
 }
 

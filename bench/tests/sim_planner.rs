@@ -170,7 +170,7 @@ fn cli_runs_a_trace_under_the_planner_and_compares_static_topologies() {
     }
     let dir = tempfile::tempdir().unwrap();
     let prof = dir.path().join("p.json");
-    profile(2e-4, 0.02).save(&prof).unwrap();
+    cleave_bench::sim::profile::save(&profile(2e-4, 0.02), &prof).unwrap();
     let out = dir.path().join("r.json");
     let trace = dir.path().join("steps.json");
     std::fs::write(

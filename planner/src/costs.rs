@@ -42,6 +42,20 @@ pub struct StepStats {
     pub decode_seconds: f64,
 }
 
+impl StepStats {
+    /// Both windows together.
+    pub fn plus(&self, o: &StepStats) -> StepStats {
+        StepStats {
+            prefill_tokens: self.prefill_tokens + o.prefill_tokens,
+            prefill_seconds: self.prefill_seconds + o.prefill_seconds,
+            decode_steps: self.decode_steps + o.decode_steps,
+            decode_seqs: self.decode_seqs + o.decode_seqs,
+            decode_context_tokens: self.decode_context_tokens + o.decode_context_tokens,
+            decode_seconds: self.decode_seconds + o.decode_seconds,
+        }
+    }
+}
+
 /// A linear (plus quadratic attention) step-cost model.
 ///
 /// - `prefill_time(n) = prefill_fixed_s + n * prefill_s_per_token + n^2 * prefill_s_per_token2`

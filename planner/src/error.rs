@@ -28,4 +28,7 @@ pub enum PlannerError {
     /// The cost model answers something unusable (not finite, or not > 0) for a basic probe.
     #[error("step cost model is unusable: {probe} = {value} (must be finite and > 0)")]
     InvalidCosts { probe: &'static str, value: f64 },
+    /// A cost profile (`cleave bench profile` output) that breaks its invariants.
+    #[error("invalid cost profile: {0}")]
+    InvalidProfile(String),
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::cluster::{plan_actions, ClusterView};
 use crate::config::{Mode, PlannerConfig, PlannerUpdate};
-use crate::costs::StepCosts;
+use crate::costs::{StepCosts, StepStats};
 use crate::error::PlannerError;
 use crate::model::{Factors, Load, Model, Raw};
 use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput};
@@ -31,6 +31,8 @@ pub const DECISION_LOG: usize = 512;
 pub const MIN_CORRECTION_SAMPLES: u32 = 10;
 /// Successful completions before output lengths are taken from observation.
 pub const MIN_OUTPUT_SAMPLES: u32 = 10;
+/// Step timings the cost model is calibrated to: those of the nodes over this long.
+pub const CALIBRATION_WINDOW: Duration = Duration::from_secs(60);
 /// Bounds of the observed/predicted correction factors.
 pub const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
 
@@ -77,6 +79,8 @@ pub struct Planner {
     last_change: Option<Duration>,
     last_target: Option<PoolTarget>,
     log: VecDeque<Decision>,
+    /// Nodes' step timings by when they were filed (the last [`CALIBRATION_WINDOW`]).
+    step_parts: VecDeque<(Duration, StepStats)>,
 }
 
 impl std::fmt::Debug for Planner {
@@ -130,11 +134,17 @@ impl Planner {
             last_change: None,
             last_target: None,
             log: VecDeque::new(),
+            step_parts: VecDeque::new(),
         })
     }
 
     pub fn config(&self) -> &PlannerConfig {
         &self.cfg
+    }
+
+    /// The cost model as calibrated so far.
+    pub fn costs(&self) -> &dyn StepCosts {
+        &*self.costs
     }
 
     /// Applies a partial update (validated as a whole; on error nothing changes). A pending
@@ -148,9 +158,24 @@ impl Planner {
         Ok(())
     }
 
-    /// Re-scales the cost model from nodes' measured step times (see [`StepCosts::calibrate`]).
-    pub fn calibrate(&mut self, stats: &crate::costs::StepStats) {
-        self.costs.calibrate(stats);
+    /// Files nodes' step timings measured up to `now` (the part since the last call) and
+    /// re-scales the cost model to their sum over the last [`CALIBRATION_WINDOW`] (see
+    /// [`StepCosts::calibrate`]).
+    ///
+    /// Why a window and not each call's part alone: one tick holds one or two steps, and a
+    /// single slow one (a node's first prefill, with its weights still paging in; a step that
+    /// shared the core with the load generator) would set the model alone until the next.
+    pub fn calibrate(&mut self, now: Duration, part: &StepStats) {
+        if *part != StepStats::default() {
+            self.step_parts.push_back((now, *part));
+        }
+        while self.step_parts.front().is_some_and(|(at, _)| now.saturating_sub(*at) > CALIBRATION_WINDOW) {
+            self.step_parts.pop_front();
+        }
+        let sum = self.step_parts.iter().fold(StepStats::default(), |a, (_, p)| a.plus(p));
+        if sum != StepStats::default() {
+            self.costs.calibrate(&sum);
+        }
     }
 
     /// Prompt tokens a prefill node may have queued and still start a new prompt within the
@@ -366,6 +391,11 @@ impl Planner {
                 .any(|e| e.target == *to && (e.ratio.is_nan() || e.ratio > current.ratio * cfg.scale_up_margin))
         };
         let decided = decided.filter(|mv| mv.kind != MoveKind::Relieve || !seen_worse(&mv.to.target));
+        // A re-split (a relief that adds no node) waits for one window of observation: before
+        // that the costs rest on a few steps (a node's first ones, with weights still paging
+        // in, are the slowest it will run) and no client has corrected them, and a re-split
+        // costs the streams it drains. Adding capacity does not wait.
+        let decided = decided.filter(|mv| warm || mv.kind != MoveKind::Relieve || mv.to.target.nodes() > a.current.nodes());
         let Some(mv) = decided else {
             self.pending = None;
             self.last_target = None;

@@ -111,7 +111,9 @@ pub struct LoadReport {
 /// reports to calibrate the planner's cost model against what the node really does).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTotals {
-    /// Prompt tokens computed, and the wall time of the steps that computed them.
+    /// Prompt tokens computed, and the wall time of the steps that computed them, counting
+    /// steps that computed only prompt tokens (mixed steps, a chunk beside decodes, are in
+    /// neither half).
     pub prefill_tokens: u64,
     pub prefill_us: u64,
     /// Decode-only steps, the sequences they carried (sum of batch sizes), the context tokens

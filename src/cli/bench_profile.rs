@@ -260,7 +260,7 @@ pub fn run(mut args: BenchProfileArgs) -> anyhow::Result<()> {
         mixed,
     };
     profile.validate()?;
-    profile.save(&args.output)?;
+    cleave_bench::sim::profile::save(&profile, &args.output)?;
     print_table(&profile);
     println!("wrote {} ({:.0} s of measuring)", args.output.display(), started.elapsed().as_secs_f64());
     Ok(())

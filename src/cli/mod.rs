@@ -73,6 +73,9 @@ enum BenchCommand {
     /// `--planner auto`, the coordinator's planner resizing the pools over a trace whose mix and
     /// rate change, against the best static configuration.
     Simulate(cleave_bench::sim::SimulateArgs),
+    /// Judge phased `bench serve --phases` runs (one per configuration, same requests) under one
+    /// SLO: attainment over time (table and plot), per phase, recovery after each shift, goodput.
+    Timeline(cleave_bench::compare::TimelineArgs),
     /// Measure this machine's engine cost profile (prefill time against tokens, decode step time
     /// against batch and context) for `bench simulate`.
     Profile(bench_profile::BenchProfileArgs),
@@ -88,6 +91,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Sweep(args)) => bench_sweep::run(args),
         Command::Bench(BenchCommand::Simulate(args)) => bench_simulate::run(args),
         Command::Bench(BenchCommand::Profile(args)) => bench_profile::run(args),
+        Command::Bench(BenchCommand::Timeline(args)) => {
+            cleave_bench::compare::run(&args)?;
+            Ok(())
+        }
         Command::Certs(args) => certs::run(args),
         Command::Admin(args) => admin::run(args),
         // A hub id is fetched once here; the children find it in the cache and keep its name.

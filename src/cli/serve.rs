@@ -139,6 +139,12 @@ pub struct PlannerArgs {
     /// Seconds of arrivals and latencies the planner looks at.
     #[arg(long, default_value_t = 30.0)]
     pub planner_window_secs: f64,
+    /// The engine's cost profile (`cleave bench profile --output FILE`, measured on the nodes'
+    /// machine) the planner predicts with; the nodes' own step timings re-level it as they
+    /// run. Without it the planner starts from a generic linear model levelled by those
+    /// timings alone.
+    #[arg(long)]
+    pub planner_profile: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,6 +179,14 @@ impl PlannerArgs {
         c.window = Duration::from_secs_f64(self.planner_window_secs);
         c.validate().map_err(|e| anyhow::anyhow!("planner settings: {e}"))?;
         Ok(c)
+    }
+
+    /// The `--planner-profile` file, read and checked.
+    pub fn profile(&self) -> anyhow::Result<Option<cleave_planner::Profile>> {
+        let Some(path) = &self.planner_profile else { return Ok(None) };
+        let p = cleave_bench::sim::profile::load(path)
+            .with_context(|| format!("--planner-profile {}", path.display()))?;
+        Ok(Some(p))
     }
 }
 
@@ -295,6 +309,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
     let fingerprint = if cmd.no_fingerprint { None } else { Some(fingerprint_of(&path)?) };
     let (net, _name) = cmd.net.net_config("coordinator")?;
     let planner = cmd.planner.to_config()?;
+    let planner_profile = cmd.planner.profile()?;
     let rt = runtime()?;
     rt.block_on(async move {
         let http = tokio::net::TcpListener::bind(cmd.http.listen)
@@ -312,6 +327,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         };
         cfg.max_migrations = cmd.max_migrations;
         cfg.planner = planner;
+        cfg.planner_profile = planner_profile;
         let admin = match cmd.admin_listen {
             Some(a) => {
                 Some(tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?)

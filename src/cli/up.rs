@@ -74,6 +74,10 @@ pub struct UpArgs {
     /// The planner's time-per-output-token target (ms, p90).
     #[arg(long, default_value_t = 100.0)]
     pub tpot_target_ms: f64,
+    /// The engine's cost profile the planner predicts with (`cleave bench profile` output; see
+    /// `cleave coordinator --planner-profile`).
+    #[arg(long)]
+    pub planner_profile: Option<PathBuf>,
     /// Restarts allowed per process (a coordinator or node that dies is started again).
     #[arg(long, default_value_t = 5)]
     pub restart_budget: u32,
@@ -252,6 +256,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             "--tpot-target-ms".into(),
             args.tpot_target_ms.to_string(),
         ]);
+        if let Some(p) = &args.planner_profile {
+            cargs.extend(["--planner-profile".to_string(), p.display().to_string()]);
+        }
         if max_nodes > nodes.len() {
             cargs.extend(["--max-nodes".to_string(), max_nodes.to_string(), "--launch-nodes-via-stdout".into()]);
         }

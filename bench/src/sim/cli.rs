@@ -7,7 +7,6 @@ use serde::Serialize;
 
 use super::cluster::{NodeLimits, Topology};
 use super::cost::{CostModel, HandoffCost};
-use super::profile::Profile;
 use super::search::{predict, recommend, search_space, Goodput, PredictSummary, SearchSpec, Slo};
 use super::workload::WorkloadSpec;
 use super::ClusterConfig;
@@ -105,6 +104,10 @@ pub struct SimulateArgs {
     /// MAX], "output_len": [MIN, MAX]}`.
     #[arg(long, default_value = "shift")]
     pub trace: String,
+    /// Planner mode: replay the requests of a `bench serve --phases` result file (their send
+    /// times and lengths; its phases are the trace), to set the simulation beside that run.
+    #[arg(long, value_name = "RESULT_JSON")]
+    pub replay: Option<PathBuf>,
     /// Planner mode: a preset's length, seconds (day: 86400, shift: 600).
     #[arg(long)]
     pub trace_duration_s: Option<f64>,
@@ -187,7 +190,7 @@ pub struct SimulateReport {
 
 /// Runs the subcommand: prints a table and writes `--output`.
 pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
-    let profile = Profile::load(&args.profile)?;
+    let profile = super::profile::load(&args.profile)?;
     let handoff = HandoffCost {
         bandwidth_bytes_per_s: args.handoff_bandwidth_gbps * 1e9,
         latency_s: args.handoff_latency_ms / 1e3,

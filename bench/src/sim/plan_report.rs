@@ -22,7 +22,8 @@ use super::planned::{
     node_seconds, simulate_planned, ActionKind, DecisionRecord, NodeSeconds, PlannedRun, PlannedSpec,
 };
 use super::search::{meets, Dist, Slo};
-use super::trace::{Preset, Trace};
+use super::trace::{Phase, Preset, Trace};
+use super::workload::SimRequest;
 use crate::error::{BenchError, Result};
 
 /// One report window (requests by arrival time, nodes by time).
@@ -159,6 +160,40 @@ pub fn load_trace(args: &SimulateArgs, cost: &CostModel, nodes: usize) -> Result
     }
 }
 
+/// The trace and requests of a measured `bench serve --phases` run: each request at the time it
+/// was scheduled, with its prompt length and the output length its phase asked for (every run
+/// ignores EOS, so that is what a successful request generated).
+pub fn replay(path: &Path) -> Result<(Trace, Vec<SimRequest>)> {
+    let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let bad = |why: String| BenchError::InvalidArg(format!("--replay {}: {why}", path.display()));
+    let phases: Vec<crate::timeline::Phase> =
+        serde_json::from_value(v["phases"].clone()).map_err(|e| bad(format!("no phases (a `--phases` run?): {e}")))?;
+    let records = crate::result::records_from_json(&v).map_err(|e| bad(e.to_string()))?;
+    let trace = Trace {
+        name: path.file_stem().map_or_else(|| "replay".into(), |s| s.to_string_lossy().into_owned()),
+        phases: phases
+            .iter()
+            .map(|p| Phase {
+                duration_s: p.duration_s,
+                rate: p.rate,
+                input_len: (p.input_len, p.input_len),
+                output_len: (p.output_len, p.output_len),
+            })
+            .collect(),
+    };
+    trace.validate()?;
+    let mut requests: Vec<SimRequest> = records
+        .iter()
+        .map(|r| {
+            let phase = &trace.phases[trace.phase_at(r.scheduled_s)];
+            SimRequest { arrival_s: r.scheduled_s, input_len: r.prompt_len.max(1), output_len: phase.output_len.0.max(1) }
+        })
+        .collect();
+    requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    Ok((trace, requests))
+}
+
 /// Runs planner mode (see the module docs); prints the tables and returns the report.
 pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<PlannerReport> {
     let mode = parse_mode(args.planner.as_deref().unwrap_or("auto"))?;
@@ -167,8 +202,14 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
     let initial: Topology = args.initial.parse()?;
     let planner = planner_config(args, mode, budget)?;
     let slo = Slo { ttft_ms: Some(planner.targets.ttft_ms), tpot_ms: Some(planner.targets.tpot_ms), e2el_ms: None };
-    let trace = load_trace(args, cost, max_nodes)?;
-    let requests = trace.generate(args.burstiness, args.seed)?;
+    let (trace, requests) = match &args.replay {
+        Some(path) => replay(path)?,
+        None => {
+            let trace = load_trace(args, cost, max_nodes)?;
+            let requests = trace.generate(args.burstiness, args.seed)?;
+            (trace, requests)
+        }
+    };
     let mut cfg = ClusterConfig::new(initial, limits);
     cfg.local_prefill_below = args.local_prefill_below;
     let spec =

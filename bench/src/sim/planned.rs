@@ -407,7 +407,10 @@ mod tests {
 
     use super::*;
     use crate::sim::cluster::NodeLimits;
-    use crate::sim::cost::{tests::profile, HandoffCost};
+    use crate::sim::cost::HandoffCost;
+    fn profile() -> crate::sim::Profile {
+        crate::sim::Profile::synthetic()
+    }
     use crate::sim::workload::WorkloadSpec;
 
     /// Random role switches, stops, starts and step budgets at every tick, checking the

@@ -1,142 +1,22 @@
-//! The measured cost profile of one engine on one machine: what `cleave bench profile` writes and
-//! `cleave bench simulate` reads. Plain serde data, so this crate never depends on the engine.
-//!
-//! Invariant (checked by [`Profile::validate`]): every time is finite and positive, the prefill
-//! grid has at least one point without a cached prefix, and the decode points form a full
-//! batch × context grid.
+//! The measured cost profile (`cleave bench profile` output). The type and its invariants live
+//! in the planner crate, which predicts with it too; this module reads and writes the file.
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+pub use cleave_planner::profile::{decode_axes, DecodePoint, MixedPoint, PrefillPoint, Profile, PROFILE_VERSION};
 
 use crate::error::{BenchError, Result};
 
-/// Current format version of the profile file.
-pub const PROFILE_VERSION: u32 = 1;
-
-/// Wall time of one prefill of `tokens` new prompt tokens after `cached_prefix` tokens already in
-/// the KV cache (0: a cold prompt).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct PrefillPoint {
-    pub tokens: usize,
-    #[serde(default)]
-    pub cached_prefix: usize,
-    pub seconds: f64,
+/// Reads and validates a profile file.
+pub fn load(path: &Path) -> Result<Profile> {
+    let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
+    let p: Profile = serde_json::from_str(&text)?;
+    p.validate().map_err(|e| BenchError::Profile(format!("{}: {e}", path.display())))?;
+    Ok(p)
 }
 
-/// Wall time of one decode step of `batch` sequences, each with `context` tokens in the cache.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct DecodePoint {
-    pub batch: usize,
-    pub context: usize,
-    pub seconds: f64,
-}
-
-/// Wall time of one step that carries a prefill chunk of `prefill_tokens` (a cold prompt) beside
-/// `decode_batch` decodes of `context` tokens each: what a colocated node runs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct MixedPoint {
-    pub prefill_tokens: usize,
-    pub decode_batch: usize,
-    pub context: usize,
-    pub seconds: f64,
-}
-
-/// One engine's measured costs and the limits it ran with.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Profile {
-    #[serde(default = "default_version")]
-    pub version: u32,
-    /// Model name (folder name or hub id).
-    pub model: String,
-    /// When it was measured (RFC 3339, UTC).
-    #[serde(default)]
-    pub date: String,
-    /// Compute threads the engine ran with.
-    pub threads: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Most tokens per engine step.
-    pub max_num_batched_tokens: usize,
-    /// Most sequences running at once.
-    pub max_num_seqs: usize,
-    /// KV bytes one token occupies over all layers (K and V): the handoff payload per token.
-    pub kv_bytes_per_token: u64,
-    /// Tokens the KV cache holds (blocks × block size).
-    pub kv_capacity_tokens: usize,
-    pub prefill: Vec<PrefillPoint>,
-    pub decode: Vec<DecodePoint>,
-    #[serde(default)]
-    pub mixed: Vec<MixedPoint>,
-}
-
-fn default_version() -> u32 {
-    PROFILE_VERSION
-}
-
-impl Profile {
-    /// Reads and validates a profile file.
-    pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
-        let p: Profile = serde_json::from_str(&text)?;
-        p.validate()?;
-        Ok(p)
-    }
-
-    /// Writes the profile as pretty JSON.
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let text = serde_json::to_string_pretty(self)?;
-        std::fs::write(path, text + "\n").map_err(|e| BenchError::io(path, e))
-    }
-
-    /// Checks the invariants in the module docs.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |what: String| Err(BenchError::Profile(what));
-        if self.version != PROFILE_VERSION {
-            return bad(format!("version {} (this build reads {PROFILE_VERSION})", self.version));
-        }
-        if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 || self.block_size == 0 {
-            return bad("max_num_batched_tokens, max_num_seqs and block_size must be positive".into());
-        }
-        let times = self
-            .prefill
-            .iter()
-            .map(|p| p.seconds)
-            .chain(self.decode.iter().map(|d| d.seconds))
-            .chain(self.mixed.iter().map(|m| m.seconds));
-        for t in times {
-            if !(t.is_finite() && t > 0.0) {
-                return bad(format!("time {t} is not a positive number of seconds"));
-            }
-        }
-        if !self.prefill.iter().any(|p| p.cached_prefix == 0 && p.tokens > 0) {
-            return bad("no prefill point without a cached prefix".into());
-        }
-        if self.decode.iter().any(|d| d.batch == 0) {
-            return bad("decode point with batch 0".into());
-        }
-        let (batches, contexts) = decode_axes(&self.decode);
-        if batches.is_empty() {
-            return bad("no decode points".into());
-        }
-        for &b in &batches {
-            for &c in &contexts {
-                if !self.decode.iter().any(|d| d.batch == b && d.context == c) {
-                    return bad(format!("decode grid lacks batch {b} × context {c}"));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The sorted, deduplicated batch and context axes of a decode grid.
-pub(crate) fn decode_axes(points: &[DecodePoint]) -> (Vec<usize>, Vec<usize>) {
-    let mut b: Vec<usize> = points.iter().map(|d| d.batch).collect();
-    let mut c: Vec<usize> = points.iter().map(|d| d.context).collect();
-    b.sort_unstable();
-    b.dedup();
-    c.sort_unstable();
-    c.dedup();
-    (b, c)
+/// Writes the profile as pretty JSON.
+pub fn save(p: &Profile, path: &Path) -> Result<()> {
+    let text = serde_json::to_string_pretty(p)?;
+    std::fs::write(path, text + "\n").map_err(|e| BenchError::io(path, e))
 }

@@ -243,7 +243,7 @@ mod tests {
     use super::*;
 
     fn cost() -> CostModel {
-        CostModel::from_profile(&crate::sim::cost::tests::profile(), Default::default()).unwrap()
+        CostModel::from_profile(&cleave_planner::Profile::synthetic(), Default::default()).unwrap()
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub mod metric {
     pub const PREFILL_RETRIES_TOTAL: &str = "cleave_prefill_retries_total";
     /// Streams moved to another decode node, labelled `node` (the one that failed).
     pub const MIGRATIONS_TOTAL: &str = "cleave_migrations_total";
+    /// Requests held at the edge because no node could take them while nodes switched roles.
+    pub const HELD_FOR_SWITCH_TOTAL: &str = "cleave_requests_held_for_switch_total";
     /// Nodes alive, labelled `pool`.
     pub const POOL_NODES: &str = "cleave_pool_nodes";
     /// Prompt tokens queued for prefill, labelled `pool`.
@@ -105,6 +107,10 @@ pub struct ClusterConfig {
     pub register_timeout: Duration,
     /// The planner's settings (mode, targets, limits).
     pub planner: cleave_planner::PlannerConfig,
+    /// The engine's measured costs (`cleave bench profile`) the planner predicts with,
+    /// re-levelled live by the nodes' step timings; `None`: a linear model levelled by those
+    /// timings alone (its shape, how a step grows with batch and context, is then a guess).
+    pub planner_profile: Option<cleave_planner::Profile>,
 }
 
 impl ClusterConfig {
@@ -117,6 +123,7 @@ impl ClusterConfig {
             node_silence_timeout: Duration::from_secs(120),
             register_timeout: Duration::from_secs(10),
             planner: cleave_planner::PlannerConfig::default(),
+            planner_profile: None,
         }
     }
 }
@@ -177,7 +184,7 @@ impl ClusterHandle {
     pub async fn plan(&self, q: RouteQuery) -> Result<(Plan, Assignment), NoRoute> {
         self.call(|tx| Cmd::Plan(Box::new(q), tx))
             .await
-            .unwrap_or_else(|| Err(NoRoute("coordinator shutting down".into())))
+            .unwrap_or_else(|| Err(NoRoute::new("coordinator shutting down")))
     }
 
     /// Returns an attempt's booking (see [`Registry::release`]); never waits.
@@ -283,7 +290,7 @@ impl Cluster {
             Connector::new(&cfg.net).map_err(|e| crate::CoordinatorError::Internal { reason: e.to_string() })?,
         );
         let actuator = make(handle.clone());
-        let (planner, planner_task) = planning::spawn(cfg.planner.clone(), handle.clone(), obs_rx, actuator)
+        let (planner, planner_task) = planning::spawn(cfg.planner.clone(), cfg.planner_profile.as_ref(), handle.clone(), obs_rx, actuator)
             .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
         let cfg = Arc::new(cfg);
         let tasks = vec![

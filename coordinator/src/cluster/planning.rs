@@ -77,13 +77,18 @@ pub const TICK: Duration = Duration::from_secs(1);
 /// Starts the planner actor. `observations` come from the router and the request tasks.
 pub(super) fn spawn(
     cfg: PlannerConfig,
+    profile: Option<&cleave_planner::Profile>,
     cluster: ClusterHandle,
     observations: mpsc::Receiver<Observation>,
     actuator: Box<dyn Actuator>,
 ) -> Result<(PlannerHandle, tokio::task::JoinHandle<()>), cleave_planner::PlannerError> {
     let mut cfg = cfg;
     cfg.can_add_nodes = actuator.can_add_nodes();
-    let planner = Planner::new(cfg, Box::new(LinearCosts::default()))?;
+    let costs: Box<dyn cleave_planner::StepCosts> = match profile {
+        Some(p) => Box::new(cleave_planner::CostModel::from_profile(p, cleave_planner::HandoffCost::default())?),
+        None => Box::new(LinearCosts::default()),
+    };
+    let planner = Planner::new(cfg, costs)?;
     let (tx, rx) = mpsc::channel(64);
     let actor =
         Actor { planner, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new(), bridge: None };
@@ -177,7 +182,7 @@ impl Actor {
     }
 
     fn tick(&mut self, states: &[NodeState], now: Duration) {
-        self.calibrate(states);
+        self.calibrate(states, now);
         let snap = snapshot(states, now);
         let est = self.planner.estimate(&snap);
         if let Some(a) = est.inputs.attainment {
@@ -231,7 +236,7 @@ impl Actor {
     }
 
     /// Folds the nodes' step timings since the last tick into the cost model.
-    fn calibrate(&mut self, states: &[NodeState]) {
+    fn calibrate(&mut self, states: &[NodeState], now: Duration) {
         let mut s = StepStats::default();
         for n in states {
             let t = n.load.steps;
@@ -245,9 +250,7 @@ impl Actor {
             s.decode_seconds += d(t.decode_us, prev.decode_us) as f64 / 1e6;
         }
         self.totals.retain(|id, _| states.iter().any(|n| n.node.id == *id));
-        if s.prefill_tokens > 0 || s.decode_steps > 0 {
-            self.planner.calibrate(&s);
-        }
+        self.planner.calibrate(now, &s);
     }
 }
 

@@ -204,12 +204,40 @@ impl Node {
         hashes.iter().take_while(|h| self.prefix.contains(h)).count()
     }
 
-    fn decodes(&self) -> bool {
-        self.lifecycle == Lifecycle::Active && matches!(self.reg.role, NodeRole::Decode | NodeRole::Both)
+    /// The kinds of new work routed here: its role's when active; while it switches, what the
+    /// old and the new role both do (decode -> both keeps decoding, both -> prefill keeps
+    /// prefilling), so that a switch never leaves a pool without a routable node for work the
+    /// node goes on doing anyway; nothing while it drains to leave or park.
+    fn takes(&self) -> Kinds {
+        match self.lifecycle {
+            Lifecycle::Active => Kinds::of(self.reg.role),
+            Lifecycle::Draining { then: AfterDrain::Role { role, .. }, .. } => {
+                let (old, new) = (Kinds::of(self.reg.role), Kinds::of(role));
+                Kinds { prefill: old.prefill && new.prefill, decode: old.decode && new.decode }
+            }
+            _ => Kinds { prefill: false, decode: false },
+        }
     }
 
+    fn decodes(&self) -> bool {
+        self.takes().decode
+    }
+
+    /// Takes remote prefills: prefill-only work (a node that also decodes prefills its own).
     fn prefills(&self) -> bool {
-        self.lifecycle == Lifecycle::Active && self.reg.role == NodeRole::Prefill
+        let k = self.takes();
+        k.prefill && !k.decode
+    }
+
+    /// Prefills what it decodes (colocated).
+    fn colocated(&self) -> bool {
+        let k = self.takes();
+        k.prefill && k.decode
+    }
+
+    /// Switching into a role.
+    fn switching(&self) -> bool {
+        matches!(self.lifecycle, Lifecycle::Draining { then: AfterDrain::Role { .. }, .. })
     }
 
     /// The work a drain in progress waits for (none when not draining).
@@ -230,10 +258,18 @@ impl Node {
     }
 
     /// The engine, as last reported, holds no work of the drained kinds.
+    ///
+    /// A node that keeps decoding through its switch (both -> decode) has running sequences
+    /// that are not drained work: for it, prefill is done when nothing waits or is queued.
     fn engine_quiet(&self, k: Kinds) -> bool {
         let l = &self.load;
         let seqs = l.running_seqs + l.waiting_seqs;
-        !(k.decode && seqs > 0) && !(k.prefill && (l.queued_prefill_tokens > 0 || seqs > 0))
+        let prefill_left = if self.takes().decode {
+            l.queued_prefill_tokens > 0 || l.waiting_seqs > 0
+        } else {
+            l.queued_prefill_tokens > 0 || seqs > 0
+        };
+        !(k.decode && seqs > 0) && !(k.prefill && prefill_left)
     }
 
     fn queued_prefill(&self) -> u64 {
@@ -248,8 +284,19 @@ pub struct Refusal(pub String);
 
 /// No node can serve a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("no node can serve this request: {0}")]
-pub struct NoRoute(pub String);
+#[error("no node can serve this request: {reason}")]
+pub struct NoRoute {
+    pub reason: String,
+    /// A node is switching roles: one may take the request once the switch completes, so the
+    /// caller should hold the request a moment rather than fail it.
+    pub transient: bool,
+}
+
+impl NoRoute {
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self { reason: reason.into(), transient: false }
+    }
+}
 
 /// Assignment bookkeeping a request hands back when an attempt ends (see [`Registry::release`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -423,18 +470,21 @@ impl Registry {
             })
             .map(|(&id, _)| id);
         let Some(decode_id) = decode else {
-            return Err(NoRoute(if self.nodes.is_empty() {
-                "no node is registered".into()
-            } else {
-                "no live decode node can hold this request".into()
-            }));
+            return Err(NoRoute {
+                reason: if self.nodes.is_empty() {
+                    "no node is registered".into()
+                } else {
+                    "no live decode node can hold this request".into()
+                },
+                transient: self.nodes.values().any(Node::switching),
+            });
         };
         let d = &self.nodes[&decode_id];
         let uncached_local = prompt_len.saturating_sub(d.overlap(&hashes) * block);
 
         let local = if q.force_local {
             Some(LocalReason::Migration)
-        } else if d.reg.role == NodeRole::Both {
+        } else if d.colocated() {
             Some(LocalReason::Colocated)
         } else if uncached_local <= self.cfg.local_prefill_max_tokens {
             Some(LocalReason::ShortPrompt)
@@ -898,6 +948,74 @@ mod tests {
         r.release(&b, ms(9));
         r.report(holder, busy(0), ms(10));
         assert_eq!(r.lifecycle().len(), 1);
+    }
+
+    /// Switching 1 prefill + 1 decode to 2 colocated under load (what the planner does when the
+    /// load turns decode-heavy) and back: at no moment may a request find no node, and a node
+    /// keeps the work its old and new roles share while it switches.
+    #[test]
+    fn a_switching_node_keeps_the_work_both_roles_do() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        // Both switches start before the registry's next lifecycle pass.
+        r.set_role(p, NodeRole::Both, None, ms(1)).unwrap();
+        r.set_role(d, NodeRole::Both, None, ms(1)).unwrap();
+        let (plan, a) = r.plan(&q(200)).expect("a request routes mid-switch");
+        assert!(matches!(plan, Plan::Remote { .. }), "p keeps prefilling, d keeps decoding: {plan:?}");
+        r.lifecycle();
+        r.release(&a, ms(2));
+        // Colocated now; one stream on each node.
+        let (_, a) = r.plan(&q(200)).unwrap();
+        let (_, b) = r.plan(&q(200)).unwrap();
+        assert_ne!(a.decode.unwrap().0, b.decode.unwrap().0);
+        // Back: both -> decode keeps decoding, both -> prefill keeps prefilling, while p drains
+        // its stream.
+        r.set_role(p, NodeRole::Prefill, None, ms(3)).unwrap();
+        r.set_role(d, NodeRole::Decode, None, ms(3)).unwrap();
+        let (plan, c) = r.plan(&q(200)).expect("a request routes mid-switch");
+        match plan {
+            Plan::Remote { prefill, decode } => assert_eq!((prefill.id, decode.id), (p, d)),
+            other => panic!("want p -> d, got {other:?}"),
+        }
+        // d's switch waits only for its queued prefill, not its running streams (it keeps them,
+        // and takes new ones).
+        r.report(d, LoadReport { running_seqs: 2, total_blocks: 100, free_blocks: 90, ..Default::default() }, ms(4));
+        let done = r.lifecycle();
+        assert_eq!(done, vec![Effect::SetRole { node: d, role: NodeRole::Decode, step_budget: None }]);
+        // p drains its colocated stream before it is a prefill node.
+        let p_stream = if a.decode.unwrap().0 == p { &a } else { &b };
+        r.report(p, busy(1), ms(5));
+        assert!(r.lifecycle().is_empty());
+        r.release(p_stream, ms(6));
+        r.report(p, busy(0), ms(7));
+        assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: p, role: NodeRole::Prefill, step_budget: None }]);
+        r.release(&c, ms(8));
+    }
+
+    /// A decode -> prefill switch of the only decode node leaves no node to decode until another
+    /// switches in: the refusal says so (transient), so the request is held, not failed.
+    #[test]
+    fn no_route_during_a_switch_is_transient() {
+        let t = Instant::now();
+        let mut r = Registry::new(RoutingConfig::default(), None);
+        let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+        let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+        r.set_role(d, NodeRole::Prefill, None, t).unwrap();
+        r.set_role(p, NodeRole::Decode, None, t).unwrap();
+        let e = r.plan(&q(200)).unwrap_err();
+        assert!(e.transient, "{e}");
+        r.report(p, busy(0), t + Duration::from_millis(1));
+        r.report(d, busy(0), t + Duration::from_millis(1));
+        assert_eq!(r.lifecycle().len(), 2);
+        assert!(r.plan(&q(200)).is_ok());
+        // With nothing switching, no route is final.
+        let mut only = q(200);
+        only.exclude = vec![p];
+        let e = r.plan(&only).unwrap_err();
+        assert!(!e.transient, "{e}");
     }
 
     #[test]

@@ -26,7 +26,7 @@ use cleave_protocol::{FinishReason, TokenEvent};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
-use super::registry::{Assignment, NodeRef, Plan, RouteQuery};
+use super::registry::{Assignment, NoRoute, NodeRef, Plan, RouteQuery};
 use super::{metric, ClusterConfig, ClusterHandle};
 use crate::dispatch::{Dispatch, DispatchEvent};
 
@@ -118,7 +118,7 @@ async fn drive(
             exclude: exclude.clone(),
             force_local: !p.generated.is_empty(),
         };
-        let (plan, mut booking) = match cluster.plan(q).await {
+        let (plan, mut booking) = match plan_or_hold(cluster, q, &d).await {
             Ok(x) => x,
             Err(e) => {
                 p.failed = true;
@@ -189,6 +189,36 @@ async fn drive(
                 }
                 tracing::warn!(node = %node.name, %error, sent = p.generated.len(), "decode node failed; migrating the stream");
             }
+        }
+    }
+}
+
+/// How long a request is held at the edge while no node can take it because nodes are switching
+/// roles (a switch that drains streams lasts as long as the longest of them).
+const HOLD_FOR_SWITCH: Duration = Duration::from_secs(60);
+/// How often a held request asks again.
+const HOLD_POLL: Duration = Duration::from_millis(50);
+
+/// Routes the request; while no node can take it only because nodes are switching roles, holds
+/// it (up to [`HOLD_FOR_SWITCH`], or until the client leaves) instead of failing it: a planned
+/// role change must not cost a request.
+async fn plan_or_hold(cluster: &ClusterHandle, q: RouteQuery, d: &Dispatch) -> Result<(Plan, Assignment), NoRoute> {
+    let deadline = tokio::time::Instant::now() + HOLD_FOR_SWITCH;
+    let mut held = false;
+    loop {
+        match cluster.plan(q.clone()).await {
+            Err(e) if e.transient && tokio::time::Instant::now() < deadline && !d.cancel.is_cancelled() => {
+                if !held {
+                    held = true;
+                    metrics::counter!(metric::HELD_FOR_SWITCH_TOTAL).increment(1);
+                    tracing::debug!(reason = %e.reason, "no node can take the request while nodes switch roles; holding it");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(HOLD_POLL) => {}
+                    () = d.cancel.cancelled() => {}
+                }
+            }
+            r => return r,
         }
     }
 }

@@ -257,7 +257,11 @@ impl<B: Backend> EngineCore<B> {
     pub fn note_step_time(&mut self, took: std::time::Duration) {
         let us = took.as_micros() as u64;
         let st = &mut self.stats;
-        if st.last_prefill_tokens > 0 {
+        if st.last_prefill_tokens > 0 && st.last_decode_seqs > 0 {
+            // A mixed step (a chunk beside decodes): its time is neither a prefill's nor a
+            // decode step's, and filed as either it would skew the per-token or per-step cost
+            // that planners calibrate from these totals; not filed.
+        } else if st.last_prefill_tokens > 0 {
             st.totals.prefill_tokens += st.last_prefill_tokens;
             st.totals.prefill_us += us;
         } else if st.last_decode_seqs > 0 {
