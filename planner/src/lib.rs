@@ -58,9 +58,11 @@
 //! `B = (lambda / m) * O * t(1 + B)` with `t(x) = decode_step_time(x, x (P + O/2))` (a member
 //! sees itself plus the others), solved as the least fixed point, and at least `inflight / m`
 //! (what nodes report now). No fixed point below the KV capacity (`kv_capacity_tokens / (P +
-//! O/2)` sequences): unbounded. `TPOT_q = t(1 + B_q)` with `B_q = B + z sqrt(B) + (z^2 - 1)/6`
-//! (Cornish–Fisher upper quantile of a Poisson count; a request averages its steps, so this
-//! errs high). The first decode step `t(1 + B)` is part of TTFT.
+//! O/2)` sequences): unbounded. `TPOT_q = t(1 + B_q)` with `B_q = B + z' sqrt(B) + (z'^2 -
+//! 1)/6`, `z' = z sqrt(2/3)`: the Cornish–Fisher upper quantile of a Poisson count, for the
+//! batch averaged over one request's life (its TPOT averages its steps; that average's variance
+//! is `2B/3` for a population whose members stay one life). The first decode step `t(1 + B)` is
+//! part of TTFT.
 //!
 //! **`k` colocated nodes, step budget `T`.** Each node takes `lambda / k`. A step holds its
 //! `1 + B` decodes and `c = T - (1 + B)` prefill tokens; a prompt needs `ceil(P / x)` chunks
@@ -72,7 +74,8 @@
 //! rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
 //! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q = poisson_upper(lambda/k
 //! (O TPOT_mean + ceil(P/x) t_m))` the prompts whose prefill overlaps its life at the
-//! quantile; the rest are decode steps, both at the quantile batch. So a small budget costs TTFT (more chunks) and a large one TPOT (long mixed
+//! quantile; the rest are decode steps, both at the quantile batch `B_q`. So a small budget
+//! costs TTFT (more chunks) and a large one TPOT (long mixed
 //! steps), and loose TPOT targets with short prompts favour colocation (fewer nodes: no
 //! separate prefill node), tight ones disaggregation.
 //!

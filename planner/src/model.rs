@@ -24,6 +24,31 @@ pub(crate) struct Load {
     pub backlog_tokens: f64,
     /// Sequences in flight (running + waiting) on decoding nodes.
     pub inflight_seqs: f64,
+    /// Seconds of arrivals a prediction speaks for (the planner's window; 0: only the next
+    /// arrival). A backlog that drains within a small part of it delays few of them.
+    pub horizon_s: f64,
+}
+
+/// Wait at quantile `q` that a backlog of `backlog` tokens adds over the next `horizon_s` of
+/// arrivals, on servers that prefill `capacity` tokens/s while `demand` tokens/s arrive.
+///
+/// An arrival now waits `backlog / capacity`; the backlog shrinks at `capacity - demand` and is
+/// gone after `clear`, so arrivals spread over the horizon wait linearly less, down to 0. The
+/// share waiting more than `x` is `clear (1 - x capacity / backlog) / horizon`; at `1 - q`:
+/// `x = head (1 - (1 - q) horizon / clear)`, at least 0. A burst that clears within `(1 - q)`
+/// of the horizon delays fewer than the quantile's tail; a backlog that does not clear
+/// (`demand >= capacity`) delays all (the queueing part calls that pool unstable anyway).
+fn backlog_wait(backlog: f64, capacity: f64, demand: f64, horizon_s: f64, q: f64) -> f64 {
+    if backlog <= 0.0 || capacity <= 0.0 {
+        return 0.0;
+    }
+    let head = backlog / capacity;
+    let net = capacity - demand;
+    if net <= 0.0 || horizon_s <= 0.0 {
+        return head;
+    }
+    let clear = backlog / net;
+    head * (1.0 - (1.0 - q) * horizon_s / clear).max(0.0)
 }
 
 /// A prediction before the observation correction.
@@ -251,7 +276,8 @@ impl<'a> Model<'a> {
         let s = &self.prefill;
         let a = lambda * s.s_mean;
         let wait = wait_quantile(n, a, erlang_c, s.s_mean, s.cs2, self.q);
-        let drain = backlog / (f64::from(n) * s.tokens_per_s);
+        let capacity = f64::from(n) * s.tokens_per_s;
+        let drain = backlog_wait(backlog, capacity, lambda * self.load.prompt, self.load.horizon_s, self.q);
         PrefillPart { ttft: wait.max(drain) + s.s_tail, floor: drain + s.s_tail, utilisation: a / f64::from(n) }
     }
 
@@ -260,9 +286,8 @@ impl<'a> Model<'a> {
     /// Sequences in flight per node `B` (an M/G/inf population: each sequence stays for `O`
     /// steps) solve `B = (lambda / m) * O * step(1 + B)`, the step a member sees holding itself
     /// and the others; at least the sequences the nodes report now. TPOT at the quantile is the
-    /// step at `1 + poisson_upper(B)` sequences (the batch a member sees at the quantile; a
-    /// request averages over its steps, so this errs high). Unstable when no fixed point exists
-    /// below the KV capacity.
+    /// step at `1 + ` the quantile of the batch averaged over one life
+    /// ([`Self::life_batch_upper`]). Unstable when no fixed point exists below the KV capacity.
     pub fn decode_pool(&self, m: u32, lambda: f64, inflight: f64) -> DecodePart {
         if m == 0 {
             return DecodePart { first_step: f64::INFINITY, tpot: f64::INFINITY, batch: 0.0, stress: f64::INFINITY };
@@ -281,10 +306,21 @@ impl<'a> Model<'a> {
         }
         DecodePart {
             first_step: self.decode_step(1.0 + b),
-            tpot: self.decode_step(1.0 + poisson_upper(b, self.z)),
+            tpot: self.decode_step(1.0 + self.life_batch_upper(b)),
             batch: b,
             stress,
         }
+    }
+
+    /// The batch of others a sequence sees over its life, at the quantile. TPOT averages the
+    /// steps of a request's whole life, so what matters is the batch averaged over that life,
+    /// not at one instant: for an M/G/inf population of mean `b` whose members stay one life
+    /// `L`, the count's covariance at lag `u` is `b (1 - u/L)`, and its average over `[0, L]`
+    /// has variance `2b/3`, not `b`. So the Poisson quantile with the spread scaled by
+    /// `sqrt(2/3)`. (The instant quantile made every decode pool look a whole batch step
+    /// slower at p90 than clients measured.)
+    fn life_batch_upper(&self, b: f64) -> f64 {
+        poisson_upper(b, self.z * (2.0f64 / 3.0).sqrt())
     }
 
     fn decode_stress(&self, lam: f64, limit: f64) -> f64 {
@@ -368,13 +404,14 @@ impl<'a> Model<'a> {
         };
         let cs2 = self.prefill.cs2;
         let wait = wait_quantile(1, u, u, chunks * t_m, cs2, self.q);
-        let drain = backlog / (f64::from(k) * room / self.mixed_step(room, 1.0 + b));
+        let capacity = f64::from(k) * room / self.mixed_step(room, 1.0 + b);
+        let drain = backlog_wait(backlog, capacity, lambda * p, self.load.horizon_s, self.q);
         let p_tail = (p + self.z * self.load.prompt_sd.max(0.0)).max(1.0);
         let chunk_tail = room.min(p_tail);
         let own = (p_tail / chunk_tail).ceil() * self.mixed_step(chunk_tail, 1.0 + b);
         let settle = own + t_d / 2.0;
 
-        let x_q = 1.0 + poisson_upper(b, self.z);
+        let x_q = 1.0 + self.life_batch_upper(b);
         // Prompts whose prefill overlaps the sequence's decoding: those arriving during its
         // life or up to one prompt's prefill before it.
         let overlapping = poisson_upper(lam * (o * tpot_mean + chunks * t_m), self.z);
@@ -444,7 +481,15 @@ mod tests {
     }
 
     fn load(lambda: f64) -> Load {
-        Load { lambda, prompt: 200.0, prompt_sd: 0.0, output: 100.0, backlog_tokens: 0.0, inflight_seqs: 0.0 }
+        Load {
+            lambda,
+            prompt: 200.0,
+            prompt_sd: 0.0,
+            output: 100.0,
+            backlog_tokens: 0.0,
+            inflight_seqs: 0.0,
+            horizon_s: 0.0,
+        }
     }
 
     fn disagg(p: u32, d: u32) -> PoolTarget {
@@ -515,5 +560,18 @@ mod tests {
         assert!(m.predict(&PoolTarget::default()).ttft.is_infinite());
         let mixed = m.predict(&PoolTarget { prefill: 1, decode: 1, colocated: 1, step_budget: Some(256) });
         assert!(mixed.ttft.is_finite() && mixed.tpot.is_finite());
+    }
+
+    #[test]
+    fn a_burst_that_clears_soon_delays_few_of_the_window_s_arrivals() {
+        // 1000 tokens on 500 tok/s with 250 tok/s arriving: the head waits 2 s, clear in 4 s.
+        assert_eq!(backlog_wait(1000.0, 500.0, 250.0, 0.0, 0.9), 2.0, "no horizon: the next arrival");
+        // Over 30 s of arrivals, 4 s of backlog delays ~13% of them: p90 sees 2 s x (1 - 3/4).
+        assert!((backlog_wait(1000.0, 500.0, 250.0, 30.0, 0.9) - 0.5).abs() < 1e-12);
+        // Cleared within the 3 s tail: no delay at p90.
+        assert_eq!(backlog_wait(500.0, 500.0, 250.0, 30.0, 0.9), 0.0);
+        // Not draining: everyone waits at least the head.
+        assert_eq!(backlog_wait(1000.0, 500.0, 600.0, 30.0, 0.9), 2.0);
+        assert_eq!(backlog_wait(0.0, 500.0, 600.0, 30.0, 0.9), 0.0);
     }
 }

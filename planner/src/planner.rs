@@ -264,6 +264,7 @@ impl Planner {
             output,
             backlog_tokens: view.backlog_tokens as f64,
             inflight_seqs: view.inflight_seqs as f64,
+            horizon_s: cfg.window.as_secs_f64(),
         };
         let inputs = Inputs {
             arrival_rate: lambda,
