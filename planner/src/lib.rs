@@ -111,8 +111,11 @@
 //! 3. `r(current) > up` (risk, or breach): the fewest nodes among candidates that do not add
 //!    nodes and reach `r <= down`, else among those adding nodes with `r <= up`; if none, the
 //!    smallest `r` the budget allows (overloaded ones ranked by load/capacity), adopted only
-//!    when `r <= up * r(current)`. So a re-split must land clearly inside the targets, and
-//!    the move back needs the reverse: noise around a threshold does not flap.
+//!    when `r <= 0.95 r(current)` (near a target, a few percent of p90 latency is most of the
+//!    attainment). So a re-split that is not a last resort must land clearly inside the
+//!    targets, a last resort must be predicted better, and the move back needs the reverse
+//!    (with the memory of what each configuration was like to run): noise around a threshold
+//!    does not flap. No re-split (a move that adds no node) before one window was observed.
 //! 4. A new target must be wanted `confirm_ticks` ticks in a row and not within `cooldown` of
 //!    the last decision; a target already decided is not decided again while it stays wanted.
 //!    A scale-down (case 2) must moreover be wanted on every tick for a whole window: remove
