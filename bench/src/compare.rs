@@ -37,6 +37,8 @@ pub struct Judged {
     pub goodput: f64,
     /// Attainment of the requests sent in each phase (None: none sent).
     pub phases: Vec<Option<f64>>,
+    /// p90 TTFT and TPOT (ms) of the successful requests sent in each phase.
+    pub phase_p90_ms: Vec<(Option<f64>, Option<f64>)>,
     pub timeline: Timeline,
 }
 
@@ -54,6 +56,7 @@ pub fn judge(runs: &[Run], slo: &Slo, phases: &[Phase], window_s: f64, target_sh
         .map(|run| {
             let met = run.records.iter().filter(|r| slo.met_by(r)).count();
             let mut phase_att = Vec::with_capacity(phases.len());
+            let mut phase_p90 = Vec::with_capacity(phases.len());
             let mut from = 0.0;
             for p in phases {
                 let to = from + p.duration_s;
@@ -61,6 +64,12 @@ pub fn judge(runs: &[Run], slo: &Slo, phases: &[Phase], window_s: f64, target_sh
                     run.records.iter().filter(|r| r.scheduled_s >= from && r.scheduled_s < to).collect();
                 let ok = sent.iter().filter(|r| slo.met_by(r)).count();
                 phase_att.push((!sent.is_empty()).then(|| ok as f64 / sent.len() as f64));
+                let p90 = |f: fn(&RequestRecord) -> Option<f64>| {
+                    let mut v: Vec<f64> = sent.iter().filter(|r| r.success).filter_map(|r| f(r)).collect();
+                    v.sort_by(f64::total_cmp);
+                    (!v.is_empty()).then(|| crate::metrics::percentile_sorted(&v, 90.0) * 1e3)
+                };
+                phase_p90.push((p90(|r| r.ttft_s), p90(|r| r.tpot_s)));
                 from = to;
             }
             Judged {
@@ -70,6 +79,7 @@ pub fn judge(runs: &[Run], slo: &Slo, phases: &[Phase], window_s: f64, target_sh
                 attainment: if run.records.is_empty() { 0.0 } else { met as f64 / run.records.len() as f64 },
                 goodput: met as f64 / span,
                 phases: phase_att,
+                phase_p90_ms: phase_p90,
                 timeline: timeline(&run.records, slo, phases, window_s, target_share),
             }
         })
@@ -99,6 +109,19 @@ pub fn table(judged: &[Judged], phases: &[Phase]) -> String {
         judged.first().map_or(0.0, |j| j.timeline.window_s),
         judged.first().map_or(0.0, |j| j.timeline.target_share * 100.0)
     ));
+    s.push_str(&format!("{:<12}", "p90 ms"));
+    for i in 0..phases.len() {
+        s.push_str(&format!("{:>16}", format!("ph{} TTFT/TPOT", i + 1)));
+    }
+    s.push('\n');
+    for j in judged {
+        s.push_str(&format!("{:<12}", j.name));
+        for (t, p) in &j.phase_p90_ms {
+            let f = |x: &Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.0}"));
+            s.push_str(&format!("{:>16}", format!("{}/{}", f(t), f(p))));
+        }
+        s.push('\n');
+    }
     let rows = judged.iter().map(|j| j.timeline.windows.len()).max().unwrap_or(0);
     s.push_str(&format!("{:>8}", "from_s"));
     for j in judged {

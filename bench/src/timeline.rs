@@ -68,14 +68,14 @@ pub struct Window {
     pub attainment: Option<f64>,
 }
 
-/// After a phase boundary: when a window first met the target share again.
+/// After a phase boundary: when attainment was back at the target share.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Recovery {
     pub phase: usize,
     pub boundary_s: f64,
-    /// Seconds from the boundary to the end of the first window at or above the target share
-    /// that starts at or after the boundary (0 when the first one already is; None: never in
-    /// the phase).
+    /// Seconds from the boundary to the end of the first window of the phase at or above the
+    /// target share that follows its first window below it (0: no window of the phase fell
+    /// below; None: never back within the phase). Windows without requests are skipped.
     pub recovered_after_s: Option<f64>,
 }
 
@@ -115,15 +115,17 @@ pub fn timeline(records: &[RequestRecord], slo: &Slo, phases: &[Phase], window_s
         if i == 0 {
             continue;
         }
-        let first = windows
-            .iter()
-            .filter(|w| w.start_s >= from - 1e-9 && w.start_s < to)
-            .find(|w| w.attainment.is_some_and(|a| a >= target_share));
-        recoveries.push(Recovery {
-            phase: i,
-            boundary_s: from,
-            recovered_after_s: first.map(|w| (w.start_s + window_s - from).max(0.0)),
-        });
+        // The phase's windows with requests: recovered at the end of the first one at the
+        // target after the first one below it (a shift whose first windows were still served
+        // well, then fell, has not recovered until it is back).
+        let inside: Vec<&Window> =
+            windows.iter().filter(|w| w.start_s >= from - 1e-9 && w.start_s < to && w.attainment.is_some()).collect();
+        let ok = |w: &Window| w.attainment.is_some_and(|a| a >= target_share);
+        let recovered_after_s = match inside.iter().position(|w| !ok(w)) {
+            None => Some(0.0),
+            Some(drop) => inside[drop..].iter().find(|w| ok(w)).map(|w| (w.start_s + window_s - from).max(0.0)),
+        };
+        recoveries.push(Recovery { phase: i, boundary_s: from, recovered_after_s });
     }
     Timeline { window_s, target_share, windows, recoveries }
 }
@@ -199,5 +201,14 @@ mod tests {
         let t = timeline(&r[..40], &slo, &phases, 10.0, 0.9);
         assert_eq!(t.recoveries[0].recovered_after_s, None);
         assert!(table(&t).contains("never"));
+        // A phase whose first window is still served well and then falls has recovered only
+        // when it is back: 20..30 good, 30..40 bad, 40..50 good -> 30 s.
+        let mut r: Vec<RequestRecord> = (0..30).map(|i| rec(i as f64, 0.1)).collect();
+        r.extend((30..40).map(|i| rec(i as f64, 5.0)));
+        r.extend((40..60).map(|i| rec(i as f64, 0.2)));
+        assert_eq!(timeline(&r, &slo, &phases, 10.0, 0.9).recoveries[0].recovered_after_s, Some(30.0));
+        // Never below target: 0.
+        let good: Vec<RequestRecord> = (0..60).map(|i| rec(i as f64, 0.1)).collect();
+        assert_eq!(timeline(&good, &slo, &phases, 10.0, 0.9).recoveries[0].recovered_after_s, Some(0.0));
     }
 }

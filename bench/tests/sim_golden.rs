@@ -30,8 +30,11 @@ fn synthetic() -> Profile {
 }
 
 fn measured() -> Profile {
-    cleave_bench::sim::profile::load(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/base-100m-1thread.json")))
-        .unwrap()
+    cleave_bench::sim::profile::load(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/profiles/base-100m-1thread.json"
+    )))
+    .unwrap()
 }
 
 /// FNV-1a over the bits of every field of every record.

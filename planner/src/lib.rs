@@ -146,9 +146,11 @@ mod window;
 pub use config::{Limits, LimitsUpdate, Mode, PlannerConfig, PlannerUpdate, Role, Targets, TargetsUpdate};
 pub use costs::{Calibration, LinearCosts, StepCosts, StepStats};
 pub use error::PlannerError;
+pub use planner::{
+    Planner, CALIBRATION_WINDOW, CORRECTION_RANGE, DECISION_LOG, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES,
+};
 pub use profile::{DecodePoint, MixedPoint, PrefillPoint, Profile, PROFILE_VERSION};
 pub use profiled::{CostModel, HandoffCost};
-pub use planner::{Planner, CALIBRATION_WINDOW, CORRECTION_RANGE, DECISION_LOG, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES};
 pub use types::{
     Action, Arrival, Completion, ConfigPrediction, Decision, Estimate, Inputs, NodeObs, NodeState, PoolTarget,
     Prediction, Reason, Snapshot,

@@ -396,7 +396,8 @@ impl Planner {
         // that the costs rest on a few steps (a node's first ones, with weights still paging
         // in, are the slowest it will run) and no client has corrected them, and a re-split
         // costs the streams it drains. Adding capacity does not wait.
-        let decided = decided.filter(|mv| warm || mv.kind != MoveKind::Relieve || mv.to.target.nodes() > a.current.nodes());
+        let decided =
+            decided.filter(|mv| warm || mv.kind != MoveKind::Relieve || mv.to.target.nodes() > a.current.nodes());
         let Some(mv) = decided else {
             self.pending = None;
             self.last_target = None;

@@ -459,9 +459,21 @@ pub(crate) mod tests {
         assert!(close(CostModel::prefill_time(&m, 256, 0), p256), "the simulator's model is unchanged");
         // Too few samples change nothing; garbage is clamped.
         let before = StepCosts::decode_step_time(&m, 1, 128);
-        StepCosts::calibrate(&mut m, &StepStats { decode_steps: 3, decode_seqs: 3, decode_seconds: 1e3, ..Default::default() });
+        StepCosts::calibrate(
+            &mut m,
+            &StepStats { decode_steps: 3, decode_seqs: 3, decode_seconds: 1e3, ..Default::default() },
+        );
         assert!(close(StepCosts::decode_step_time(&m, 1, 128), before));
-        StepCosts::calibrate(&mut m, &StepStats { decode_steps: 100, decode_seqs: 100, decode_context_tokens: 12_800, decode_seconds: 1e9, ..Default::default() });
+        StepCosts::calibrate(
+            &mut m,
+            &StepStats {
+                decode_steps: 100,
+                decode_seqs: 100,
+                decode_context_tokens: 12_800,
+                decode_seconds: 1e9,
+                ..Default::default()
+            },
+        );
         assert!(close(StepCosts::decode_step_time(&m, 1, 128), 10.0 * d1));
     }
 }

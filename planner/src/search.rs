@@ -441,16 +441,15 @@ mod tests {
         let costs = LinearCosts { decode_fixed_s: 0.02, ..LinearCosts::default() };
         // Demand that needs about a quarter of the nodes.
         let lambda = f64::from(n) * 0.4;
-        let load =
-            Load {
-                lambda,
-                prompt: 200.0,
-                prompt_sd: 50.0,
-                output: 50.0,
-                backlog_tokens: 0.0,
-                inflight_seqs: 0.0,
-                horizon_s: 0.0,
-            };
+        let load = Load {
+            lambda,
+            prompt: 200.0,
+            prompt_sd: 50.0,
+            output: 50.0,
+            backlog_tokens: 0.0,
+            inflight_seqs: 0.0,
+            horizon_s: 0.0,
+        };
         let model = Model::new(&costs, load, 0.9, 2048);
         let l = limits(n);
         let input = SearchInput {

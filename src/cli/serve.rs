@@ -184,8 +184,8 @@ impl PlannerArgs {
     /// The `--planner-profile` file, read and checked.
     pub fn profile(&self) -> anyhow::Result<Option<cleave_planner::Profile>> {
         let Some(path) = &self.planner_profile else { return Ok(None) };
-        let p = cleave_bench::sim::profile::load(path)
-            .with_context(|| format!("--planner-profile {}", path.display()))?;
+        let p =
+            cleave_bench::sim::profile::load(path).with_context(|| format!("--planner-profile {}", path.display()))?;
         Ok(Some(p))
     }
 }

@@ -187,7 +187,11 @@ pub fn replay(path: &Path) -> Result<(Trace, Vec<SimRequest>)> {
         .iter()
         .map(|r| {
             let phase = &trace.phases[trace.phase_at(r.scheduled_s)];
-            SimRequest { arrival_s: r.scheduled_s, input_len: r.prompt_len.max(1), output_len: phase.output_len.0.max(1) }
+            SimRequest {
+                arrival_s: r.scheduled_s,
+                input_len: r.prompt_len.max(1),
+                output_len: phase.output_len.0.max(1),
+            }
         })
         .collect();
     requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));

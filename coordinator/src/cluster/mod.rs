@@ -290,8 +290,9 @@ impl Cluster {
             Connector::new(&cfg.net).map_err(|e| crate::CoordinatorError::Internal { reason: e.to_string() })?,
         );
         let actuator = make(handle.clone());
-        let (planner, planner_task) = planning::spawn(cfg.planner.clone(), cfg.planner_profile.as_ref(), handle.clone(), obs_rx, actuator)
-            .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
+        let (planner, planner_task) =
+            planning::spawn(cfg.planner.clone(), cfg.planner_profile.as_ref(), handle.clone(), obs_rx, actuator)
+                .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
         let cfg = Arc::new(cfg);
         let tasks = vec![
             tokio::spawn(registry_actor(registry, rx, deaths, ready_tx)),

@@ -252,8 +252,8 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Files the wall time of the step just run (measured by the caller, which owns the clock):
-    /// a step that computed prompt tokens counts as prefill time (decodes riding along included),
-    /// a step of decodes only as decode time. An empty step is not counted.
+    /// a step of prompt tokens only as prefill time, a step of decodes only as decode time; a
+    /// mixed step and an empty one are not counted.
     pub fn note_step_time(&mut self, took: std::time::Duration) {
         let us = took.as_micros() as u64;
         let st = &mut self.stats;
