@@ -158,7 +158,9 @@ pub struct PlannerConfig {
     pub mode: Mode,
     pub targets: Targets,
     pub limits: Limits,
-    /// Sliding window for arrivals and latency percentiles.
+    /// Sliding window for arrivals and latency percentiles (20 s by default: on the recorded
+    /// shifting load, BENCHMARKS.md, 30 s saw each shift 10 s later, and the batch built up
+    /// meanwhile cost as long again to drain).
     #[serde(rename = "window_s", with = "secs")]
     pub window: Duration,
     /// No new target within this long after a change.
@@ -183,7 +185,7 @@ impl Default for PlannerConfig {
             mode: Mode::Off,
             targets: Targets::default(),
             limits: Limits::default(),
-            window: Duration::from_secs(30),
+            window: Duration::from_secs(20),
             cooldown: Duration::from_secs(15),
             confirm_ticks: 2,
             scale_up_margin: 0.9,

@@ -12,7 +12,9 @@
 //! ```
 //!
 //! Modules: [`config`] (settings, updates, validation), [`costs`] (the step-cost trait and a
-//! linear model with calibration), [`types`] (observations and outputs), `window` (sliding
+//! linear model with calibration), [`profile`] (`cleave bench profile`'s measurements) and
+//! [`profiled`] (the model fitted from them, which the simulator runs and the planner predicts
+//! with when given a profile), [`types`] (observations and outputs), `window` (sliding
 //! windows), `queueing` (Erlang C, Allen–Cunneen, fixed points), `model` (predictions),
 //! `search` (candidates and the hysteresis policy), `cluster` (counting nodes, planning
 //! actions), `planner` (the state machine).
@@ -35,6 +37,9 @@
 //!   (capped at the mean `max_tokens`) once there are 10, else the mean `max_tokens`.
 //! - Work on the nodes: queued prompt tokens (`backlog`) and running + waiting sequences on
 //!   decoding nodes (`inflight`), from the snapshot; draining nodes are left out.
+//! - Costs: the nodes' step timings over the last [`CALIBRATION_WINDOW`] re-level the cost model
+//!   ([`Planner::calibrate`]); a window, not the last tick, so that one cold or shared step
+//!   does not set it.
 //!
 //! # Predictions at the target quantile `q` (`z` its normal score)
 //!
@@ -47,7 +52,10 @@
 //! S(P-sigma)) / 2 / E[S])^2` (exact for a quadratic `S`). Offered load `a = lambda E[S]`,
 //! utilisation `rho = a / n` (`>= 1`: unbounded). Queue wait at `q` by Erlang C with the
 //! Allen–Cunneen correction: `W_q = ln(C(n, a) / (1 - q)) * (1 + cs^2) / 2 * E[S] / (n - a)`
-//! (0 when `C <= 1 - q`). Backlog drain `W_b = backlog / (n * P / S(P))`. Then
+//! (0 when `C <= 1 - q`). Backlog wait `W_b`: a new arrival would wait `backlog / mu` (`mu =
+//! n P / S(P)` tokens/s), the backlog clears after `c = backlog / (mu - lambda P)`, so over the
+//! window's arrivals `W_b = backlog / mu * max(0, 1 - (1 - q) window / c)` (a burst that clears
+//! within the quantile's tail delays no more than that tail; one that does not clear, all). Then
 //! `TTFT = max(W_q, W_b) + S(P + z sigma) + handoff_time(P + z sigma) + first decode step`.
 //! The backlog is the very queue the model predicts in steady state, so the two are combined
 //! with max, not summed; a backlog larger than the model expects (a burst, demand growing)
@@ -70,8 +78,8 @@
 //! steps are decode steps `t_d`. Mixed steps take a share `u = (lambda/k) ceil(P/x) t_m` of
 //! the node (`u >= 1`: unbounded); a decoding sequence sees `u / t_m + (1 - u) / t_d` steps per
 //! second, `TPOT_mean` its inverse, and `B = (lambda/k) O TPOT_mean`. TTFT = max(M/G/1 wait
-//! at `q` with utilisation `u` and service `ceil(P/x) t_m`, backlog / the node's full-chunk
-//! rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
+//! at `q` with utilisation `u` and service `ceil(P/x) t_m`, the backlog wait as above at the
+//! nodes' full-chunk rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
 //! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q = poisson_upper(lambda/k
 //! (O TPOT_mean + ceil(P/x) t_m))` the prompts whose prefill overlaps its life at the
 //! quantile; the rest are decode steps, both at the quantile batch `B_q`. So a small budget

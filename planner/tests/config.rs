@@ -85,7 +85,7 @@ fn config_and_decision_json_forms_round_trip() {
     let cfg = PlannerConfig::default();
     let v = serde_json::to_value(&cfg).unwrap();
     assert_eq!(v["mode"], "off");
-    assert_eq!(v["window_s"], 30.0);
+    assert_eq!(v["window_s"], 20.0);
     assert_eq!(v["cooldown_s"], 15.0);
     assert_eq!(v["limits"]["step_budgets"][4], 2048);
     assert_eq!(serde_json::from_value::<PlannerConfig>(v).unwrap(), cfg);

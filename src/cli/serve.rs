@@ -137,7 +137,7 @@ pub struct PlannerArgs {
     #[arg(long, default_value_t = 15.0)]
     pub planner_cooldown_secs: f64,
     /// Seconds of arrivals and latencies the planner looks at.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 20.0)]
     pub planner_window_secs: f64,
     /// The engine's cost profile (`cleave bench profile --output FILE`, measured on the nodes'
     /// machine) the planner predicts with; the nodes' own step timings re-level it as they
