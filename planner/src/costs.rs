@@ -42,7 +42,38 @@ pub struct StepStats {
     pub decode_seconds: f64,
 }
 
+/// A window's mean decode step: seconds, batch and total context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeanDecodeStep {
+    pub seconds: f64,
+    pub batch: f64,
+    pub context: f64,
+}
+
 impl StepStats {
+    /// Measured seconds per prefilled token, when the window holds at least
+    /// [`LinearCosts::MIN_PREFILL_TOKENS`] and a usable time (else `None`: too few to calibrate).
+    pub fn prefill_s_per_token(&self) -> Option<f64> {
+        let ok = self.prefill_tokens >= LinearCosts::MIN_PREFILL_TOKENS
+            && self.prefill_seconds.is_finite()
+            && self.prefill_seconds > 0.0;
+        ok.then(|| self.prefill_seconds / self.prefill_tokens as f64)
+    }
+
+    /// The mean decode step, when the window holds at least [`LinearCosts::MIN_DECODE_STEPS`]
+    /// and a usable time (else `None`).
+    pub fn mean_decode_step(&self) -> Option<MeanDecodeStep> {
+        let ok = self.decode_steps >= LinearCosts::MIN_DECODE_STEPS
+            && self.decode_seconds.is_finite()
+            && self.decode_seconds > 0.0;
+        let steps = self.decode_steps as f64;
+        ok.then(|| MeanDecodeStep {
+            seconds: self.decode_seconds / steps,
+            batch: self.decode_seqs as f64 / steps,
+            context: self.decode_context_tokens as f64 / steps,
+        })
+    }
+
     /// Both windows together.
     pub fn plus(&self, o: &StepStats) -> StepStats {
         StepStats {
@@ -136,8 +167,7 @@ impl LinearCosts {
     /// track drift, and the planner's observed/predicted correction absorbs what is left.
     pub fn calibrate(&mut self, s: &StepStats) -> Calibration {
         let mut out = Calibration::default();
-        if s.prefill_tokens >= Self::MIN_PREFILL_TOKENS && s.prefill_seconds.is_finite() && s.prefill_seconds > 0.0 {
-            let measured = s.prefill_seconds / s.prefill_tokens as f64;
+        if let Some(measured) = s.prefill_s_per_token() {
             let model = self.prefill_s_per_token + Self::CALIBRATION_PROMPT_TOKENS * self.prefill_s_per_token2;
             if model > 0.0 {
                 let f = clamp_scale(measured / model);
@@ -150,14 +180,11 @@ impl LinearCosts {
                 out.prefill_scale = Some(1.0);
             }
         }
-        if s.decode_steps >= Self::MIN_DECODE_STEPS && s.decode_seconds.is_finite() && s.decode_seconds > 0.0 {
-            let steps = s.decode_steps as f64;
-            let measured = s.decode_seconds / steps;
-            let batch = s.decode_seqs as f64 / steps;
-            let ctx = s.decode_context_tokens as f64 / steps;
-            let model = self.decode_fixed_s + batch * self.decode_s_per_seq + ctx * self.decode_s_per_context_token;
+        if let Some(m) = s.mean_decode_step() {
+            let model =
+                self.decode_fixed_s + m.batch * self.decode_s_per_seq + m.context * self.decode_s_per_context_token;
             if model > 0.0 {
-                let f = clamp_scale(measured / model);
+                let f = clamp_scale(m.seconds / model);
                 self.decode_fixed_s *= f;
                 self.decode_s_per_seq *= f;
                 self.decode_s_per_context_token *= f;
@@ -172,7 +199,8 @@ impl LinearCosts {
     }
 }
 
-fn clamp_scale(f: f64) -> f64 {
+/// A calibration factor within `[1 / MAX_RESCALE, MAX_RESCALE]`.
+pub(crate) fn clamp_scale(f: f64) -> f64 {
     f.clamp(1.0 / LinearCosts::MAX_RESCALE, LinearCosts::MAX_RESCALE)
 }
 

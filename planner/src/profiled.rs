@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::costs::{StepCosts, StepStats};
+use crate::costs::{clamp_scale, StepCosts, StepStats};
 use crate::error::PlannerError;
 use crate::profile::{decode_axes, Profile};
 
@@ -277,22 +277,18 @@ impl StepCosts for CostModel {
     }
 
     fn calibrate(&mut self, s: &StepStats) {
-        use crate::LinearCosts as L;
-        let clamp = |f: f64| f.clamp(1.0 / L::MAX_RESCALE, L::MAX_RESCALE);
-        if s.prefill_tokens >= L::MIN_PREFILL_TOKENS && s.prefill_seconds.is_finite() && s.prefill_seconds > 0.0 {
-            let n = L::CALIBRATION_PROMPT_TOKENS;
+        if let Some(measured) = s.prefill_s_per_token() {
+            let n = crate::LinearCosts::CALIBRATION_PROMPT_TOKENS;
             let profiled = CostModel::prefill_time(self, n as usize, 0) / n;
             if profiled > 0.0 {
-                self.scale.prefill = clamp(s.prefill_seconds / s.prefill_tokens as f64 / profiled);
+                self.scale.prefill = clamp_scale(measured / profiled);
             }
         }
-        if s.decode_steps >= L::MIN_DECODE_STEPS && s.decode_seconds.is_finite() && s.decode_seconds > 0.0 {
-            let steps = s.decode_steps as f64;
-            let batch = (s.decode_seqs as f64 / steps).round().max(1.0) as usize;
-            let ctx = (s.decode_context_tokens as f64 / steps).round() as usize;
-            let profiled = CostModel::decode_step_time(self, batch, ctx);
+        if let Some(m) = s.mean_decode_step() {
+            let batch = m.batch.round().max(1.0) as usize;
+            let profiled = CostModel::decode_step_time(self, batch, m.context.round() as usize);
             if profiled > 0.0 {
-                self.scale.decode = clamp(s.decode_seconds / steps / profiled);
+                self.scale.decode = clamp_scale(m.seconds / profiled);
             }
         }
     }

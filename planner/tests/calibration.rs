@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use cleave_planner::{Mode, Planner, Role, StepCosts, StepStats, CALIBRATION_WINDOW};
+use cleave_planner::{Mode, Planner, Role, StepStats, CALIBRATION_WINDOW};
 use common::{config, cpu_costs, limits, Sim};
 
 fn prefill(tokens: u64, seconds: f64) -> StepStats {
