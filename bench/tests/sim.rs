@@ -1,37 +1,12 @@
 //! The simulator against hand-computed timelines, queueing laws and the goodput search.
 
-use cleave_bench::sim::profile::PROFILE_VERSION;
+mod common;
+
 use cleave_bench::sim::*;
+use common::decode_at;
 
-/// Prefill costs `prefill_per_token · n` (linear, so interpolation is exact); a decode step costs
-/// `decode_s` at batch 1, twice that at batch 64, linear between, whatever the context.
 fn profile(prefill_per_token: f64, decode_s: f64) -> Profile {
-    Profile {
-        version: PROFILE_VERSION,
-        model: "synthetic".into(),
-        date: String::new(),
-        threads: 1,
-        block_size: 16,
-        max_num_batched_tokens: 2048,
-        max_num_seqs: 64,
-        kv_bytes_per_token: 1000,
-        kv_capacity_tokens: 1 << 20,
-        prefill: [8usize, 64, 256, 1024, 4096]
-            .iter()
-            .map(|&n| PrefillPoint { tokens: n, cached_prefix: 0, seconds: prefill_per_token * n as f64 })
-            .collect(),
-        decode: [1usize, 64]
-            .iter()
-            .flat_map(|&b| {
-                [128usize, 8192].map(|c| DecodePoint { batch: b, context: c, seconds: decode_at(decode_s, b) })
-            })
-            .collect(),
-        mixed: vec![],
-    }
-}
-
-fn decode_at(decode_s: f64, batch: usize) -> f64 {
-    decode_s * (1.0 + (batch - 1) as f64 / 63.0)
+    common::linear_profile(prefill_per_token, decode_s)
 }
 
 const HANDOFF: HandoffCost = HandoffCost { bandwidth_bytes_per_s: 1e9, latency_s: 1e-3 };
