@@ -128,6 +128,10 @@ struct Launcher {
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
+    // A bad profile is said here, before any process starts, not by a coordinator that exits.
+    if let Some(p) = &args.planner_profile {
+        cleave_bench::sim::profile::load(p).with_context(|| format!("--planner-profile {}", p.display()))?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(up(args))
 }
