@@ -33,8 +33,18 @@
 //!   time taken as at least window / 3 (a rate from a few seconds of arrivals is noise; right
 //!   after start-up this under-reads demand, and the backlog term still sees a queue).
 //! - `P`, `sigma_P`: mean and standard deviation of prompt tokens of those arrivals.
-//! - `O`: expected output tokens: the mean output of successful completions in the window
-//!   (capped at the mean `max_tokens`) once there are 10, else the mean `max_tokens`.
+//! - `O`: expected output tokens: the arrivals' mean `max_tokens` times the share of
+//!   `max_tokens` that the window's successful completions used, once there are 10 (else the
+//!   share is 1). A share, not the completions' mean, because completions belong to the mix
+//!   of a while ago: after a shift from short to long outputs their mean says "short".
+//! - A shift: once a whole window was observed, when the recent half of the window holds at
+//!   least 4 arrivals and differs from the older half by more than noise (mean prompt or mean
+//!   `max_tokens` half again apart, or clearly more arrivals: more than `older + 2 sqrt(older +
+//!   1) + 1`), all of the above are taken from the recent half alone (its arrivals over half
+//!   the window). A window straddling a shift averages two regimes and describes neither;
+//!   seeing the new one half a window sooner is most of the time to recover from it. Fewer
+//!   arrivals are not a shift: capacity is added on the recent half's evidence, removed on the
+//!   whole window's. Decisions report the span used (`demand_span_s`).
 //! - Work on the nodes: queued prompt tokens (`backlog`) and running + waiting sequences on
 //!   decoding nodes (`inflight`), from the snapshot; draining nodes are left out.
 //! - Costs: the nodes' step timings over the last [`CALIBRATION_WINDOW`] re-level the cost model

@@ -22,7 +22,7 @@ use crate::error::PlannerError;
 use crate::model::{Factors, Load, Model, Raw};
 use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput};
 use crate::types::{Arrival, Completion, Decision, Estimate, Inputs, PoolTarget, Prediction, Reason, Snapshot};
-use crate::window::{ArrivalWindow, CompletionStats, CompletionWindow};
+use crate::window::{shifted, ArrivalWindow, CompletionStats, CompletionWindow};
 
 /// Decisions kept in the log.
 pub const DECISION_LOG: usize = 512;
@@ -240,22 +240,35 @@ impl Planner {
         let current = view.normalized(cfg.limits.largest_step_budget());
         let t = &cfg.targets;
         let stats = self.completions.stats(cutoff, t.quantile);
-        let arr = self.arrivals.stats(cutoff);
+        // Demand over the window, or over its recent half when that half differs from the
+        // older one by more than noise (the mix moved, or the rate stepped up): a window that
+        // straddles a shift averages two regimes and describes neither, and reacting a half
+        // window sooner is most of the time to recover. Only once a whole window was observed.
+        // The rate is over the window, or over the time observed so far when shorter, but
+        // never over less than a third of the window: a rate from a few seconds of arrivals is
+        // too noisy to act on. Right after start-up this under-reads demand (the backlog still
+        // counts).
+        let first = self.first_seen.map_or(now, |f| f.min(now));
+        let full = self.arrivals.stats(cutoff);
+        let half = cfg.window / 2;
+        let recent = self.arrivals.stats(now.checked_sub(half));
+        let (arr, span) = if now - first >= cfg.window && shifted(&full.without(&recent), &recent) {
+            (recent, half)
+        } else {
+            (full, (now - first).clamp(cfg.window / 3, cfg.window))
+        };
         let means = if arr.count > 0 {
             Means { prompt: arr.mean_prompt, prompt_sd: arr.sd_prompt, max_tokens: arr.mean_max_tokens }
         } else {
             self.means
         };
-        let output = match stats.mean_output {
-            Some(o) if stats.ok >= MIN_OUTPUT_SAMPLES && means.max_tokens > 0.0 => o.min(means.max_tokens),
-            Some(o) if stats.ok >= MIN_OUTPUT_SAMPLES => o,
+        // Outputs as the share of max_tokens that completions used, applied to what arrives
+        // now (the completions may belong to the mix before a shift).
+        let output = match (stats.output_share, stats.mean_output) {
+            (Some(share), _) if stats.ok >= MIN_OUTPUT_SAMPLES && means.max_tokens > 0.0 => means.max_tokens * share,
+            (_, Some(o)) if stats.ok >= MIN_OUTPUT_SAMPLES && means.max_tokens <= 0.0 => o,
             _ => means.max_tokens,
         };
-        // Rate over the window, or over the time observed so far when shorter, but never over
-        // less than a third of the window: a rate from a few seconds of arrivals is too noisy
-        // to act on. Right after start-up this under-reads demand (the backlog still counts).
-        let first = self.first_seen.map_or(now, |f| f.min(now));
-        let span = (now - first).clamp(cfg.window / 3, cfg.window);
         let lambda = arr.count as f64 / span.as_secs_f64();
         let load = Load {
             lambda,
@@ -270,6 +283,7 @@ impl Planner {
             arrival_rate: lambda,
             mean_prompt_tokens: means.prompt,
             mean_output_tokens: output,
+            demand_span_s: span.as_secs_f64(),
             queued_prefill_tokens: view.backlog_tokens,
             running_seqs: view.running_seqs,
             observed_ttft_ms: stats.ttft_q.map(|s| s * 1e3),

@@ -25,6 +25,10 @@ pub struct Completion {
     /// Mean gap between output tokens; `None` for one-token outputs.
     pub tpot: Option<Duration>,
     pub output_tokens: u32,
+    /// The request's `max_tokens`: outputs are read as a share of it, which carries over when
+    /// the mix of requests changes (a window of short-output completions says nothing about
+    /// the long-output requests arriving now, but "requests run to 80% of max_tokens" does).
+    pub max_tokens: u32,
     /// False when the request failed; failures count against attainment and are left out of
     /// the latency percentiles.
     pub ok: bool,
@@ -176,8 +180,14 @@ pub struct Inputs {
     /// Requests per second arriving at the edge.
     pub arrival_rate: f64,
     pub mean_prompt_tokens: f64,
-    /// Expected output tokens per request (observed when enough completions, else max_tokens).
+    /// Expected output tokens per request: the arrivals' mean `max_tokens` times the share of
+    /// it that completions used (when enough completions, else the share is 1).
     pub mean_output_tokens: f64,
+    /// Seconds of arrivals the demand (rate, prompt and output means) was measured over: the
+    /// window, or its recent half when the demand shifted within it (see the crate docs).
+    /// Absent from decisions recorded before it existed (read as 0).
+    #[serde(default)]
+    pub demand_span_s: f64,
     /// Prompt tokens queued on the nodes, not yet prefilled.
     pub queued_prefill_tokens: u64,
     /// Sequences running on the nodes.

@@ -63,6 +63,53 @@ impl Sums {
     }
 }
 
+impl ArrivalStats {
+    /// The arrivals of `self` that are not in `part` (a later part of the same window).
+    pub fn without(&self, part: &ArrivalStats) -> ArrivalStats {
+        let count = self.count.saturating_sub(part.count);
+        if count == 0 {
+            return ArrivalStats::default();
+        }
+        let (n, m) = (self.count as f64, part.count as f64);
+        let k = count as f64;
+        let mean = (self.mean_prompt * n - part.mean_prompt * m) / k;
+        let sq = |s: &ArrivalStats, c: f64| (s.sd_prompt * s.sd_prompt + s.mean_prompt * s.mean_prompt) * c;
+        let var = ((sq(self, n) - sq(part, m)) / k - mean * mean).max(0.0);
+        ArrivalStats {
+            count,
+            mean_prompt: mean.max(0.0),
+            sd_prompt: var.sqrt(),
+            mean_max_tokens: ((self.mean_max_tokens * n - part.mean_max_tokens * m) / k).max(0.0),
+        }
+    }
+}
+
+/// Arrivals a half window needs before it can say that demand shifted.
+pub(crate) const SHIFT_MIN_ARRIVALS: u64 = 4;
+
+/// Whether the demand of the recent half of a window (`recent`) differs from that of the older
+/// half (`older`, the same length of time) by more than noise: a mean prompt or a mean
+/// `max_tokens` off by half again either way (the mix moved), or clearly more arrivals (more
+/// than `older + 2 sqrt(older + 1) + 1`: about two Poisson standard deviations, so a steady
+/// rate trips it on few ticks, and the hysteresis downstream absorbs those). Fewer arrivals
+/// are not a shift: capacity is removed on the whole window's evidence, added on the recent
+/// half's.
+pub(crate) fn shifted(older: &ArrivalStats, recent: &ArrivalStats) -> bool {
+    if recent.count < SHIFT_MIN_ARRIVALS {
+        return false;
+    }
+    let (o, r) = (older.count as f64, recent.count as f64);
+    if r > o + 2.0 * (o + 1.0).sqrt() + 1.0 {
+        return true;
+    }
+    let apart = |a: f64, b: f64| {
+        let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+        hi > 1.5 * lo.max(1.0)
+    };
+    older.count > 0
+        && (apart(older.mean_prompt, recent.mean_prompt) || apart(older.mean_max_tokens, recent.mean_max_tokens))
+}
+
 /// Arrivals in the window, with exact integer running sums.
 #[derive(Debug, Default)]
 pub(crate) struct ArrivalWindow {
@@ -123,6 +170,8 @@ pub(crate) struct CompletionStats {
     pub attainment: Option<f64>,
     /// Mean output tokens of successful completions.
     pub mean_output: Option<f64>,
+    /// Their outputs over their `max_tokens` (sums, at most 1).
+    pub output_share: Option<f64>,
     /// Successful completions that started at or after the configured start.
     pub since_count: u32,
     /// Their TTFT at the quantile.
@@ -211,6 +260,7 @@ struct Done {
     /// NaN for one-token outputs.
     tpot: f64,
     output: u32,
+    max_tokens: u32,
     ok: bool,
     /// Met both targets (as configured when counted).
     met: bool,
@@ -233,6 +283,8 @@ pub(crate) struct CompletionWindow {
     ok: u32,
     met: u32,
     outputs: u64,
+    /// `max_tokens` of the successful completions, beside `outputs`.
+    max_tokens: u64,
     ttft: Hist,
     tpot: Hist,
     since_ttft: Hist,
@@ -246,6 +298,7 @@ struct Stale {
     ok: u32,
     met: u32,
     outputs: u64,
+    max_tokens: u64,
     ttft: Vec<usize>,
     tpot: Vec<usize>,
     since_ttft: Vec<usize>,
@@ -263,6 +316,7 @@ impl CompletionWindow {
             ok: 0,
             met: 0,
             outputs: 0,
+            max_tokens: 0,
             ttft: Hist::new(),
             tpot: Hist::new(),
             since_ttft: Hist::new(),
@@ -310,6 +364,7 @@ impl CompletionWindow {
             ttft: c.ttft.as_secs_f64(),
             tpot: c.tpot.map_or(f64::NAN, |d| d.as_secs_f64()),
             output: c.output_tokens,
+            max_tokens: c.max_tokens,
             ok: c.ok,
             met: false,
             recent: false,
@@ -321,6 +376,7 @@ impl CompletionWindow {
         if d.ok {
             self.ok += 1;
             self.outputs += u64::from(d.output);
+            self.max_tokens += u64::from(d.max_tokens);
             self.ttft.add(d.ttft);
             if !d.tpot.is_nan() {
                 self.tpot.add(d.tpot);
@@ -346,6 +402,7 @@ impl CompletionWindow {
             if d.ok {
                 self.ok -= 1;
                 self.outputs -= u64::from(d.output);
+                self.max_tokens -= u64::from(d.max_tokens);
                 self.ttft.remove(d.ttft);
                 if !d.tpot.is_nan() {
                     self.tpot.remove(d.tpot);
@@ -370,6 +427,7 @@ impl CompletionWindow {
             if d.ok {
                 s.ok += 1;
                 s.outputs += u64::from(d.output);
+                s.max_tokens += u64::from(d.max_tokens);
                 s.ttft.push(Hist::bucket(d.ttft));
                 if !d.tpot.is_nan() {
                     s.tpot.push(Hist::bucket(d.tpot));
@@ -391,6 +449,10 @@ impl CompletionWindow {
             tpot_q: self.tpot.quantile(quantile, &mut s.tpot),
             attainment: (count > 0).then(|| f64::from(self.met - s.met) / f64::from(count)),
             mean_output: (ok > 0).then(|| (self.outputs - s.outputs) as f64 / f64::from(ok)),
+            output_share: {
+                let asked = self.max_tokens - s.max_tokens;
+                (ok > 0 && asked > 0).then(|| ((self.outputs - s.outputs) as f64 / asked as f64).min(1.0))
+            },
             since_count: self.since_ttft.n - s.since_ttft.len() as u32,
             since_ttft_q: self.since_ttft.quantile(quantile, &mut s.since_ttft),
             since_tpot_count: self.since_tpot.n - s.since_tpot.len() as u32,
@@ -446,6 +508,37 @@ mod tests {
     }
 
     #[test]
+    fn a_shift_is_a_mix_or_a_rate_clearly_apart_and_never_a_few_arrivals() {
+        let mut w = ArrivalWindow::default();
+        for i in 0..6u64 {
+            w.push(Arrival { at: Duration::from_millis(1000 * i), prompt_tokens: 384, max_tokens: 32 });
+        }
+        for i in 0..6u64 {
+            w.push(Arrival { at: Duration::from_millis(10_000 + 1000 * i), prompt_tokens: 32, max_tokens: 128 });
+        }
+        let all = w.stats(None);
+        let recent = w.stats(Some(Duration::from_millis(9_999)));
+        let older = all.without(&recent);
+        assert_eq!((older.count, recent.count), (6, 6));
+        assert!((older.mean_prompt - 384.0).abs() < 1e-6 && older.sd_prompt < 1e-3, "{older:?}");
+        assert!((older.mean_max_tokens - 32.0).abs() < 1e-6);
+        assert!(shifted(&older, &recent));
+        // The same mix on both sides: no shift, until the rate is clearly up.
+        let same = |count| ArrivalStats { count, mean_prompt: 100.0, sd_prompt: 0.0, mean_max_tokens: 64.0 };
+        assert!(!shifted(&same(6), &same(6)));
+        assert!(!shifted(&same(6), &same(11)));
+        assert!(shifted(&same(6), &same(13)));
+        assert!(!shifted(&same(6), &same(1)), "fewer arrivals are not a shift");
+        // Prompts within half again: noise; three arrivals: too few to say anything.
+        let p = |count, mean_prompt| ArrivalStats { count, mean_prompt, sd_prompt: 0.0, mean_max_tokens: 64.0 };
+        assert!(!shifted(&p(6, 100.0), &p(6, 140.0)));
+        assert!(shifted(&p(6, 100.0), &p(6, 160.0)));
+        assert!(!shifted(&p(6, 100.0), &p(3, 400.0)));
+        // From idle, four arrivals are demand.
+        assert!(shifted(&ArrivalStats::default(), &p(4, 100.0)));
+    }
+
+    #[test]
     fn completion_stats_follow_pushes_prunes_and_configuration() {
         let mut w = CompletionWindow::new(0.5, 0.1);
         let ms = Duration::from_millis;
@@ -455,15 +548,18 @@ mod tests {
                 ttft: ms(100 * (i + 1)),
                 tpot: Some(ms(20)),
                 output_tokens: 5,
+                max_tokens: 8 + (i as u32 % 2) * 4,
                 ok: true,
             });
         }
-        w.push(Completion { at: ms(10_005), ttft: ms(1), tpot: None, output_tokens: 0, ok: false });
+        w.push(Completion { at: ms(10_005), ttft: ms(1), tpot: None, output_tokens: 0, max_tokens: 99, ok: false });
         let s = w.stats(None, 0.9);
         assert_eq!((s.count, s.ok), (11, 10));
         assert!((0.9..=0.9 * 1.01).contains(&s.ttft_q.unwrap()), "{s:?}");
         assert_eq!(s.attainment, Some(5.0 / 11.0));
         assert_eq!(s.mean_output, Some(5.0));
+        // 50 tokens out of 5 x 8 + 5 x 12 asked (the failure counts in neither).
+        assert_eq!(s.output_share, Some(0.5));
         assert_eq!(s.since_count, 10);
         // A later configuration start: only completions that started after it count there
         // (started = at - ttft - 4 x 20 ms = 9820 - 99 i ms).

@@ -99,7 +99,7 @@ fn config_and_decision_json_forms_round_trip() {
                         {"kind": "stop_node", "node": 2}],
             "applied": false, "reason": "colocate", "why": "w",
             "inputs": {"arrival_rate": 1.0, "mean_prompt_tokens": 64.0, "mean_output_tokens": 32.0,
-                       "queued_prefill_tokens": 0, "running_seqs": 2, "observed_ttft_ms": null,
+                       "demand_span_s": 10.0, "queued_prefill_tokens": 0, "running_seqs": 2, "observed_ttft_ms": null,
                        "observed_tpot_ms": 40.0, "attainment": 1.0, "completions": 12},
             "predicted": {"current": {"ttft_ms": 300.0, "tpot_ms": null, "prefill_utilisation": 1.2, "decode_batch": 2.0},
                           "target": {"ttft_ms": 350.0, "tpot_ms": 70.0, "prefill_utilisation": 0.3, "decode_batch": 2.0},

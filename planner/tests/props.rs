@@ -209,7 +209,7 @@ proptest! {
                 acc -= 1.0;
                 p.on_arrival(Arrival { at: now, prompt_tokens: prompt, max_tokens });
                 let ttft = Duration::from_secs_f64(0.1 * slow * f64::from(prompt).sqrt());
-                p.on_completion(Completion { at: now, ttft, tpot: Some(Duration::from_millis((60.0 * slow) as u64)), output_tokens: max_tokens / 2, ok: s % 7 != 0 });
+                p.on_completion(Completion { at: now, ttft, tpot: Some(Duration::from_millis((60.0 * slow) as u64)), output_tokens: max_tokens / 2, max_tokens, ok: s % 7 != 0 });
             }
             // The queue and the batches move over time; the node set does not.
             let mut snap = Snapshot { now, nodes: nodes.clone() };
@@ -317,5 +317,6 @@ fn a_400_node_cluster_plans_in_one_tick() {
     assert!(d.predicted.target.tpot_ms.is_some_and(|t| t <= 0.9 * 150.0), "{:?}", d.predicted);
     let switches = d.actions.iter().filter(|a| matches!(a, Action::SwitchRole { .. })).count() as u32;
     assert_eq!(switches, d.target.prefill - 100, "prefill grows by switching decode nodes");
-    let _ = Completion { at: Duration::ZERO, ttft: Duration::ZERO, tpot: None, output_tokens: 1, ok: true };
+    let _ =
+        Completion { at: Duration::ZERO, ttft: Duration::ZERO, tpot: None, output_tokens: 1, max_tokens: 1, ok: true };
 }

@@ -76,9 +76,10 @@ fn a_queued_burst_adds_prefill_before_any_client_sees_it() {
     }
     let e = sim.planner.estimate(&sim.snapshot());
     assert!(e.predicted.ttft_ms.unwrap() < 0.9 * 3000.0, "{e:?}");
+    // The burst's arrivals, spread over the last 30 s (the window holds 20 of them).
     for i in 0..30 {
         sim.planner.on_arrival(cleave_planner::Arrival {
-            at: sim.now + secs(0.01 * f64::from(i)),
+            at: sim.now - secs(30.0) + secs(f64::from(i)),
             prompt_tokens: PROMPT,
             max_tokens: 100,
         });
@@ -296,4 +297,31 @@ fn two_failing_configurations_are_not_traded_forever() {
     let first_five_minutes: Vec<_> = decisions.iter().filter(|d| d.0 < 300).collect();
     assert!(first_five_minutes.len() <= 3, "{} changes in 5 minutes: {decisions:#?}", first_five_minutes.len());
     assert_eq!(first_five_minutes.last().unwrap().2.colocated, 2, "settled on the worse one: {decisions:#?}");
+}
+
+/// (8) The mix shifts: a minute of long prompts with short outputs at 0.5 req/s, which one
+/// prefill and one decode node serve, then short prompts with long outputs at 3 req/s, whose
+/// decode batch breaks a 70 ms TPOT on one decode node but not on two colocated ones. A window
+/// straddling the shift averages the two mixes and describes neither; the planner must read
+/// the new mix from the recent half of its window and re-split within half a window (15 s
+/// here). Reading the whole window it moved 26 s after the shift.
+#[test]
+fn a_shift_in_the_mix_is_acted_on_within_half_a_window() {
+    let cfg = config(Mode::Auto, 3000.0, 70.0, limits(2, 2, 2, 2), false);
+    let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+    let mut decisions = Vec::new();
+    for step in 0..120u32 {
+        let (rate, prompt, out) = if step < 60 { (0.5, 400, 16) } else { (3.0, 32, 128) };
+        sim.arrive(rate, TICK, prompt, out);
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            decisions.push((step, d));
+        }
+    }
+    let (step, d) = decisions.first().expect("never left 1p1d after the shift");
+    assert!(*step >= 60, "moved during the steady first minute: {d:?}");
+    assert_eq!(d.target.colocated, 2, "{d:?}");
+    assert!(*step <= 60 + 15, "re-split {} s after the shift (window 30 s)", step - 60);
+    assert_eq!(d.inputs.demand_span_s, 15.0, "demand not read from the recent half: {:?}", d.inputs);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
 }

@@ -137,6 +137,8 @@ impl Control for Driver {
             ttft: dur(rec.ttft_s),
             tpot: (rec.output_len > 1).then(|| dur(rec.tpot_s)),
             output_tokens: u32::try_from(rec.output_len).unwrap_or(u32::MAX),
+            // Simulated requests run to their max_tokens.
+            max_tokens: u32::try_from(rec.output_len).unwrap_or(u32::MAX),
             ok: true,
         });
         true

@@ -88,7 +88,14 @@ pub enum Observation {
     /// A request reached the router (demand counted as it arrives, not as it completes).
     Arrival { prompt_tokens: u32, max_tokens: u32 },
     /// What a client experienced; `path` is how its last attempt was routed.
-    Completion { ttft: Duration, tpot: Option<Duration>, output_tokens: u32, ok: bool, path: &'static str },
+    Completion {
+        ttft: Duration,
+        tpot: Option<Duration>,
+        output_tokens: u32,
+        max_tokens: u32,
+        ok: bool,
+        path: &'static str,
+    },
 }
 
 /// Settings of the cluster side of the coordinator.

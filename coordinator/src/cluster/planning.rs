@@ -139,9 +139,9 @@ impl Actor {
             Observation::Arrival { prompt_tokens, max_tokens } => {
                 self.planner.on_arrival(Arrival { at: now, prompt_tokens, max_tokens });
             }
-            Observation::Completion { ttft, tpot, output_tokens, ok, path } => {
+            Observation::Completion { ttft, tpot, output_tokens, max_tokens, ok, path } => {
                 self.latency.push(now, path, ttft, tpot, ok);
-                self.planner.on_completion(Completion { at: now, ttft, tpot, output_tokens, ok });
+                self.planner.on_completion(Completion { at: now, ttft, tpot, output_tokens, max_tokens, ok });
             }
         }
     }

@@ -67,6 +67,7 @@ pub(super) async fn run(d: Dispatch, cluster: ClusterHandle, connector: Arc<Conn
         failed: false,
     };
     let cancelled = d.cancel.clone();
+    let max_tokens = d.stop.max_tokens;
     drive(d, &mut p, &cluster, connector, cfg).instrument(span).await;
     // What the client experienced, for the planner (a client that left early before its first
     // token tells nothing about latency).
@@ -84,6 +85,7 @@ pub(super) async fn run(d: Dispatch, cluster: ClusterHandle, connector: Arc<Conn
         ttft,
         tpot,
         output_tokens: n,
+        max_tokens,
         ok: !p.failed || cancelled.is_cancelled(),
         path: p.path,
     });

@@ -77,6 +77,8 @@ pub struct Sim {
     next_id: u64,
     /// Fractional arrivals carried to the next step.
     carry: f64,
+    /// `max_tokens` of the last arrivals (what completions report as asked).
+    max_tokens: u32,
 }
 
 impl Sim {
@@ -88,7 +90,7 @@ impl Sim {
         let planner = Planner::new(cfg, Box::new(costs)).expect("valid config");
         let nodes: Vec<NodeObs> = roles.iter().enumerate().map(|(i, r)| node(i as u64 + 1, *r)).collect();
         let next_id = nodes.len() as u64 + 1;
-        Self { planner, now: Duration::ZERO, nodes, next_id, carry: 0.0 }
+        Self { planner, now: Duration::ZERO, nodes, next_id, carry: 0.0, max_tokens: 0 }
     }
 
     /// Feeds `rate * dt` arrivals, evenly spaced over the next `dt`, and advances the clock.
@@ -98,6 +100,7 @@ impl Sim {
         let total = self.carry + rate * dt.as_secs_f64();
         let n = total.floor() as u32;
         self.carry = total - f64::from(n);
+        self.max_tokens = max_tokens;
         for i in 0..n {
             let at = start + dt.mul_f64((f64::from(i) + 1.0) / (f64::from(n) + 1.0));
             self.planner.on_arrival(Arrival { at, prompt_tokens, max_tokens });
@@ -106,10 +109,19 @@ impl Sim {
         n
     }
 
-    /// `n` successful completions at `now` with these timings.
+    /// `n` successful completions at `now` with these timings, of requests that asked for the
+    /// last arrivals' `max_tokens` (or `output_tokens` when more).
     pub fn complete(&mut self, n: u32, ttft: Duration, tpot: Duration, output_tokens: u32) {
         for _ in 0..n {
-            self.planner.on_completion(Completion { at: self.now, ttft, tpot: Some(tpot), output_tokens, ok: true });
+            let max_tokens = self.max_tokens.max(output_tokens);
+            self.planner.on_completion(Completion {
+                at: self.now,
+                ttft,
+                tpot: Some(tpot),
+                output_tokens,
+                max_tokens,
+                ok: true,
+            });
         }
     }
 
