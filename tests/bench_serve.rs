@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata")
 }
 
 /// Stops `cleave up` (SIGTERM, then SIGKILL after 30 s) on every path out of the test.
@@ -97,7 +96,7 @@ fn histogram(url: &str, name: &str) -> (f64, f64) {
 
 #[test]
 fn bench_serve_against_a_real_cluster() {
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     let (_cluster, url) = start_cluster(&model);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("bench_serve_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -3,10 +3,9 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata")
 }
 
 fn cleave(args: &[&str]) -> Output {
@@ -14,14 +13,14 @@ fn cleave(args: &[&str]) -> Output {
 }
 
 fn golden_case(name: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(shared_dir().join("models/tiny-llama/golden.json")).unwrap();
+    let text = std::fs::read_to_string(testdata_dir().join("tiny-llama/golden.json")).unwrap();
     let golden: serde_json::Value = serde_json::from_str(&text).unwrap();
     golden["cases"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap().clone()
 }
 
 #[test]
 fn generate_prints_only_the_completion() {
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     for name in ["sentence", "unicode"] {
         let case = golden_case(name);
         let out = cleave(&[
@@ -44,7 +43,7 @@ fn generate_prints_only_the_completion() {
 
 #[test]
 fn generate_chat_uses_the_template() {
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     let case = golden_case("chat");
     let prompt = case["messages"][0]["content"].as_str().unwrap();
     let out = cleave(&[
@@ -75,7 +74,7 @@ fn bad_input_gives_clear_errors() {
     assert!(stderr.contains("/nonexistent/model"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     let out = cleave(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--top-p", "0"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -122,7 +121,7 @@ fn smollm2_chat_answers_in_english() {
     });
     if !gguf.exists() {
         assert!(std::env::var_os("CLEAVE_REQUIRE_SMOLLM2").is_none(), "SmolLM2 required but missing at {gguf:?}");
-        eprintln!("skipping: SmolLM2 GGUF not found at {gguf:?} (run ../shared/peers/smollm2.sh models/smollm2)");
+        eprintln!("skipping: SmolLM2 GGUF not found at {gguf:?} (run scripts/peers/smollm2.sh models/smollm2)");
         return;
     }
     let out = cleave(&[

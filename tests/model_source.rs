@@ -7,10 +7,9 @@ use std::process::{Command, Output};
 
 const COMMIT: &str = "f00dfeedf00dfeedf00dfeedf00dfeedf00dfeed";
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata")
 }
 
 /// A fresh, empty folder for one test.
@@ -29,7 +28,7 @@ fn fake_cache(hf_home: &Path, repo: &str) -> PathBuf {
     std::fs::write(repo_dir.join("refs/main"), COMMIT).unwrap();
     let snapshot = repo_dir.join("snapshots").join(COMMIT);
     std::fs::create_dir_all(&snapshot).unwrap();
-    let model = shared_dir().join("models/tiny-llama").canonicalize().unwrap();
+    let model = testdata_dir().join("tiny-llama").canonicalize().unwrap();
     for entry in std::fs::read_dir(&model).unwrap() {
         let entry = entry.unwrap();
         std::os::unix::fs::symlink(entry.path(), snapshot.join(entry.file_name())).unwrap();
@@ -52,7 +51,7 @@ fn generate(model: &str, hf_home: &Path) -> Output {
 fn a_cached_hub_id_generates_what_the_folder_generates() {
     let home = temp_dir("cached");
     fake_cache(&home, "owner/name");
-    let folder = shared_dir().join("models/tiny-llama");
+    let folder = testdata_dir().join("tiny-llama");
     let by_path = generate(folder.to_str().unwrap(), &home);
     assert!(by_path.status.success(), "{}", String::from_utf8_lossy(&by_path.stderr));
     let by_id = generate("owner/name", &home);

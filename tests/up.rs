@@ -6,10 +6,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata")
 }
 
 /// Kills `cleave up` if the test panics first, so a failing assertion never leaves a cluster
@@ -27,7 +26,7 @@ impl Drop for KillOnDrop {
 
 #[test]
 fn up_serves_generate_s_text_and_stops_cleanly() {
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     let exe = env!("CARGO_BIN_EXE_cleave");
     let prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find";
     let out = Command::new(exe)
@@ -107,7 +106,7 @@ fn children(pid: u32, word: &str) -> Vec<u32> {
 /// Starts `cleave up` on the tiny model with `args` (after the common ones) and waits for the URL
 /// it prints; the process is killed on drop.
 fn start_up(args: &[&str]) -> (KillOnDrop, String) {
-    let model = shared_dir().join("models/tiny-llama");
+    let model = testdata_dir().join("tiny-llama");
     let mut up = Command::new(env!("CARGO_BIN_EXE_cleave"))
         .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
         .args(["--kv-cache-memory", "64m", "--threads", "1"])

@@ -3,7 +3,7 @@
 engine` measures cleave: random prompt ids, greedy-free (no sampling, logits only), the clock
 around the forward passes.
 
-Uses llama.cpp's C API through `llama-cpp-python` (PyPI; /work/shared/peers/llama-cpp.sh builds
+Uses llama.cpp's C API through `llama-cpp-python` (PyPI; scripts/peers/llama-cpp.sh builds
 it from source, so ggml is compiled for this CPU). The pip package ships no `llama-bench`, so
 this script plays its role:
 - prefill N: one `llama_decode` of an N-token batch into an empty KV cache (best of `--reps`);

@@ -5,7 +5,7 @@
 #
 #   bench/peers/side_by_side.sh VENV OUT MODEL.gguf [MODEL.gguf ...]
 #
-# VENV: llama-cpp-python built by /work/shared/peers/llama-cpp.sh. Build cleave first
+# VENV: llama-cpp-python built by scripts/peers/llama-cpp.sh. Build cleave first
 # (`cargo build --release`).
 set -euo pipefail
 venv=${1:?usage: side_by_side.sh VENV OUT MODEL...}

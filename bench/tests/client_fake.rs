@@ -10,10 +10,9 @@ use cleave_tokenizer::Tokenizer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 type Seen = Arc<Mutex<Vec<(String, serde_json::Value)>>>;
@@ -115,7 +114,7 @@ async fn errors_are_counted_by_kind_and_usage_counts_tokens() {
     let data = dir.path().join("sg.json");
     std::fs::write(&data, serde_json::to_string(&convs).unwrap()).unwrap();
 
-    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}/"));
     args.dataset_name = DatasetName::Sharegpt;
@@ -160,7 +159,7 @@ async fn errors_are_counted_by_kind_and_usage_counts_tokens() {
 async fn connection_refused_is_a_connection_error() {
     // Bind then drop: nothing listens on this port during the run.
     let addr = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
-    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}"));
     args.model = Some("m".into());
@@ -213,7 +212,7 @@ async fn gated_server(total: usize) -> (std::net::SocketAddr, Arc<std::sync::ato
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_concurrency_caps_requests_in_flight() {
     let (addr, max) = gated_server(6).await;
-    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}"));
     args.model = Some("m".into());
@@ -255,7 +254,7 @@ async fn chat_endpoint_sends_one_user_message_and_reads_deltas() {
             });
         }
     });
-    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}"));
     args.endpoint = "/v1/chat/completions".into();
@@ -283,7 +282,7 @@ async fn chat_endpoint_sends_one_user_message_and_reads_deltas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_with_duration_stops_sending_at_the_end() {
     let (addr, _) = gated_server(1).await;
-    let tok = Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap();
+    let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}"));
     args.model = Some("m".into());

@@ -6,14 +6,13 @@ use std::path::PathBuf;
 use cleave_bench::dataset::{self, DatasetSpec, RandomSpec};
 use cleave_tokenizer::Tokenizer;
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 fn tok() -> Tokenizer {
-    Tokenizer::from_model_dir(shared_dir().join("models/tiny-llama")).unwrap()
+    Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap()
 }
 
 fn tmp(name: &str, text: &str) -> PathBuf {

@@ -2,7 +2,7 @@
 //! tokens again, cyclically, up to max_tokens): a way to try OpenAI clients and load
 //! generators against the edge alone, without nodes.
 //!
-//! `cargo run -p cleave-coordinator --example echo_edge -- --model /work/shared/models/tiny-llama --listen 127.0.0.1:8000`
+//! `cargo run -p cleave-coordinator --example echo_edge -- --model testdata/tiny-llama --listen 127.0.0.1:8000`
 
 use clap::Parser;
 use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, DispatchEvent, ModelInfo};

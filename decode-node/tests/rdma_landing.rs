@@ -28,11 +28,10 @@ use tokio::time::timeout;
 const WAIT: Duration = Duration::from_secs(30);
 const LANDING_BLOCKS: usize = 256;
 
+/// The tiny reference model (`testdata/tiny-llama` in the repository: Hugging Face
+/// files with transformers' golden outputs).
 fn tiny_llama_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
-        .join("models/tiny-llama")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/tiny-llama")
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {

@@ -9,15 +9,13 @@ use cleave_engine::{EngineConfig, EngineCore, EngineRequest};
 use cleave_kernels::cpu::CpuBackend;
 use cleave_protocol::{RequestId, SamplingParams, StopConditions, TokenEvent};
 
-/// The read-only `shared/` folder: `$CLEAVE_SHARED_DIR`, else `../../shared` from this crate.
-pub fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+pub fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 pub fn tiny_llama_dir() -> PathBuf {
-    shared_dir().join("models/tiny-llama")
+    testdata_dir().join("tiny-llama")
 }
 
 pub fn golden() -> serde_json::Value {

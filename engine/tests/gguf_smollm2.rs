@@ -3,7 +3,7 @@
 //! command that made it).
 //!
 //! The GGUF is found at `$CLEAVE_SMOLLM2_GGUF` or in the usual places that
-//! `shared/peers/smollm2.sh DIR` fills; when absent the test prints how to get it and passes.
+//! `scripts/peers/smollm2.sh DIR` fills; when absent the test prints how to get it and passes.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -18,15 +18,10 @@ fn find_gguf() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    [
-        root.join("../models/smollm2"),
-        root.join("models/smollm2"),
-        root.join("../shared/models/smollm2"),
-        PathBuf::from("/work/models/smollm2"),
-    ]
-    .into_iter()
-    .map(|d| d.join(FILE))
-    .find(|p| p.is_file())
+    [root.join("../models/smollm2"), root.join("models/smollm2"), PathBuf::from("/work/models/smollm2")]
+        .into_iter()
+        .map(|d| d.join(FILE))
+        .find(|p| p.is_file())
 }
 
 #[derive(Deserialize)]
@@ -64,7 +59,7 @@ fn open() -> Option<GgufModel> {
             "CLEAVE_REQUIRE_SMOLLM2 is set but {FILE} is missing"
         );
         println!(
-            "SKIP: {FILE} not found; run shared/peers/smollm2.sh /work/models/smollm2 \
+            "SKIP: {FILE} not found; run scripts/peers/smollm2.sh models/smollm2 \
              or set CLEAVE_SMOLLM2_GGUF"
         );
         return None;

@@ -1,4 +1,4 @@
-//! The engine against Hugging Face transformers' outputs for `shared/models/tiny-llama`:
+//! The engine against Hugging Face transformers' outputs for `testdata/tiny-llama`:
 //! token ids, last-position logits, greedy continuations and streamed text.
 
 mod common;

@@ -325,3 +325,27 @@ fn a_shift_in_the_mix_is_acted_on_within_half_a_window() {
     assert_eq!(d.inputs.demand_span_s, 15.0, "demand not read from the recent half: {:?}", d.inputs);
     assert_eq!(decisions.len(), 1, "{decisions:?}");
 }
+
+/// (9) Outputs are read as the share of `max_tokens` that completions used, applied to what
+/// arrives now: after a minute of requests stopping at half their 64 `max_tokens`, arrivals
+/// asking for 256 are expected to produce 128 tokens, not the 32 that the window's
+/// completions (all from before the change) averaged.
+#[test]
+fn expected_outputs_are_the_used_share_of_what_arrivals_ask_for() {
+    let cfg = config(Mode::Advise, 3000.0, 200.0, limits(2, 2, 0, 3), true);
+    let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+    for _ in 0..60 {
+        sim.arrive(1.0, TICK, PROMPT, 64);
+        sim.complete(1, Duration::from_millis(300), Duration::from_millis(45), 32);
+        sim.tick();
+    }
+    let e = sim.planner.estimate(&sim.snapshot());
+    assert!((e.inputs.mean_output_tokens - 32.0).abs() < 1e-9, "{:?}", e.inputs);
+    for _ in 0..20 {
+        sim.arrive(1.0, TICK, PROMPT, 256);
+        sim.tick();
+    }
+    let e = sim.planner.estimate(&sim.snapshot());
+    assert_eq!(e.inputs.completions, 10, "{:?}", e.inputs);
+    assert!((e.inputs.mean_output_tokens - 128.0).abs() < 1e-9, "{:?}", e.inputs);
+}

@@ -18,14 +18,13 @@ pub static SERIAL: Mutex<()> = Mutex::new(());
 
 pub const WAIT: Duration = Duration::from_secs(120);
 
-pub fn shared_dir() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+pub fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata")
 }
 
 pub fn tiny_llama() -> PathBuf {
-    shared_dir().join("models/tiny-llama")
+    testdata_dir().join("tiny-llama")
 }
 
 pub fn exe() -> &'static str {

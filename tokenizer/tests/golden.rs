@@ -1,21 +1,18 @@
-//! Golden tests against /work/shared/models/tiny-llama (transformers + tokenizers
-//! reference outputs in golden.json). The shared folder is found at
-//! `$CARGO_MANIFEST_DIR/../../shared` or `$CLEAVE_SHARED_DIR`.
+//! Golden tests against the repository's `testdata/tiny-llama` (transformers + tokenizers
+//! reference outputs in golden.json).
 
 use std::path::PathBuf;
 
 use cleave_tokenizer::{ChatMessage, ChatOptions, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError};
 use serde::Deserialize;
 
-fn shared_dir() -> PathBuf {
-    match std::env::var_os("CLEAVE_SHARED_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"),
-    }
+/// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
+fn testdata_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 fn model_dir() -> PathBuf {
-    shared_dir().join("models/tiny-llama")
+    testdata_dir().join("tiny-llama")
 }
 
 #[derive(Deserialize)]

@@ -10,12 +10,10 @@ use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, Dispatch, 
 use cleave_protocol::{FinishReason, Logprobs, RequestId, SamplingParams, StopConditions, TokenEvent, TokenLogprob};
 use tokio::sync::mpsc;
 
-/// The tiny reference model in `shared/` (beside the repository, or `CLEAVE_SHARED_DIR`).
+/// The tiny reference model (`testdata/tiny-llama` in the repository: Hugging Face
+/// files with transformers' golden outputs).
 pub fn tiny_llama() -> PathBuf {
-    std::env::var_os("CLEAVE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
-        .join("models/tiny-llama")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/tiny-llama")
 }
 /// Bound on every wait in the tests (never reached when things work).
 pub const WAIT: Duration = Duration::from_secs(20);

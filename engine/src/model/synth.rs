@@ -75,7 +75,7 @@ const fn llama(hidden: usize, layers: usize, heads: usize, kv_heads: usize, inte
     }
 }
 
-/// The built-in shapes. `tiny` matches /work/shared/models/tiny-llama except for its vocabulary.
+/// The built-in shapes. `tiny` matches the repository's `testdata/tiny-llama` except for its vocabulary.
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "tiny",
