@@ -1,21 +1,14 @@
 //! Profiles shared by the simulator's test files.
 #![allow(dead_code)]
 
-use cleave_bench::sim::profile::PROFILE_VERSION;
 use cleave_bench::sim::{DecodePoint, PrefillPoint, Profile};
 
 /// Prefill costs `prefill_per_token · n` (linear, so interpolation is exact); a decode step costs
-/// `decode_s` at batch 1, twice that at batch 64, linear between, whatever the context.
+/// `decode_s` at batch 1, twice that at batch 64, linear between, whatever the context. The
+/// engine limits (2048-token steps, 64 sequences, 1000 B of KV a token, no mixed points) are
+/// [`Profile::synthetic`]'s; the KV capacity is large enough never to bind.
 pub fn linear_profile(prefill_per_token: f64, decode_s: f64) -> Profile {
     Profile {
-        version: PROFILE_VERSION,
-        model: "synthetic".into(),
-        date: String::new(),
-        threads: 1,
-        block_size: 16,
-        max_num_batched_tokens: 2048,
-        max_num_seqs: 64,
-        kv_bytes_per_token: 1000,
         kv_capacity_tokens: 1 << 20,
         prefill: [8usize, 64, 256, 1024, 4096]
             .iter()
@@ -27,7 +20,7 @@ pub fn linear_profile(prefill_per_token: f64, decode_s: f64) -> Profile {
                 [128usize, 8192].map(|c| DecodePoint { batch: b, context: c, seconds: decode_at(decode_s, b) })
             })
             .collect(),
-        mixed: vec![],
+        ..Profile::synthetic()
     }
 }
 
