@@ -41,7 +41,9 @@ fn idle_1p1d_request_pays_prefill_plus_handoff_then_batch_one_steps() {
 fn colocated_prefill_stalls_the_running_decode_and_disaggregated_does_not() {
     let c = cost(1e-4, 0.01);
     // A: prefill 16 tokens (1.6 ms), then 100 decode steps of 10 ms. B arrives halfway through
-    // A's sixth decode step and is prefilled (1024 × 0.1 ms) in the seventh, beside A's decode.
+    // A's sixth decode step and is prefilled (1024 × 0.1 ms) in the seventh, beside A's decode:
+    // one pass over 1025 token rows (no mixed points: factor 1; no cached points: no attention
+    // term), 102.5 ms.
     let a = SimRequest { arrival_s: 0.0, input_len: 16, output_len: 101 };
     let t6 = 0.0016 + 6.0 * 0.01;
     let b = SimRequest { arrival_s: t6 - 0.005, input_len: 1024, output_len: 2 };
@@ -49,8 +51,9 @@ fn colocated_prefill_stalls_the_running_decode_and_disaggregated_does_not() {
     let d2 = decode_at(0.01, 2);
     let co = simulate(&cluster("1c", &c), &c, &[a, b]).unwrap();
     assert!(close(co[0].ttft_s, 0.0016));
-    assert!(close(co[0].tpot_s, (98.0 * 0.01 + 0.1024 + 0.01 + d2) / 100.0), "{}", co[0].tpot_s);
-    assert!(close(co[1].ttft_s, t6 + 0.1024 + 0.01 - b.arrival_s), "{}", co[1].ttft_s);
+    let mixed = 0.1025;
+    assert!(close(co[0].tpot_s, (98.0 * 0.01 + mixed + d2) / 100.0), "{}", co[0].tpot_s);
+    assert!(close(co[1].ttft_s, t6 + mixed - b.arrival_s), "{}", co[1].ttft_s);
     assert!(close(co[1].tpot_s, d2));
     // Disaggregated: B's prefill runs elsewhere, A only shares one batch-2 step with B.
     let dis = simulate(&cluster("1p1d", &c), &c, &[a, b]).unwrap();
@@ -151,7 +154,9 @@ fn goodput_search_brackets_the_attainment_target() {
         predict(&cluster(cfg, &c), &c, &s.workload.generate(rate).unwrap(), Some(&s.slo)).unwrap()
     };
     assert!(at("1c", one.max_rate).attainment >= 0.9);
-    assert!(at("1c", one.max_rate * 1.02).attainment < 0.9, "not the largest rate");
+    // Attainment over a finite workload is monotone in the rate only to a request or two (here
+    // 89.3% at +0.5%, 90.0% at +2%, 86.7% at +5%): the bisection's bracket is 1%; check 5%.
+    assert!(at("1c", one.max_rate * 1.05).attainment < 0.9, "not the largest rate");
     assert_eq!(one.at_max, at("1c", one.max_rate));
     // More of the same node sustains more.
     let two = max_goodput(&cluster("2c", &c), &c, &s).unwrap();

@@ -12,8 +12,13 @@
 //!   chunk alone.
 //! - `decode_step_time(b, total_ctx)`: bilinear over the batch × per-sequence-context grid,
 //!   extrapolated from the edge cells.
-//! - `mixed_step_time`: prefill part plus decode part, times a factor fitted from the mixed
-//!   points (the mean measured/summed ratio; 1 without them).
+//! - `mixed_step_time`: one forward pass over the prefill chunks' tokens and one row per decode
+//!   (the weights are read once for all of them, which is why a mixed step costs far less than
+//!   a prefill step plus a decode step): the batched-prefill time of the chunks plus `b` one-token
+//!   rows whose attention reads their contexts (the cached-prefix term), never below the decode
+//!   step alone; times a factor fitted from the mixed points (the mean measured/modelled ratio;
+//!   1 without them). An earlier model summed the prefill and decode steps, which counted the
+//!   weight pass twice and overpriced colocated nodes under decode-heavy load by ~10-20%.
 //! - `handoff_time(n)`: `latency + n · kv_bytes_per_token / bandwidth`.
 //!
 //! Invariant: at every grid point of the profile the model returns the measured time exactly.
@@ -118,9 +123,9 @@ impl CostModel {
             .mixed
             .iter()
             .map(|m| {
-                let sum = model.cold_prefill(m.prefill_tokens as f64)
-                    + model.decode_step_time(m.decode_batch, m.decode_batch * m.context);
-                m.seconds / sum
+                let total = m.decode_batch * m.context;
+                let pass = model.one_pass([(m.prefill_tokens, 0)], m.decode_batch, total);
+                m.seconds / pass.max(model.decode_step_time(m.decode_batch, total))
             })
             .filter(|r| r.is_finite() && *r > 0.0)
             .collect();
@@ -141,9 +146,17 @@ impl CostModel {
     /// Seconds of one step that prefills the chunks `(new_tokens, cached_prefix)` together: the
     /// cold cost of their summed tokens (one pass over the weights) plus each chunk's prefix term.
     pub fn prefill_step_time(&self, chunks: impl IntoIterator<Item = (usize, usize)>) -> f64 {
-        let mut tokens = 0usize;
-        let mut extra = 0.0;
-        let mut squares = 0.0;
+        self.one_pass(chunks, 0, 0)
+    }
+
+    /// One forward pass over the `chunks` and `batch` one-token decode rows whose contexts sum to
+    /// `total_context`: the cold time of all the rows, less the cross-sequence part of the
+    /// attention term, plus the prefix term of every chunk and decode row; never below the
+    /// dearest chunk alone. 0 for no rows.
+    fn one_pass(&self, chunks: impl IntoIterator<Item = (usize, usize)>, batch: usize, total_context: usize) -> f64 {
+        let mut tokens = batch;
+        let mut extra = self.prefix_coef * total_context as f64;
+        let mut squares = batch as f64;
         let mut dearest: f64 = 0.0;
         for (n, p) in chunks {
             tokens += n;
@@ -183,12 +196,12 @@ impl CostModel {
         batch: usize,
         total_context: usize,
     ) -> f64 {
-        let pre = self.prefill_step_time(chunks);
-        let dec = self.decode_step_time(batch, total_context);
-        if pre == 0.0 || dec == 0.0 {
-            return pre + dec;
+        let chunks: Vec<(usize, usize)> = chunks.into_iter().filter(|c| c.0 > 0).collect();
+        if chunks.is_empty() || batch == 0 {
+            return self.prefill_step_time(chunks) + self.decode_step_time(batch, total_context);
         }
-        (pre + dec) * self.mixed_factor
+        let pass = self.one_pass(chunks, batch, total_context);
+        pass.max(self.decode_step_time(batch, total_context)) * self.mixed_factor
     }
 
     /// Seconds to move the KV of `tokens` tokens to a decode node.
@@ -268,12 +281,12 @@ impl StepCosts for CostModel {
     }
 
     fn mixed_step_time(&self, prefill_tokens: usize, batch: usize, total_context: usize) -> f64 {
-        let pre = self.prefill_step_time([(prefill_tokens, 0)]) * self.scale.prefill;
         let dec = CostModel::decode_step_time(self, batch, total_context) * self.scale.decode;
-        if pre == 0.0 || dec == 0.0 {
-            return pre + dec;
+        if prefill_tokens == 0 || batch == 0 {
+            return self.prefill_step_time([(prefill_tokens, 0)]) * self.scale.prefill + dec;
         }
-        (pre + dec) * self.mixed_factor
+        let pass = self.one_pass([(prefill_tokens, 0)], batch, total_context) * self.scale.prefill;
+        pass.max(dec) * self.mixed_factor
     }
 
     fn calibrate(&mut self, s: &StepStats) {
@@ -395,11 +408,32 @@ pub(crate) mod tests {
         let mut p = profile();
         // 256 new tokens after 1024 cached cost 0.03 + 256·1024·1e-8.
         p.prefill.push(PrefillPoint { tokens: 256, cached_prefix: 1024, seconds: 0.03 + 256.0 * 1024.0 * 1e-8 });
-        p.mixed.push(MixedPoint { prefill_tokens: 256, decode_batch: 4, context: 128, seconds: 0.9 * (0.03 + 0.012) });
+        let unfitted = CostModel::from_profile(&p, HandoffCost::default()).unwrap();
+        assert!((unfitted.prefill_time(256, 1024) - p.prefill[5].seconds).abs() < 1e-12);
+        let modelled = unfitted.mixed_step_time([(256, 0)], 4, 512);
+        p.mixed.push(MixedPoint { prefill_tokens: 256, decode_batch: 4, context: 128, seconds: 0.9 * modelled });
         let m = CostModel::from_profile(&p, HandoffCost::default()).unwrap();
-        assert!((m.prefill_time(256, 1024) - p.prefill[5].seconds).abs() < 1e-12);
-        assert!((m.mixed_step_time([(256, 0)], 4, 512) - 0.9 * 0.042).abs() < 1e-12);
+        assert!((m.mixed_step_time([(256, 0)], 4, 512) - 0.9 * modelled).abs() < 1e-12, "the point is reproduced");
         assert_eq!(m.mixed_step_time([(0, 0)], 4, 512), m.decode_step_time(4, 512));
+        assert_eq!(m.mixed_step_time([(256, 0)], 0, 0), m.prefill_time(256, 0));
+    }
+
+    /// A mixed step is one pass over the weights: dearer than either part alone (unfitted), far
+    /// cheaper than both, and its decode rows pay for attention over their contexts.
+    #[test]
+    fn a_mixed_step_reads_the_weights_once() {
+        let mut p = profile();
+        p.prefill.push(PrefillPoint { tokens: 256, cached_prefix: 1024, seconds: 0.03 + 256.0 * 1024.0 * 1e-8 });
+        let m = CostModel::from_profile(&p, HandoffCost::default()).unwrap();
+        for (chunk, batch, ctx) in [(16, 16, 1024), (128, 8, 256), (256, 4, 128), (1024, 16, 1024)] {
+            let (pre, dec) = (m.prefill_time(chunk, 0), m.decode_step_time(batch, batch * ctx));
+            let mixed = m.mixed_step_time([(chunk, 0)], batch, batch * ctx);
+            assert!(mixed >= pre.max(dec), "{chunk}+{batch}x{ctx}: {mixed} below a part alone");
+            assert!(mixed < pre + dec, "{chunk}+{batch}x{ctx}: {mixed} not below the sum {}", pre + dec);
+        }
+        let short = m.mixed_step_time([(256, 0)], 8, 8 * 64);
+        let long = m.mixed_step_time([(256, 0)], 8, 8 * 2048);
+        assert!((long - short - 1e-8 * 8.0 * (2048.0 - 64.0)).abs() < 1e-12, "{long} - {short}");
     }
 
     #[test]
