@@ -42,6 +42,75 @@ fn one_prefill_one_decode_matches_transformers() {
     });
 }
 
+/// Sum of the samples of `name` (a counter, or a histogram's `_sum`/`_count`) whose labels
+/// include every `labels` pair, in Prometheus text.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every response says how it was served (`x-cleave-route`), the latency histograms carry the
+/// same pool and path, and the handoff metrics agree with a request of known size on all three
+/// processes (bytes are the prompt's KV: 2 layers x K and V x 2 heads x 16 x 4 bytes a token).
+#[test]
+fn responses_say_how_they_were_served_and_the_metrics_agree() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "8"]);
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let post = |body: Value| {
+            let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send();
+            async move {
+                let r = r.await.unwrap();
+                assert!(r.status().is_success(), "{}", r.status());
+                let route = r.headers().get("x-cleave-route").map(|v| v.to_str().unwrap().to_string());
+                (route, r.text().await.unwrap())
+            }
+        };
+        let long = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire";
+        let (route, body) = post(greedy(long, 4)).await;
+        assert_eq!(route.as_deref(), Some("remote; prefill=node-0; decode=node-1"), "{body}");
+        let prompt_tokens = serde_json::from_str::<Value>(&body).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+        let (route, _) = post(greedy("Hi", 4)).await;
+        assert_eq!(route.as_deref(), Some("local; reason=short_prompt; decode=node-1"));
+        let mut streamed = greedy("Hello", 4);
+        streamed["stream"] = json!(true);
+        let (route, _) = post(streamed).await;
+        assert_eq!(route.as_deref(), Some("local; reason=short_prompt; decode=node-1"), "streamed responses too");
+
+        let get = |url: String| {
+            let r = c.client.get(url).send();
+            async move { r.await.unwrap().text().await.unwrap() }
+        };
+        let m = get(format!("{}/metrics", c.http)).await;
+        let ttft = "cleave_time_to_first_token_seconds_count";
+        assert_eq!(sample(&m, ttft, &[("pool", "prefill"), ("path", "remote")]), 1.0, "{m}");
+        assert_eq!(sample(&m, ttft, &[("pool", "decode"), ("path", "local"), ("local_reason", "short_prompt")]), 2.0, "{m}");
+        let tpot = "cleave_time_per_output_token_seconds_count";
+        assert_eq!(sample(&m, tpot, &[("pool", "decode"), ("path", "remote")]), 1.0, "{m}");
+        // TPOT buckets resolve a 70 ms target.
+        assert!(
+            m.contains("cleave_time_per_output_token_seconds_bucket{pool=\"decode\",path=\"remote\",local_reason=\"none\",le=\"0.07\"}"),
+            "{m}"
+        );
+        let kv = prompt_tokens as f64 * 512.0;
+        assert_eq!(sample(&m, "cleave_handoff_transfer_bytes_sum", &[]), kv, "{m}");
+        assert_eq!(sample(&m, "cleave_handoff_queue_seconds_count", &[]), 1.0, "{m}");
+        let queue = sample(&m, "cleave_handoff_queue_seconds_sum", &[]);
+        assert!(queue > 0.0 && queue < 10.0, "queue {queue} s");
+        let pm = get(format!("http://{}/metrics", c.nodes[0].ready["metrics"])).await;
+        assert_eq!(sample(&pm, "cleave_kv_transfer_bytes_total", &[("side", "sender")]), kv, "{pm}");
+        assert_eq!(sample(&pm, "cleave_node_prefill_queue_seconds_count", &[]), 1.0, "{pm}");
+        let dm = get(format!("http://{}/metrics", c.nodes[1].ready["metrics"])).await;
+        assert_eq!(sample(&dm, "cleave_kv_transfer_bytes_total", &[("side", "receiver")]), kv, "{dm}");
+        let done = [("side", "receiver"), ("outcome", "completed")];
+        assert_eq!(sample(&dm, "cleave_kv_transfer_handoffs_total", &done), 1.0, "{dm}");
+    });
+}
+
 #[test]
 fn two_prefill_two_decode_and_two_colocated_match_transformers() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -180,6 +249,8 @@ fn killing_a_decode_node_mid_stream_migrates_the_stream() {
         assert_eq!(finish, "length");
         assert_eq!(text, want, "the migrated stream differs from a single process");
         assert!(metric(&c, "cleave_migrations_total").await >= 1.0, "no migration recorded");
+        let tpot = "cleave_time_per_output_token_seconds_count{pool=\"decode\",path=\"migrated\",";
+        assert_eq!(metric(&c, tpot).await, 1.0, "the stream's TPOT is filed under its migration");
         c.wait_nodes(2).await;
         c.wait_blocks_free().await;
     });

@@ -124,6 +124,7 @@ fn the_openapi_document_is_true_of_the_running_coordinator() {
                     ("post", "/admin/nodes/{id}/role") => json!({"role": "both"}),
                     ("post", "/admin/nodes/{id}/drain") => json!({"then": "stay"}),
                     ("put", "/admin/planner") => json!({"mode": "advise"}),
+                    ("post", "/dashboard/login") => json!({"token": ADMIN_TOKEN}),
                     _ => Value::Null,
                 };
                 let mut req = c.client.request(m, format!("{}{concrete}", c.http)).bearer_auth(ADMIN_TOKEN);

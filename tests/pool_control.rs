@@ -85,6 +85,7 @@ fn admin_routes_refuse_a_missing_or_wrong_token() {
         let routes = [
             (reqwest::Method::GET, "/admin/nodes"),
             (reqwest::Method::GET, "/admin/pools"),
+            (reqwest::Method::GET, "/admin/prometheus/targets"),
             (reqwest::Method::GET, "/admin/planner"),
             (reqwest::Method::PUT, "/admin/planner"),
             (reqwest::Method::GET, "/admin/planner/decisions"),

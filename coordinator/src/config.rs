@@ -56,6 +56,11 @@ pub struct CoordinatorArgs {
     #[arg(long, default_value_t = 60.0)]
     pub inter_token_timeout_secs: f64,
 
+    /// Requests that take this many seconds or more end with an info-level `slow request` log
+    /// line naming their route (path and nodes) and latencies.
+    #[arg(long, default_value_t = 10.0)]
+    pub slow_request_log_secs: f64,
+
     /// Value of the Retry-After header (seconds) on 429 responses.
     #[arg(long, default_value_t = 1)]
     pub retry_after_secs: u32,
@@ -80,11 +85,13 @@ impl Default for CoordinatorArgs {
     }
 }
 
-/// Timeouts as durations, read once from [`CoordinatorArgs`].
+/// Timeouts (and the slow-request log threshold) as durations, read once from
+/// [`CoordinatorArgs`].
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
     pub first_token: Duration,
     pub inter_token: Duration,
+    pub slow_request: Duration,
 }
 
 impl CoordinatorArgs {
@@ -95,6 +102,7 @@ impl CoordinatorArgs {
         Timeouts {
             first_token: clamp(self.first_token_timeout_secs),
             inter_token: clamp(self.inter_token_timeout_secs),
+            slow_request: clamp(self.slow_request_log_secs),
         }
     }
 }

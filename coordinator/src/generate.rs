@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::config::Timeouts;
-use crate::dispatch::{Dispatch, DispatchEvent, DispatchSender};
+use crate::dispatch::{Dispatch, DispatchEvent, DispatchSender, Route};
 use crate::error::CoordinatorError;
 use crate::metrics as m;
 use crate::validate::{Endpoint, ValidRequest};
@@ -46,6 +46,9 @@ pub struct ChoiceUpdate {
     pub finish: Option<FinishReason>,
     /// Prompt tokens the node served from its prefix cache (highest reported so far).
     pub cached_tokens: u32,
+    /// How the choice is served, on the first update after the router said so (and again after
+    /// it changed: a migration).
+    pub route: Option<Route>,
 }
 
 /// Sans-IO detokenization and stop-string state of one choice.
@@ -60,6 +63,9 @@ pub struct ChoiceState {
     finished: bool,
     /// The router sent its final event (so there is nothing to cancel).
     router_finished: bool,
+    /// The router's latest [`Route`], and whether an update has carried it yet.
+    route: Option<Route>,
+    route_told: bool,
 }
 
 impl ChoiceState {
@@ -73,7 +79,20 @@ impl ChoiceState {
             cached_tokens: 0,
             finished: false,
             router_finished: false,
+            route: None,
+            route_told: false,
         }
+    }
+
+    /// The router's latest word on how this choice is served.
+    pub fn route(&self) -> Option<&Route> {
+        self.route.as_ref()
+    }
+
+    /// Records a [`DispatchEvent::Routed`]; the next update with a token carries it.
+    pub fn on_route(&mut self, route: Route) {
+        self.route = Some(route);
+        self.route_told = false;
     }
 
     pub fn completion_tokens(&self) -> u32 {
@@ -100,12 +119,17 @@ impl ChoiceState {
             token: None,
             finish: None,
             cached_tokens: self.cached_tokens,
+            route: None,
         };
         if self.finished {
             return Ok(update);
         }
         let ev: TokenEvent = match event {
             DispatchEvent::Token(ev) => ev,
+            DispatchEvent::Routed(r) => {
+                self.on_route(r);
+                return Ok(update);
+            }
             DispatchEvent::Refused { reason } => {
                 self.finished = true;
                 return Err(if self.completion_tokens == 0 {
@@ -124,6 +148,10 @@ impl ChoiceState {
             return Err(CoordinatorError::BackendFailed { request_id: self.request_id, reason });
         }
         if let Some(id) = ev.token_id {
+            if !self.route_told {
+                self.route_told = true;
+                update.route = self.route.clone();
+            }
             self.completion_tokens += 1;
             let piece = self.decoder.push(id)?;
             update.token = Some(TokenOut { id, logprobs: ev.logprobs, piece_len: piece.len() });
@@ -306,27 +334,46 @@ fn choice_stream(
         }
         let wait: Duration =
             if t.state.completion_tokens() == 0 { t.timeouts.first_token } else { t.timeouts.inter_token };
-        let result = match tokio::time::timeout(wait, t.rx.recv()).await {
-            Ok(Some(event)) => t.state.on_event(event),
-            Ok(None) => Err(CoordinatorError::BackendGone {
-                request_id: t.state.request_id,
-                tokens: t.state.completion_tokens(),
-            }),
-            Err(_) => Err(CoordinatorError::Timeout {
-                request_id: t.state.request_id,
-                waited_ms: wait.as_millis() as u64,
-                tokens: t.state.completion_tokens(),
-            }),
+        let deadline = tokio::time::Instant::now() + wait;
+        // Route events change no text: read on until a token event (or the end), within the
+        // same deadline.
+        let result = loop {
+            match tokio::time::timeout_at(deadline, t.rx.recv()).await {
+                Ok(Some(DispatchEvent::Routed(r))) => t.state.on_route(r),
+                Ok(Some(event)) => break t.state.on_event(event),
+                Ok(None) => {
+                    break Err(CoordinatorError::BackendGone {
+                        request_id: t.state.request_id,
+                        tokens: t.state.completion_tokens(),
+                    })
+                }
+                Err(_) => {
+                    break Err(CoordinatorError::Timeout {
+                        request_id: t.state.request_id,
+                        waited_ms: wait.as_millis() as u64,
+                        tokens: t.state.completion_tokens(),
+                    })
+                }
+            }
+        };
+        // `local_reason`: why a `local` request prefilled on its decode node; `none` otherwise.
+        let (path, local_reason, first_pool, decode_pool) = match t.state.route() {
+            Some(r) => (r.path, r.reason.unwrap_or("none"), r.first_token_pool(), r.decode_pool),
+            None => ("unknown", "none", "unknown", "unknown"),
         };
         match &result {
             Ok(update) => {
                 if update.token.is_some() {
                     let now = Instant::now();
                     match t.last_token {
-                        None => ::metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS)
-                            .record(now.duration_since(t.started).as_secs_f64()),
-                        Some(last) => ::metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS)
-                            .record(now.duration_since(last).as_secs_f64()),
+                        None => {
+                            ::metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS, "pool" => first_pool, "path" => path, "local_reason" => local_reason)
+                                .record(now.duration_since(t.started).as_secs_f64())
+                        }
+                        Some(last) => {
+                            ::metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS, "pool" => decode_pool, "path" => path, "local_reason" => local_reason)
+                                .record(now.duration_since(last).as_secs_f64())
+                        }
                     }
                     t.first_token.get_or_insert(now);
                     t.last_token = Some(now);
@@ -338,21 +385,35 @@ fn choice_stream(
                         // A stop string matched while the node is still generating.
                         t.cancel.cancel();
                     }
-                    let e2e = t.started.elapsed().as_secs_f64();
-                    ::metrics::histogram!(m::E2E_LATENCY_SECONDS).record(e2e);
+                    let e2e = t.started.elapsed();
+                    ::metrics::histogram!(m::E2E_LATENCY_SECONDS, "pool" => decode_pool, "path" => path, "local_reason" => local_reason)
+                        .record(e2e.as_secs_f64());
                     let n = t.state.completion_tokens();
                     if let (Some(first), Some(last)) = (t.first_token, t.last_token) {
                         if n > 1 {
                             let decode = last.duration_since(first).as_secs_f64();
-                            ::metrics::histogram!(m::TIME_PER_OUTPUT_TOKEN_SECONDS).record(decode / f64::from(n - 1));
+                            ::metrics::histogram!(m::TIME_PER_OUTPUT_TOKEN_SECONDS, "pool" => decode_pool, "path" => path, "local_reason" => local_reason)
+                                .record(decode / f64::from(n - 1));
                         }
+                    }
+                    if e2e >= t.timeouts.slow_request {
+                        let ttft_ms = t.first_token.map(|f| f.duration_since(t.started).as_millis() as u64);
+                        tracing::info!(
+                            request_id = %t.state.request_id,
+                            route = t.state.route().map(Route::header_value).unwrap_or_default(),
+                            ttft_ms,
+                            e2e_ms = e2e.as_millis() as u64,
+                            tokens = n,
+                            "slow request"
+                        );
                     }
                 }
             }
             Err(e) => {
                 t.done = true;
                 t.cancel.cancel();
-                ::metrics::counter!(m::REQUEST_FAILURES_TOTAL, "reason" => failure_label(e)).increment(1);
+                ::metrics::counter!(m::REQUEST_FAILURES_TOTAL, "reason" => failure_label(e), "path" => path)
+                    .increment(1);
             }
         }
         Some((result, t))

@@ -7,12 +7,14 @@ use std::convert::Infallible;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::http::HeaderValue;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, StreamExt};
 
 use crate::api::{ChatRequest, CompletionRequest};
+use crate::dispatch::Route;
 use crate::error::CoordinatorError;
 use crate::generate::{admit, ChoiceUpdate, Generation};
 use crate::metrics as m;
@@ -103,17 +105,38 @@ async fn full(
 ) -> Result<Response, CoordinatorError> {
     let choices = gen.prompt_lens.len() * gen.n as usize;
     let mut accs = vec![ChoiceAcc::default(); choices];
+    let mut routes: Vec<Option<Route>> = vec![None; choices];
     let mut tally = UsageTally::new(gen.prompt_lens.clone(), gen.n);
     while let Some(item) = gen.next().await {
-        let update = item?;
+        let mut update = item?;
         tally.record(&update);
+        if let (Some(r), Some(slot)) = (update.route.take(), routes.get_mut(update.index as usize)) {
+            *slot = Some(r);
+        }
         if let Some(acc) = accs.get_mut(update.index as usize) {
             acc.push(update);
         }
     }
     let body = full_response(&meta, &state.inner.model.tokenizer, accs, tally.usage());
-    Ok(Json(body).into_response())
+    let mut response = Json(body).into_response();
+    set_route_header(&mut response, routes.iter().flatten());
+    Ok(response)
 }
+
+/// `x-cleave-route`: how each choice was served, in choice order (the last route of a choice
+/// that migrated), comma-separated; absent when the router said nothing.
+fn set_route_header<'a>(response: &mut Response, routes: impl Iterator<Item = &'a Route>) {
+    let value = routes.map(Route::header_value).collect::<Vec<_>>().join(", ");
+    if value.is_empty() {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        response.headers_mut().insert(ROUTE_HEADER, v);
+    }
+}
+
+/// The response header that says how a request was served (see [`Route::header_value`]).
+pub const ROUTE_HEADER: &str = "x-cleave-route";
 
 fn sse_json(body: &Body) -> Event {
     Event::default().json_data(body).unwrap_or_else(|_| Event::default().data("{}"))
@@ -161,9 +184,15 @@ async fn stream_response(
     include_usage: bool,
     running: Running,
 ) -> Result<Response, CoordinatorError> {
-    let first = match gen.next().await {
+    let mut first = match gen.next().await {
         Some(Err(e)) => return Err(e),
         other => other,
+    };
+    // The header can only say how the first choice to produce a token is served: the others
+    // (n > 1) are routed while the body streams.
+    let route = match &mut first {
+        Some(Ok(u)) => u.route.take(),
+        _ => None,
     };
     let choices = gen.prompt_lens.len() * gen.n as usize;
     let writer = ChunkWriter::new(meta, choices);
@@ -189,7 +218,9 @@ async fn stream_response(
         Some((events, st))
     });
     let events = stream::iter(initial).chain(rest.flat_map(stream::iter)).map(Ok::<_, Infallible>);
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+    let mut response = Sse::new(events).keep_alive(KeepAlive::default()).into_response();
+    set_route_header(&mut response, route.iter());
+    Ok(response)
 }
 
 fn sse_json_error(e: &CoordinatorError) -> Event {

@@ -12,7 +12,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub const HTTP_REQUESTS_TOTAL: &str = "cleave_http_requests_total";
 /// Requests refused because the admission queue was full.
 pub const ADMISSION_REJECTED_TOTAL: &str = "cleave_admission_rejected_total";
-/// Requests (choices) that failed after admission, labelled `reason`.
+/// Requests (choices) that failed after admission, labelled `reason` and `path`.
 pub const REQUEST_FAILURES_TOTAL: &str = "cleave_request_failures_total";
 /// Prompt tokens admitted.
 pub const PROMPT_TOKENS_TOTAL: &str = "cleave_prompt_tokens_total";
@@ -22,7 +22,11 @@ pub const GENERATION_TOKENS_TOTAL: &str = "cleave_generation_tokens_total";
 pub const REQUESTS_RUNNING: &str = "cleave_requests_running";
 /// Dispatches waiting in the admission queue (sampled when a request is admitted).
 pub const QUEUE_DEPTH: &str = "cleave_queue_depth_requests";
-/// Admission to first token of a choice.
+/// Admission to first token of a choice, labelled `pool` (whose node produced it: `prefill`,
+/// `decode`, `colocated`), `path` (`remote`, `local`, `colocated`, `migrated`; see
+/// [`crate::dispatch::Route`]) and `local_reason` (why a `local` request prefilled on its decode
+/// node: `short_prompt`, `no_prefill_node`, `prefill_saturated`; else `none`). The other latency
+/// histograms carry the same labels, `pool` being the decode node's.
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "cleave_time_to_first_token_seconds";
 /// Between two consecutive tokens of a choice.
 pub const INTER_TOKEN_LATENCY_SECONDS: &str = "cleave_inter_token_latency_seconds";
@@ -35,6 +39,20 @@ pub const E2E_LATENCY_SECONDS: &str = "cleave_e2e_request_latency_seconds";
 const SECONDS_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
+/// Buckets of TPOT and inter-token latency: targets are set in tens of milliseconds (50, 70,
+/// 100, 150 ms), so the buckets step by 10 ms up to 100 ms and by 25-50 ms to 300 ms.
+const TOKEN_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Buckets of TTFT and end-to-end latency: targets from a few hundred milliseconds to tens of
+/// seconds.
+const REQUEST_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0,
+    300.0,
+];
+
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// The process's Prometheus handle, installing the recorder on first call. `None` when
@@ -42,16 +60,38 @@ static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 pub fn prometheus_handle() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
+            // Full-name matchers take precedence over the suffix one.
+            let full = |n: &str| Matcher::Full(n.to_owned());
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), SECONDS_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(full(TIME_PER_OUTPUT_TOKEN_SECONDS), TOKEN_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(full(INTER_TOKEN_LATENCY_SECONDS), TOKEN_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(full(TIME_TO_FIRST_TOKEN_SECONDS), REQUEST_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(full(E2E_LATENCY_SECONDS), REQUEST_BUCKETS)
                 .ok()?;
             let recorder = builder.build_recorder();
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).ok()?;
             describe();
+            zeroes();
             Some(handle)
         })
         .clone()
+}
+
+/// Counters that may stay at zero for a long time are exported from the start: an absent
+/// series cannot be told from a broken exporter, and a rate over it is no data, not 0.
+fn zeroes() {
+    use crate::cluster::metric;
+    metrics::counter!(metric::HELD_FOR_SWITCH_TOTAL).increment(0);
+    for r in cleave_planner::Reason::ALL {
+        metrics::counter!(metric::PLANNER_DECISIONS_TOTAL, "reason" => r.as_str()).increment(0);
+    }
+    metrics::counter!(ADMISSION_REJECTED_TOTAL).increment(0);
 }
 
 fn describe() {

@@ -95,6 +95,34 @@ fn stop_string_inside_the_last_token_and_router_errors() {
     assert!(!st.needs_cancel());
 }
 
+/// The router's route reaches the first update with a token after it, once; a new route (a
+/// migration) reaches the next one.
+#[test]
+fn the_route_rides_on_the_first_token_after_it() {
+    use cleave_coordinator::dispatch::Route;
+    let m = ModelInfo::from_args(&args()).unwrap();
+    let toks = ids(&m, " Hello world again");
+    let route = |path: &'static str, decode: &str| Route {
+        path,
+        reason: None,
+        prefill_node: (path == "remote").then(|| "p0".to_string()),
+        decode_node: decode.into(),
+        decode_pool: "decode",
+    };
+    let mut st = ChoiceState::new(0, RequestId(9), &m.tokenizer, &[1], &[]);
+    let u = st.on_event(DispatchEvent::Routed(route("remote", "d0"))).unwrap();
+    assert!(u.token.is_none() && u.text.is_empty() && u.route.is_none(), "a route alone changes no text");
+    let a = st.on_event(token(Some(toks[0]), None)).unwrap();
+    assert_eq!(a.route, Some(route("remote", "d0")));
+    let b = st.on_event(token(Some(toks[1]), None)).unwrap();
+    assert_eq!(b.route, None, "told once");
+    st.on_route(route("migrated", "d1"));
+    assert_eq!(st.route(), Some(&route("migrated", "d1")));
+    let c = st.on_event(token(Some(toks[2]), Some(FinishReason::Length))).unwrap();
+    assert_eq!(c.route, Some(route("migrated", "d1")));
+    assert_eq!(c.route.unwrap().header_value(), "migrated; decode=d1");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
     #[test]

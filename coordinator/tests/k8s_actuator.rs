@@ -460,6 +460,7 @@ async fn fake_node(addr: SocketAddr, name: &str, role: NodeRole, deleted: onesho
         rpc_addr: "127.0.0.1:9".parse().unwrap(),
         kv_addr: None,
         step_budget: None,
+        metrics_addr: None,
     };
     write_msg(&mut s.send, &ControlMsg::Register(reg)).await.unwrap();
     let id = match read_msg(&mut s.recv).await.unwrap() {

@@ -563,7 +563,7 @@ impl<S: KvSink> Actor<S> {
                 Effect::Close { stream } => self.close_stream(stream),
                 Effect::Completed { lease, request_id, blocks, first_token } => {
                     tracing::debug!(%lease, %request_id, "kv receiver: handoff complete");
-                    m::record_success("receiver", self.cfg.transport, 0, None);
+                    m::record_success("receiver", self.cfg.transport, None);
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Ok(Completed { lease, request_id, blocks, first_token }));
                     }

@@ -19,7 +19,9 @@ pub const RESERVATIONS_REFUSED_TOTAL: &str = "cleave_kv_transfer_reservations_re
 pub const HANDOFFS_TOTAL: &str = "cleave_kv_transfer_handoffs_total";
 /// Handoffs that failed, by side, transport and cause.
 pub const FAILURES_TOTAL: &str = "cleave_kv_transfer_failures_total";
-/// Payload bytes (K and V) moved, by side and transport.
+/// Payload bytes (K and V) moved, by side and transport: on the sender, those of completed
+/// handoffs; on the receiver, those written into the block pool as they land (a lease that
+/// fails later keeps its count: the bytes did move).
 pub const BYTES_TOTAL: &str = "cleave_kv_transfer_bytes_total";
 /// Wall time of a completed handoff on the sender, start to Ack (seconds), by transport.
 pub const HANDOFF_SECONDS: &str = "cleave_kv_transfer_handoff_seconds";
@@ -76,11 +78,13 @@ pub(crate) fn record_failure(side: &'static str, transport: TransportKind, e: &K
     metrics::counter!(FAILURES_TOTAL, "side" => side, "transport" => t, "cause" => cause(e)).increment(1);
 }
 
-pub(crate) fn record_success(side: &'static str, transport: TransportKind, bytes: u64, elapsed: Option<Duration>) {
+/// A completed handoff; `sent` (bytes and wall time) on the sender only: the receiver counts
+/// its bytes as they land.
+pub(crate) fn record_success(side: &'static str, transport: TransportKind, sent: Option<(u64, Duration)>) {
     let t = transport_label(transport);
     metrics::counter!(HANDOFFS_TOTAL, "side" => side, "transport" => t, "outcome" => "completed").increment(1);
-    metrics::counter!(BYTES_TOTAL, "side" => side, "transport" => t).increment(bytes);
-    if let Some(d) = elapsed {
+    if let Some((bytes, d)) = sent {
+        metrics::counter!(BYTES_TOTAL, "side" => side, "transport" => t).increment(bytes);
         metrics::histogram!(HANDOFF_SECONDS, "transport" => t).record(d.as_secs_f64());
         metrics::histogram!(THROUGHPUT_BYTES_PER_SECOND, "transport" => t)
             .record(bytes as f64 / d.as_secs_f64().max(1e-9));

@@ -372,7 +372,7 @@ impl KvSender {
         let kind = self.transport;
         let r = self.finish_inner(first_token).await;
         match &r {
-            Ok(rep) => crate::metrics::record_success("sender", kind, rep.bytes, Some(rep.elapsed)),
+            Ok(rep) => crate::metrics::record_success("sender", kind, Some((rep.bytes, rep.elapsed))),
             Err(e) => crate::metrics::record_failure("sender", kind, e),
         }
         r

@@ -79,6 +79,8 @@ pub struct NodeConfig {
     pub lease_ttl: Duration,
     /// The engine's step budget at start (reported at registration).
     pub step_budget: Option<u32>,
+    /// Where this process serves its metrics (reported at registration, for Prometheus).
+    pub metrics_addr: Option<SocketAddr>,
     pub send: SendConfig,
     /// Transports to push KV over besides `net`'s (RDMA).
     pub extra_transports: Vec<Arc<dyn Transport>>,
@@ -102,6 +104,7 @@ impl NodeConfig {
             request_timeout: Duration::from_secs(60),
             lease_ttl: Duration::from_secs(60),
             step_budget: None,
+            metrics_addr: None,
             send: SendConfig::default(),
             extra_transports: Vec::new(),
             #[cfg(feature = "rdma")]
@@ -172,6 +175,7 @@ impl Node {
         let info = engine.info().clone();
         let (name, model_name) = (cfg.name.clone(), cfg.model_name.clone());
         let (role_now, budget_now) = (role.clone(), budget.clone());
+        let metrics_addr = cfg.metrics_addr;
         let registration = move || Register {
             role: *role_now.borrow(),
             name: name.clone(),
@@ -182,6 +186,7 @@ impl Node {
             rpc_addr,
             kv_addr: Some(kv_addr),
             step_budget: *budget_now.borrow(),
+            metrics_addr,
         };
         let connector = Connector::new(&cfg.net)?;
         let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);

@@ -158,6 +158,20 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, for exporters that list them all (a counter at 0 says "none yet" where an
+    /// absent one says nothing).
+    pub const ALL: [Reason; 9] = [
+        Reason::TtftRisk,
+        Reason::TtftBreach,
+        Reason::TpotRisk,
+        Reason::TpotBreach,
+        Reason::Overprovisioned,
+        Reason::Colocate,
+        Reason::Disaggregate,
+        Reason::StepBudget,
+        Reason::Bounds,
+    ];
+
     /// The JSON spelling.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent};
+use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent, SinkError};
 use cleave_kv_transfer::net::{DuplexStream, NetConfig};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, PrefillRequest};
@@ -30,8 +30,12 @@ use tracing::Instrument;
 
 /// Metric names of a prefill node (on its own /metrics).
 pub mod metric {
-    /// Request arrival to first token sampled (queue wait plus prefill).
+    /// The request's first chunk being computed to its first token sampled (the engine's work;
+    /// chunks of other requests that share its steps included).
     pub const PREFILL_SECONDS: &str = "cleave_node_prefill_seconds";
+    /// Request arrival to its first chunk being computed (the wait in the engine's queue; it
+    /// includes one layer of the first chunk's compute, when the first layer's KV is exported).
+    pub const PREFILL_QUEUE_SECONDS: &str = "cleave_node_prefill_queue_seconds";
     /// Time the KV waited for the decode node's ticket.
     pub const TICKET_WAIT_SECONDS: &str = "cleave_node_handoff_ticket_wait_seconds";
     /// Ticket to the receiver's acknowledgement of the last layer.
@@ -108,7 +112,17 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
     let (xtx, xrx) = mpsc::unbounded_channel();
     let w = req.work;
     let ereq = EngineRequest { id, prompt: w.prompt, params: w.params, stop: w.stop };
-    let mut ts = match shared.engine.submit_prefill_only(ereq, KvExport::unbounded(xtx)) {
+    // When the first layer's KV leaves the engine, the request's first chunk is being computed:
+    // submit to then is its wait in the engine's queue (plus one layer of compute).
+    let (computing_tx, mut computing_rx) = oneshot::channel::<Instant>();
+    let mut computing_tx = Some(computing_tx);
+    let export = KvExport::new(move |ev| {
+        if let Some(tx) = computing_tx.take() {
+            let _ = tx.send(Instant::now());
+        }
+        xtx.send(ev).map_err(|_| SinkError::Closed)
+    });
+    let mut ts = match shared.engine.submit_prefill_only(ereq, export) {
         Ok(ts) => ts,
         Err(e) => {
             let _ = write_msg(&mut s.send, &ControlMsg::Token(TokenEvent::failed(id, prompt_tokens, 0, e.to_string())))
@@ -134,7 +148,8 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
                     let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
                     return;
                 };
-                first_at = Some(submitted.elapsed());
+                let computing = computing_rx.try_recv().map_or(Duration::ZERO, |t| t.saturating_duration_since(submitted));
+                first_at = Some((computing, submitted.elapsed()));
                 let ends = ev.finish_reason.is_some();
                 if write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_err() {
                     return;
@@ -161,7 +176,9 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
         }
         if handed_off == Some(true) && shipped.is_some() {
             let Some(r) = shipped.take() else { return };
-            let prefill = first_at.unwrap_or_default();
+            let (queued, first) = first_at.unwrap_or_default();
+            let prefill = first.saturating_sub(queued);
+            metrics::histogram!(metric::PREFILL_QUEUE_SECONDS).record(queued.as_secs_f64());
             metrics::histogram!(metric::PREFILL_SECONDS).record(prefill.as_secs_f64());
             let outcome = if r.is_ok() { "ok" } else { "failed" };
             metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => outcome).increment(1);
@@ -175,7 +192,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
                 Ok(sh) => HandoffDone {
                     request_id: id,
                     error: None,
-                    queue_us: 0,
+                    queue_us: queued.as_micros() as u64,
                     prefill_us: prefill.as_micros() as u64,
                     ticket_wait_us: sh.ticket_wait.as_micros() as u64,
                     transfer_bytes: sh.bytes,

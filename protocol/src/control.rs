@@ -80,6 +80,8 @@ pub struct Register {
     pub kv_addr: Option<SocketAddr>,
     /// Most tokens per engine step the node runs with now (None: not said).
     pub step_budget: Option<u32>,
+    /// Where the node serves `GET /metrics` (the coordinator lists it for Prometheus).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// The coordinator's answer to [`Register`]: a node id, or why the node is refused.
@@ -165,7 +167,9 @@ pub struct DecodeRequest {
 pub struct HandoffDone {
     pub request_id: RequestId,
     pub error: Option<String>,
+    /// Arrival at the prefill node to its first chunk being computed (the engine's queue).
     pub queue_us: u64,
+    /// First chunk computed to first token sampled.
     pub prefill_us: u64,
     pub ticket_wait_us: u64,
     pub transfer_bytes: u64,
@@ -227,6 +231,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             rpc_addr: Some(r.rpc_addr.to_string()),
             kv_addr: r.kv_addr.map(|a| a.to_string()),
             step_budget: r.step_budget.unwrap_or(0),
+            metrics_addr: r.metrics_addr.map(|a| a.to_string()),
         })),
         ControlMsg::RegisterReply(r) => fb::BodyT::RegisterReply(Box::new(match r {
             RegisterReply::Accepted { node_id } => {
@@ -397,6 +402,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             const M: &str = "Register";
             let role = role_from_fb(M, r.role)?;
             let kv_addr = r.kv_addr.as_deref().map(|a| parse_addr(M, "kv_addr", a)).transpose()?;
+            let metrics_addr = r.metrics_addr.as_deref().map(|a| parse_addr(M, "metrics_addr", a)).transpose()?;
             Ok(ControlMsg::Register(Register {
                 role,
                 name: r.name.ok_or(missing(M, "name"))?,
@@ -407,6 +413,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 rpc_addr: parse_addr(M, "rpc_addr", r.rpc_addr.as_deref().ok_or(missing(M, "rpc_addr"))?)?,
                 kv_addr,
                 step_budget: (r.step_budget > 0).then_some(r.step_budget),
+                metrics_addr,
             }))
         }
         fb::BodyT::RegisterReply(r) => Ok(ControlMsg::RegisterReply(if r.accepted {

@@ -52,6 +52,7 @@ fn samples() -> Vec<ControlMsg> {
             rpc_addr: "127.0.0.1:1234".parse().unwrap(),
             kv_addr: Some("[::1]:99".parse().unwrap()),
             step_budget: Some(128),
+            metrics_addr: Some("127.0.0.1:9100".parse().unwrap()),
         }),
         ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: 3 }),
         ControlMsg::RegisterReply(RegisterReply::Refused { reason: "model fingerprint differs".into() }),

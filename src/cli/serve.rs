@@ -100,7 +100,8 @@ pub struct CoordinatorCmd {
     pub no_fingerprint: bool,
     /// Token the admin API (`/admin/...`) requires as `Authorization: Bearer`; distinct from
     /// the API key. Without it the admin API is closed (every admin route answers 401).
-    #[arg(long, env = "CLEAVE_ADMIN_TOKEN")]
+    /// 8-256 printable ASCII characters without spaces, `;` or `,`.
+    #[arg(long, env = "CLEAVE_ADMIN_TOKEN", value_parser = cleave_coordinator::cluster::validate_admin_token)]
     pub admin_token: Option<String>,
     /// Serve the admin API on this address instead of the API's listener.
     #[arg(long)]
@@ -405,6 +406,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         cfg.rpc_bind = cmd.rpc_listen;
         cfg.kv_bind = cmd.kv_listen;
         cfg.step_budget = u32::try_from(cmd.engine.max_num_batched_tokens).ok();
+        cfg.metrics_addr = Some(metrics_addr);
         #[cfg(feature = "rdma")]
         if let Some(dev) = &cmd.rdma_device {
             let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;

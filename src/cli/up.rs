@@ -61,8 +61,8 @@ pub struct UpArgs {
     #[arg(long)]
     pub no_pin: bool,
     /// Token of the coordinator's admin API (`cleave admin`, `/admin/...`). Default: a random
-    /// one, printed at start.
-    #[arg(long, env = "CLEAVE_ADMIN_TOKEN")]
+    /// one, printed at start. 8-256 printable ASCII characters without spaces, `;` or `,`.
+    #[arg(long, env = "CLEAVE_ADMIN_TOKEN", value_parser = cleave_coordinator::cluster::validate_admin_token)]
     pub admin_token: Option<String>,
     /// The planner: off, advise (decisions shown, nothing acted on) or auto (it switches node
     /// roles to keep the targets).
@@ -314,6 +314,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         if args.admin_token.is_none() {
             println!("admin token (for `cleave admin` and /admin/...): {admin_token}");
         }
+        println!("dashboard: http://{http}/dashboard (sign in with the admin token)");
         println!("cleave is serving {} at http://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
         anyhow::Ok(template)
     }

@@ -339,3 +339,38 @@ pub async fn check_golden(c: &TestCluster) {
     }
     c.wait_blocks_free().await;
 }
+
+/// Background load until the returned flag is set: `workers` loops each sending completions one
+/// after another, alternating a short prompt (prefilled on its decode node) and a long one, each
+/// starting with a distinct number (so that prefix-cache overlap does not pin every request to
+/// one node), a third of them streamed.
+pub fn spawn_load(
+    c: &TestCluster,
+    workers: usize,
+) -> (std::sync::Arc<std::sync::atomic::AtomicBool>, Vec<tokio::task::JoinHandle<()>>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let tasks = (0..workers)
+        .map(|w| {
+            let (client, url, stop) = (c.client.clone(), format!("{}/v1/completions", c.http), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let n = i * workers + w;
+                    let prompt = if i % 2 == 0 {
+                        format!("{n} Hi")
+                    } else {
+                        format!("{n} Once upon a time, in a land far away, there lived a")
+                    };
+                    let body = json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                      "ignore_eos": true, "stream": n % 3 == 0});
+                    if let Ok(r) = client.post(&url).json(&body).send().await {
+                        let _ = r.bytes().await;
+                    }
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    (stop, tasks)
+}

@@ -1,8 +1,11 @@
 //! The admin API of the cluster: what an operator (and `cleave admin`) looks at and acts with.
 //!
 //! Every route requires `Authorization: Bearer <admin token>` (`--admin-token`, distinct from
-//! the API key); without a configured token the admin API is closed and every route answers
-//! 401 saying so. It can be served on its own listener (`--admin-listen`).
+//! the API key), or the dashboard's cookie that carries the same token (see
+//! [`super::dashboard`]); without a configured token the admin API is closed and every route
+//! answers 401 saying so. It can be served on its own listener (`--admin-listen`).
+//!
+//! - `GET /dashboard`: the built-in dashboard page; `GET /admin/dashboard`: its data.
 //!
 //! - `GET /admin/nodes`: every live node: role, lifecycle state, addresses, routed attempts,
 //!   last load report. Node ids are the `id` field here.
@@ -14,6 +17,8 @@
 //!   switch roles without a restart (drains what the new role does not do first). Also undoes
 //!   a drain.
 //! - `DELETE /admin/nodes/{id}`: drain, then tell the node to leave (its process exits).
+//! - `GET /admin/prometheus/targets`: the nodes' metrics endpoints in Prometheus's HTTP service
+//!   discovery format, labelled `node`, `role`, `pool` and `state`.
 //! - `GET /admin/planner`, `PUT /admin/planner` (any subset of the settings),
 //!   `GET /admin/planner/decisions`.
 //!
@@ -22,7 +27,6 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Request, State};
-use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -32,6 +36,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
+use super::dashboard;
 use super::planning::PlannerHandle;
 use super::registry::{AfterDrain, NodeState};
 use super::{Cluster, ClusterHandle, NodeOp};
@@ -46,18 +51,41 @@ pub struct AdminState {
     pub token: Option<Arc<str>>,
 }
 
-/// Routes of the admin API, behind the admin token.
+/// Routes of the admin API, behind the admin token, and the dashboard page (which checks the
+/// token itself: it shows a sign-in form without it).
 pub fn admin_router(state: AdminState) -> Router {
+    let page = Router::new()
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/login", post(dashboard::login))
+        .with_state(state.clone());
     Router::new()
+        .route("/admin/dashboard", get(dashboard::data))
         .route("/admin/nodes", get(nodes))
         .route("/admin/nodes/{id}", axum::routing::delete(remove))
         .route("/admin/nodes/{id}/drain", post(drain))
         .route("/admin/nodes/{id}/role", post(set_role))
         .route("/admin/pools", get(pools))
+        .route("/admin/prometheus/targets", get(prometheus_targets))
         .route("/admin/planner", get(planner_get).put(planner_put))
         .route("/admin/planner/decisions", get(decisions))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
+        .merge(page)
+}
+
+/// Whether `given` is the admin token.
+pub(super) fn token_matches(given: &str, token: &str) -> bool {
+    same(given.as_bytes(), token.as_bytes())
+}
+
+/// Checks an admin token given on the command line: printable ASCII without spaces, `;` or `,`
+/// (it travels in headers and in the dashboard's cookie), 8 to 256 characters.
+pub fn validate_admin_token(s: &str) -> Result<String, String> {
+    let ok = s.bytes().all(|b| b.is_ascii_graphic() && b != b';' && b != b',');
+    if !ok || !(8..=256).contains(&s.len()) {
+        return Err("an admin token is 8-256 printable ASCII characters without spaces, ';' or ','".into());
+    }
+    Ok(s.to_string())
 }
 
 /// Equal strings in time that does not depend on where they differ.
@@ -71,13 +99,7 @@ async fn authorize(State(s): State<AdminState>, req: Request, next: Next) -> Res
             reason: "the admin API is closed: start the coordinator with --admin-token",
         });
     };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match given {
+    match dashboard::presented_token(&req) {
         None => Err(CoordinatorError::AdminUnauthorized { reason: "missing admin token (Authorization: Bearer ...)" }),
         Some(g) if !same(g.as_bytes(), token.as_bytes()) => {
             Err(CoordinatorError::AdminUnauthorized { reason: "wrong admin token" })
@@ -86,7 +108,7 @@ async fn authorize(State(s): State<AdminState>, req: Request, next: Next) -> Res
     }
 }
 
-fn node_json(s: &NodeState) -> Value {
+pub(super) fn node_json(s: &NodeState) -> Value {
     let l = &s.load;
     json!({
         "id": s.node.id,
@@ -94,6 +116,7 @@ fn node_json(s: &NodeState) -> Value {
         "role": s.node.role.as_str(),
         "state": s.lifecycle.as_str(),
         "rpc_addr": s.node.rpc_addr.to_string(),
+        "metrics_addr": s.metrics_addr.map(|a| a.to_string()),
         "model": s.model_name,
         "step_budget": s.step_budget,
         "report_age_ms": s.report_age.as_millis() as u64,
@@ -107,12 +130,54 @@ fn node_json(s: &NodeState) -> Value {
             "cached_blocks": l.cached_blocks,
             "total_blocks": l.total_blocks,
         },
+        // Cumulative engine step timings: how fast the node really runs (what the planner
+        // calibrates its costs with, and what a simulator replay can be scaled by).
+        "steps": {
+            "prefill_tokens": l.steps.prefill_tokens,
+            "prefill_us": l.steps.prefill_us,
+            "decode_steps": l.steps.decode_steps,
+            "decode_seqs": l.steps.decode_seqs,
+            "decode_context": l.steps.decode_context,
+            "decode_us": l.steps.decode_us,
+        },
     })
 }
 
 async fn nodes(State(s): State<AdminState>) -> Json<Value> {
     let states = s.cluster.node_states().await.unwrap_or_default();
     Json(json!({ "nodes": states.iter().map(node_json).collect::<Vec<_>>() }))
+}
+
+/// Prometheus HTTP service discovery (`http_sd_configs`): one target group per node that said
+/// where it serves metrics, labelled with its name, role, pool and state. Prometheus re-reads it
+/// every refresh interval, so a role switch relabels the node's series from then on. An
+/// unspecified metrics address (`0.0.0.0`) is given the node's RPC host.
+async fn prometheus_targets(State(s): State<AdminState>) -> Json<Value> {
+    let states = s.cluster.node_states().await.unwrap_or_default();
+    let groups: Vec<Value> = states
+        .iter()
+        .filter_map(|n| {
+            let mut addr = n.metrics_addr?;
+            if addr.ip().is_unspecified() {
+                addr.set_ip(n.node.rpc_addr.ip());
+            }
+            let pool = match n.node.role {
+                NodeRole::Prefill => "prefill",
+                NodeRole::Decode => "decode",
+                NodeRole::Both => "colocated",
+            };
+            Some(json!({
+                "targets": [addr.to_string()],
+                "labels": {
+                    "node": n.node.name,
+                    "role": n.node.role.as_str(),
+                    "pool": pool,
+                    "state": n.lifecycle.as_str(),
+                },
+            }))
+        })
+        .collect();
+    Json(Value::Array(groups))
 }
 
 async fn pools(State(s): State<AdminState>) -> Result<Json<Value>, CoordinatorError> {

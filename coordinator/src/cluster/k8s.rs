@@ -682,6 +682,7 @@ mod tests {
             active_decode: 0,
             step_budget: None,
             model_name: "m".into(),
+            metrics_addr: None,
             load: Default::default(),
             cached_prefix_blocks: 0,
             report_age: Duration::ZERO,

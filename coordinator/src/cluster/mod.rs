@@ -15,6 +15,8 @@
 
 mod actuate;
 mod admin;
+mod dashboard;
+mod history;
 #[cfg(feature = "kubernetes")]
 pub mod k8s;
 pub mod planning;
@@ -22,7 +24,7 @@ pub mod registry;
 mod request;
 
 pub use actuate::{Actuator, ActuatorError, LocalProcesses, RoleSwitch, LAUNCH_PREFIX};
-pub use admin::{admin_router, parse_role, serve_with_cluster, AdminState};
+pub use admin::{admin_router, parse_role, serve_with_cluster, validate_admin_token, AdminState};
 pub use planning::PlannerHandle;
 
 use std::sync::Arc;
@@ -55,10 +57,16 @@ pub mod metric {
     pub const POOL_QUEUED_PREFILL_TOKENS: &str = "cleave_pool_queued_prefill_tokens";
     /// Running sequences, labelled `pool`.
     pub const POOL_RUNNING_SEQS: &str = "cleave_pool_running_seqs";
+    /// Share of the requests completed over the planner's window that met both targets, by the
+    /// pool whose latency they count for (`prefill`, `decode`, `colocated`, `overall`).
+    pub const POOL_SLO_ATTAINMENT: &str = "cleave_pool_slo_attainment";
     /// Share of KV blocks in use (0..1), labelled `pool`.
     pub const POOL_KV_USAGE_RATIO: &str = "cleave_pool_kv_usage_ratio";
-    /// Handoff telemetry, labelled `pool` and `node`.
+    /// Handoff telemetry, labelled `pool` and `node`. Queue: the coordinator dispatching to the
+    /// prefill node, then the request waiting in that node's engine until its first chunk is
+    /// computed.
     pub const HANDOFF_QUEUE_SECONDS: &str = "cleave_handoff_queue_seconds";
+    /// First chunk computed to first token sampled on the prefill node.
     pub const HANDOFF_PREFILL_SECONDS: &str = "cleave_handoff_prefill_seconds";
     pub const HANDOFF_RESERVATION_SECONDS: &str = "cleave_handoff_reservation_seconds";
     pub const HANDOFF_TICKET_WAIT_SECONDS: &str = "cleave_handoff_ticket_wait_seconds";
@@ -72,9 +80,11 @@ pub mod metric {
     pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_handoff_failures_total";
     /// Planner decisions, labelled `reason`.
     pub const PLANNER_DECISIONS_TOTAL: &str = "cleave_planner_decisions_total";
-    /// The planner's target node count, labelled `pool`.
+    /// The planner's target node count, labelled `pool`: its last decision's target, or the
+    /// active nodes before its first decision.
     pub const PLANNER_DESIRED_NODES: &str = "cleave_planner_desired_nodes";
-    /// Queued prompt tokens past which a prefill node counts as saturated (auto mode).
+    /// Queued prompt tokens past which a prefill node counts as saturated: the line the planner
+    /// sets in auto mode, and would set in the other modes (updated every tick).
     pub const PLANNER_SATURATION_TOKENS: &str = "cleave_planner_saturation_tokens";
     /// Share of requests in the planner's window that met both targets.
     pub const PLANNER_SLO_ATTAINMENT: &str = "cleave_planner_slo_attainment";
@@ -96,6 +106,8 @@ pub enum Observation {
         ok: bool,
         path: &'static str,
     },
+    /// A handoff completed: its KV bytes, and the time from the first token to the KV landed.
+    Handoff { bytes: u64, tail: Duration },
 }
 
 /// Settings of the cluster side of the coordinator.

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::actuate::Actuator;
+use super::history::History;
 use super::registry::{AfterDrain, Lifecycle, NodeState};
 use super::{ClusterHandle, Observation};
 
@@ -32,6 +33,7 @@ enum Cmd {
     Decisions(oneshot::Sender<Value>),
     Status(oneshot::Sender<Value>),
     PoolLatency(oneshot::Sender<HashMap<String, Value>>),
+    History(oneshot::Sender<Value>),
 }
 
 /// Cheap, cloneable access to the planner actor.
@@ -65,6 +67,11 @@ impl PlannerHandle {
         self.call(Cmd::Status).await
     }
 
+    /// The dashboard's samples, oldest first (see [`super::history`]).
+    pub async fn history(&self) -> Option<Value> {
+        self.call(Cmd::History).await
+    }
+
     /// Latency clients saw per pool (`prefill`, `decode`, `colocated`, `overall`).
     pub async fn pool_latency(&self) -> Option<HashMap<String, Value>> {
         self.call(Cmd::PoolLatency).await
@@ -90,8 +97,16 @@ pub(super) fn spawn(
     };
     let planner = Planner::new(cfg, costs)?;
     let (tx, rx) = mpsc::channel(64);
-    let actor =
-        Actor { planner, cluster, actuator, latency: LatencyWindow::default(), totals: HashMap::new(), bridge: None };
+    let actor = Actor {
+        planner,
+        cluster,
+        actuator,
+        latency: LatencyWindow::default(),
+        history: History::default(),
+        decided: false,
+        totals: HashMap::new(),
+        bridge: None,
+    };
     let task = tokio::spawn(run(actor, observations, rx));
     Ok((PlannerHandle { tx }, task))
 }
@@ -102,6 +117,9 @@ struct Actor {
     cluster: ClusterHandle,
     actuator: Box<dyn Actuator>,
     latency: LatencyWindow,
+    history: History,
+    /// The planner has made a decision (its target gauges say the decision's target since).
+    decided: bool,
     /// Each node's last step totals (their differences calibrate the costs).
     totals: HashMap<u64, StepTotals>,
     /// The saturation line last sent to the registry.
@@ -141,8 +159,10 @@ impl Actor {
             }
             Observation::Completion { ttft, tpot, output_tokens, max_tokens, ok, path } => {
                 self.latency.push(now, path, ttft, tpot, ok);
+                self.history.on_completion(path);
                 self.planner.on_completion(Completion { at: now, ttft, tpot, output_tokens, max_tokens, ok });
             }
+            Observation::Handoff { bytes, tail } => self.history.on_handoff(bytes, tail),
         }
     }
 
@@ -174,6 +194,10 @@ impl Actor {
                     "estimate": est,
                 }));
             }
+            Cmd::History(reply) => {
+                let samples: Vec<_> = self.history.samples().collect();
+                let _ = reply.send(serde_json::to_value(samples).unwrap_or(Value::Null));
+            }
             Cmd::PoolLatency(reply) => {
                 let c = self.planner.config();
                 let _ = reply.send(self.latency.summary(now, c.window, c.targets.ttft_ms, c.targets.tpot_ms));
@@ -191,6 +215,30 @@ impl Actor {
         let t = &self.planner.config().targets;
         metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "ttft").set(t.ttft_ms / 1e3);
         metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "tpot").set(t.tpot_ms / 1e3);
+        let (window, ttft_ms, tpot_ms) = (self.planner.config().window, t.ttft_ms, t.tpot_ms);
+        let latency = self.latency.summary(now, window, ttft_ms, tpot_ms);
+        for (pool, s) in &latency {
+            if let Some(a) = s["slo_attainment"].as_f64() {
+                metrics::gauge!(super::metric::POOL_SLO_ATTAINMENT, "pool" => pool.clone()).set(a);
+            }
+        }
+        if self.history.due(now) {
+            self.history.sample(now, states, &latency);
+        }
+        // What the planner sets (auto) or would set (advise, off) as the local-prefill line.
+        let line = self.planner.saturation_tokens();
+        if line != u64::MAX {
+            metrics::gauge!(super::metric::PLANNER_SATURATION_TOKENS).set(line as f64);
+        }
+        if !self.decided {
+            // No decision yet: the planner's target is what runs now.
+            for (pool, role) in
+                [("prefill", NodeRole::Prefill), ("decode", NodeRole::Decode), ("colocated", NodeRole::Both)]
+            {
+                let n = states.iter().filter(|s| s.node.role == role && s.lifecycle.as_str() == "active").count();
+                metrics::gauge!(super::metric::PLANNER_DESIRED_NODES, "pool" => pool).set(n as f64);
+            }
+        }
         let Some(decision) = self.planner.tick(&snap) else { return };
         tracing::info!(
             reason = decision.reason.as_str(),
@@ -200,6 +248,7 @@ impl Actor {
             "planner decision"
         );
         metrics::counter!(super::metric::PLANNER_DECISIONS_TOTAL, "reason" => decision.reason.as_str()).increment(1);
+        self.decided = true;
         for (pool, n) in [
             ("prefill", decision.target.prefill),
             ("decode", decision.target.decode),
@@ -229,9 +278,6 @@ impl Actor {
         if changed {
             self.bridge = want;
             self.cluster.set_bridge(want).await;
-            if let Some(t) = want {
-                metrics::gauge!(super::metric::PLANNER_SATURATION_TOKENS).set(t as f64);
-            }
         }
     }
 

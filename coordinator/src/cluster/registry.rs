@@ -699,6 +699,7 @@ impl Registry {
                 active_decode: n.active_decode,
                 step_budget: n.reg.step_budget,
                 model_name: n.reg.model_name.clone(),
+                metrics_addr: n.reg.metrics_addr,
                 load: LoadReport { prefix_hashes: Vec::new(), ..n.load.clone() },
                 cached_prefix_blocks: n.prefix.len(),
                 report_age: now.saturating_duration_since(n.last_report),
@@ -722,6 +723,8 @@ pub struct NodeState {
     pub active_decode: u32,
     pub step_budget: Option<u32>,
     pub model_name: String,
+    /// Where the node serves its metrics, as it registered it.
+    pub metrics_addr: Option<SocketAddr>,
     /// The last report, without its prefix hashes.
     pub load: LoadReport,
     pub cached_prefix_blocks: usize,
@@ -777,6 +780,7 @@ mod tests {
             rpc_addr: SocketAddr::from(([127, 0, 0, 1], port)),
             kv_addr: None,
             step_budget: None,
+            metrics_addr: None,
         }
     }
 

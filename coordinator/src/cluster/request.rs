@@ -26,9 +26,9 @@ use cleave_protocol::{FinishReason, TokenEvent};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
-use super::registry::{Assignment, NoRoute, NodeRef, Plan, RouteQuery};
+use super::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan, RouteQuery};
 use super::{metric, ClusterConfig, ClusterHandle};
-use crate::dispatch::{Dispatch, DispatchEvent};
+use crate::dispatch::{Dispatch, DispatchEvent, Route};
 
 /// How an attempt ended.
 enum Outcome {
@@ -134,6 +134,9 @@ async fn drive(
             }
         };
         let deaths = cluster.deaths();
+        // The edge labels latencies with this and tells the client; a closed channel is the
+        // client gone, which the attempt notices itself.
+        let _ = d.events.send(DispatchEvent::Routed(route_of(&plan))).await;
         let outcome = match plan {
             Plan::Remote { prefill, decode } => {
                 metrics::counter!(metric::ROUTE_DECISIONS_TOTAL, "path" => "remote", "reason" => "long_prompt")
@@ -180,6 +183,15 @@ async fn drive(
                         return;
                     }
                     tracing::warn!(node = %node.name, %error, "decode node failed before the first token; retrying");
+                    if alive {
+                        // The same node may be chosen again while it still holds the failed
+                        // attempt's reservation (it frees it when it sees that attempt's stream
+                        // close): give it a moment, longer at each retry.
+                        tokio::select! {
+                            () = tokio::time::sleep(RETRY_BACKOFF * prefill_retries) => {}
+                            () = d.cancel.cancelled() => return,
+                        }
+                    }
                     continue;
                 }
                 migrations += 1;
@@ -194,6 +206,35 @@ async fn drive(
         }
     }
 }
+
+/// The [`Route`] the edge reports for a plan.
+fn route_of(plan: &Plan) -> Route {
+    let pool = |n: &NodeRef| match n.role {
+        cleave_protocol::control::NodeRole::Both => "colocated",
+        _ => "decode",
+    };
+    match plan {
+        Plan::Remote { prefill, decode } => Route {
+            path: "remote",
+            reason: None,
+            prefill_node: Some(prefill.name.clone()),
+            decode_node: decode.name.clone(),
+            decode_pool: pool(decode),
+        },
+        Plan::Local { decode, reason } => {
+            let (path, reason) = match reason {
+                LocalReason::Colocated => ("colocated", None),
+                LocalReason::Migration => ("migrated", None),
+                r => ("local", Some(r.as_str())),
+            };
+            Route { path, reason, prefill_node: None, decode_node: decode.name.clone(), decode_pool: pool(decode) }
+        }
+    }
+}
+
+/// Pause before retrying on a decode node that failed an attempt but lives, times the retry's
+/// number.
+const RETRY_BACKOFF: Duration = Duration::from_millis(100);
 
 /// How long a request is held at the edge while no node can take it because nodes are switching
 /// roles (a switch that drains streams lasts as long as the longest of them).
@@ -456,6 +497,10 @@ async fn remote(
                 }
                 Read::Msg(ControlMsg::HandoffDone(h)) => {
                     record_handoff(&h, &pnode, dispatched, labels(&pnode));
+                    if h.error.is_none() {
+                        let tail = Duration::from_micros(h.tail_us);
+                        cluster.observe(super::Observation::Handoff { bytes: h.transfer_bytes, tail });
+                    }
                     prefill_open = false;
                     // The prefill node's part is over (a drain of it need not wait for the
                     // stream's decode).

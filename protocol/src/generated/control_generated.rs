@@ -1056,6 +1056,7 @@ impl<'a> Register<'a> {
   pub const VT_RPC_ADDR: ::flatbuffers::VOffsetT = 16;
   pub const VT_KV_ADDR: ::flatbuffers::VOffsetT = 18;
   pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 20;
+  pub const VT_METRICS_ADDR: ::flatbuffers::VOffsetT = 22;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1067,6 +1068,7 @@ impl<'a> Register<'a> {
     args: &'args RegisterArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Register<'bldr>> {
     let mut builder = RegisterBuilder::new(_fbb);
+    if let Some(x) = args.metrics_addr { builder.add_metrics_addr(x); }
     builder.add_step_budget(args.step_budget);
     if let Some(x) = args.kv_addr { builder.add_kv_addr(x); }
     if let Some(x) = args.rpc_addr { builder.add_rpc_addr(x); }
@@ -1099,6 +1101,9 @@ impl<'a> Register<'a> {
       alloc::string::ToString::to_string(x)
     });
     let step_budget = self.step_budget();
+    let metrics_addr = self.metrics_addr().map(|x| {
+      alloc::string::ToString::to_string(x)
+    });
     RegisterT {
       role,
       name,
@@ -1109,6 +1114,7 @@ impl<'a> Register<'a> {
       rpc_addr,
       kv_addr,
       step_budget,
+      metrics_addr,
     }
   }
 
@@ -1178,6 +1184,14 @@ impl<'a> Register<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u32>(Register::VT_STEP_BUDGET, Some(0)).unwrap()}
   }
+  /// Where the node serves its Prometheus metrics ("ip:port"; absent: not said).
+  #[inline]
+  pub fn metrics_addr(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Register::VT_METRICS_ADDR, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Register<'_> {
@@ -1195,6 +1209,7 @@ impl ::flatbuffers::Verifiable for Register<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("rpc_addr", Self::VT_RPC_ADDR, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("kv_addr", Self::VT_KV_ADDR, false)?
      .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("metrics_addr", Self::VT_METRICS_ADDR, false)?
      .finish();
     Ok(())
   }
@@ -1209,6 +1224,7 @@ pub struct RegisterArgs<'a> {
     pub rpc_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub kv_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub step_budget: u32,
+    pub metrics_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
 }
 impl<'a> Default for RegisterArgs<'a> {
   #[inline]
@@ -1223,6 +1239,7 @@ impl<'a> Default for RegisterArgs<'a> {
       rpc_addr: None,
       kv_addr: None,
       step_budget: 0,
+      metrics_addr: None,
     }
   }
 }
@@ -1269,6 +1286,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> RegisterBuilder<'a, 'b, A> {
     self.fbb_.push_slot::<u32>(Register::VT_STEP_BUDGET, step_budget, 0);
   }
   #[inline]
+  pub fn add_metrics_addr(&mut self, metrics_addr: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Register::VT_METRICS_ADDR, metrics_addr);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> RegisterBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     RegisterBuilder {
@@ -1295,6 +1316,7 @@ impl ::core::fmt::Debug for Register<'_> {
       ds.field("rpc_addr", &self.rpc_addr());
       ds.field("kv_addr", &self.kv_addr());
       ds.field("step_budget", &self.step_budget());
+      ds.field("metrics_addr", &self.metrics_addr());
       ds.finish()
   }
 }
@@ -1310,6 +1332,7 @@ pub struct RegisterT {
   pub rpc_addr: Option<alloc::string::String>,
   pub kv_addr: Option<alloc::string::String>,
   pub step_budget: u32,
+  pub metrics_addr: Option<alloc::string::String>,
 }
 impl Default for RegisterT {
   fn default() -> Self {
@@ -1323,6 +1346,7 @@ impl Default for RegisterT {
       rpc_addr: None,
       kv_addr: None,
       step_budget: 0,
+      metrics_addr: None,
     }
   }
 }
@@ -1350,6 +1374,9 @@ impl RegisterT {
       _fbb.create_string(x)
     });
     let step_budget = self.step_budget;
+    let metrics_addr = self.metrics_addr.as_ref().map(|x|{
+      _fbb.create_string(x)
+    });
     Register::create(_fbb, &RegisterArgs{
       role,
       name,
@@ -1360,6 +1387,7 @@ impl RegisterT {
       rpc_addr,
       kv_addr,
       step_budget,
+      metrics_addr,
     })
   }
 }
