@@ -85,7 +85,16 @@ fn responses_say_how_they_were_served_and_the_metrics_agree() {
             let r = c.client.get(url).send();
             async move { r.await.unwrap().text().await.unwrap() }
         };
-        let m = get(format!("{}/metrics", c.http)).await;
+        // The prefill node's handoff report can arrive after a short response has ended (the
+        // coordinator then reads it in the background): wait for it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let m = loop {
+            let m = get(format!("{}/metrics", c.http)).await;
+            if sample(&m, "cleave_handoff_queue_seconds_count", &[]) >= 1.0 || std::time::Instant::now() > deadline {
+                break m;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         let ttft = "cleave_time_to_first_token_seconds_count";
         assert_eq!(sample(&m, ttft, &[("pool", "prefill"), ("path", "remote")]), 1.0, "{m}");
         assert_eq!(sample(&m, ttft, &[("pool", "decode"), ("path", "local"), ("local_reason", "short_prompt")]), 2.0, "{m}");

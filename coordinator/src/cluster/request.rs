@@ -314,6 +314,32 @@ enum Read {
     Lost(String),
 }
 
+/// A short output can end before the prefill node's handoff report arrives (it follows the
+/// receiver's Ack, and the decode node starts at that Ack): read the report in the background,
+/// for at most [`REPORT_WAIT`], so that the handoff metrics count every request.
+fn report_later(mut ps: DuplexStream, pnode: NodeRef, dispatched: Duration, cluster: ClusterHandle) {
+    tokio::spawn(async move {
+        loop {
+            match next(&mut ps, REPORT_WAIT).await {
+                Read::Msg(ControlMsg::HandoffDone(h)) => {
+                    let labels = [("pool", "prefill".to_string()), ("node", pnode.name.clone())];
+                    record_handoff(&h, &pnode, dispatched, labels);
+                    if h.error.is_none() {
+                        let tail = Duration::from_micros(h.tail_us);
+                        cluster.observe(super::Observation::Handoff { bytes: h.transfer_bytes, tail });
+                    }
+                    return;
+                }
+                Read::Msg(_) => {}
+                Read::Lost(_) => return,
+            }
+        }
+    });
+}
+
+/// How long a finished request's handoff report is waited for.
+const REPORT_WAIT: Duration = Duration::from_secs(5);
+
 async fn next(s: &mut DuplexStream, silence: Duration) -> Read {
     match tokio::time::timeout(silence, read_msg(&mut s.recv)).await {
         Ok(Ok(Some(m))) => Read::Msg(m),
@@ -457,6 +483,9 @@ async fn remote(
                     }
                     let last = ev.finish_reason.is_some();
                     if !emit(d, p, ev).await || last {
+                        if last && prefill_open {
+                            report_later(ps, pnode, dispatched, cluster.clone());
+                        }
                         return Outcome::Finished;
                     }
                 }
