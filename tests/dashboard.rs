@@ -116,10 +116,6 @@ impl Browser {
     }
 }
 
-fn have(bin: &str) -> bool {
-    Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-}
-
 #[test]
 fn the_dashboard_shows_every_pool_live_and_drains_a_node_from_the_page() {
     if !(have(CHROMIUM) && have("chromedriver")) {
@@ -131,20 +127,7 @@ fn the_dashboard_shows_every_pool_live_and_drains_a_node_from_the_page() {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = TestCluster::start(
-        &tiny_llama(),
-        &["prefill", "decode", "both"],
-        &[
-            "--local-prefill-max-tokens",
-            "6",
-            "--planner",
-            "advise",
-            "--ttft-target-ms",
-            "3000",
-            "--tpot-target-ms",
-            "100",
-        ],
-    );
+    let c = three_pool_cluster();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         c.wait_nodes(3).await;

@@ -32,10 +32,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn have(bin: &str) -> bool {
-    Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-}
-
 /// The recording rules of deploy/prometheus/rules.yml: (name, expression). Every `expr:` there
 /// is one line.
 fn rules() -> Vec<(String, String)> {
@@ -130,22 +126,7 @@ fn the_shipped_prometheus_rules_and_grafana_queries_return_data_from_a_live_clus
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // One node of each pool; the planner in advise mode publishes targets, attainment and the
-    // saturation line without moving anything.
-    let c = TestCluster::start(
-        &tiny_llama(),
-        &["prefill", "decode", "both"],
-        &[
-            "--local-prefill-max-tokens",
-            "4",
-            "--planner",
-            "advise",
-            "--ttft-target-ms",
-            "3000",
-            "--tpot-target-ms",
-            "100",
-        ],
-    );
+    let c = three_pool_cluster();
     let dir = std::env::temp_dir().join(format!("cleave-prometheus-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

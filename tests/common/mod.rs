@@ -374,3 +374,20 @@ pub fn spawn_load(
         .collect();
     (stop, tasks)
 }
+
+/// Whether `bin --version` runs: a tool a test needs is installed.
+pub fn have(bin: &str) -> bool {
+    Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+/// One node of each pool (prefill, decode, colocated), short prompts prefilled on their decode
+/// node, and the planner in advise mode (it publishes targets, attainment, its saturation line and
+/// its target sizes without moving anything): the cluster the observability tests watch.
+pub fn three_pool_cluster() -> TestCluster {
+    let args = ["--local-prefill-max-tokens", "6", "--planner", "advise", "--ttft-target-ms", "3000"];
+    TestCluster::start(
+        &tiny_llama(),
+        &["prefill", "decode", "both"],
+        &[&args[..], &["--tpot-target-ms", "100"]].concat(),
+    )
+}
