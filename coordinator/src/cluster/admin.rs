@@ -38,7 +38,7 @@ use tokio::net::TcpListener;
 
 use super::dashboard;
 use super::planning::PlannerHandle;
-use super::registry::{AfterDrain, NodeState};
+use super::registry::{AfterDrain, NodeState, PoolSummary};
 use super::{Cluster, ClusterHandle, NodeOp};
 use crate::{router, AppState, CoordinatorError};
 
@@ -184,20 +184,19 @@ async fn pools(State(s): State<AdminState>) -> Result<Json<Value>, CoordinatorEr
     let states = s.cluster.node_states().await.unwrap_or_default();
     let latency = s.planner.pool_latency().await.unwrap_or_default();
     let mut out = serde_json::Map::new();
-    for (pool, role) in [("prefill", NodeRole::Prefill), ("decode", NodeRole::Decode), ("colocated", NodeRole::Both)] {
+    let summary = PoolSummary::of_states(&states);
+    let roles = [NodeRole::Prefill, NodeRole::Decode, NodeRole::Both];
+    for ((pool, load), role) in summary.named().into_iter().zip(roles) {
         let members: Vec<&NodeState> = states.iter().filter(|n| n.node.role == role).collect();
-        let sum = |f: &dyn Fn(&NodeState) -> u64| members.iter().map(|n| f(n)).sum::<u64>();
-        let total = sum(&|n| u64::from(n.load.total_blocks));
-        let used = total.saturating_sub(sum(&|n| u64::from(n.load.free_blocks + n.load.cached_blocks)));
         out.insert(
             pool.into(),
             json!({
                 "nodes": members.iter().map(|n| json!({"id": n.node.id, "name": n.node.name, "state": n.lifecycle.as_str()})).collect::<Vec<_>>(),
-                "active_nodes": members.iter().filter(|n| n.lifecycle.as_str() == "active").count(),
-                "queued_prefill_tokens": sum(&|n| n.load.queued_prefill_tokens),
-                "running_seqs": sum(&|n| u64::from(n.load.running_seqs)),
-                "waiting_seqs": sum(&|n| u64::from(n.load.waiting_seqs)),
-                "kv_usage_ratio": if total == 0 { 0.0 } else { used as f64 / total as f64 },
+                "active_nodes": load.nodes,
+                "queued_prefill_tokens": load.queued_prefill_tokens,
+                "running_seqs": load.running_seqs,
+                "waiting_seqs": load.waiting_seqs,
+                "kv_usage_ratio": load.kv_usage(),
                 "latency": latency.get(pool).cloned().unwrap_or(Value::Null),
             }),
         );

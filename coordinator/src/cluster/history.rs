@@ -12,11 +12,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use cleave_protocol::control::NodeRole;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::registry::NodeState;
+use super::registry::{NodeState, PoolSummary};
 
 /// How often a sample is taken.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);
@@ -95,29 +94,18 @@ impl History {
     pub fn sample(&mut self, now: Duration, states: &[NodeState], latency: &HashMap<String, Value>) {
         let since = self.last.map_or(SAMPLE_EVERY, |l| now.saturating_sub(l)).max(Duration::from_millis(1));
         self.last = Some(now);
+        let summary = PoolSummary::of_states(states);
+        let loads = summary.named().into_iter().map(|(k, v)| (k, Some(v)));
         let mut pools = BTreeMap::new();
-        let pool_roles = [
-            ("prefill", Some(NodeRole::Prefill)),
-            ("decode", Some(NodeRole::Decode)),
-            ("colocated", Some(NodeRole::Both)),
-            ("overall", None),
-        ];
-        for (pool, role) in pool_roles {
+        for (pool, load) in loads.chain([("overall", None)]) {
             let mut p = PoolSample::default();
-            let (mut used, mut total) = (0u64, 0u64);
-            for n in states.iter().filter(|n| role.is_some_and(|r| n.node.role == r)) {
-                if n.lifecycle.as_str() == "active" {
-                    p.active_nodes += 1;
-                } else {
-                    p.inactive_nodes += 1;
-                }
-                p.queued_prefill_tokens += n.load.queued_prefill_tokens;
-                p.running_seqs += u64::from(n.load.running_seqs);
-                let t = u64::from(n.load.total_blocks);
-                total += t;
-                used += t.saturating_sub(u64::from(n.load.free_blocks) + u64::from(n.load.cached_blocks));
+            if let Some(l) = load {
+                p.active_nodes = l.nodes as u32;
+                p.inactive_nodes = l.inactive as u32;
+                p.queued_prefill_tokens = l.queued_prefill_tokens;
+                p.running_seqs = l.running_seqs;
+                p.kv_usage = l.kv_usage();
             }
-            p.kv_usage = if total == 0 { 0.0 } else { used as f64 / total as f64 };
             if let Some(l) = latency.get(pool) {
                 let window = l["window_s"].as_f64().filter(|w| *w > 0.0).unwrap_or(1.0);
                 p.completions_per_s = l["requests"].as_f64().unwrap_or(0.0) / window;
@@ -151,7 +139,7 @@ impl History {
 mod tests {
     use super::*;
     use crate::cluster::registry::{Lifecycle, NodeRef};
-    use cleave_protocol::control::LoadReport;
+    use cleave_protocol::control::{LoadReport, NodeRole};
     use serde_json::json;
 
     fn node(id: u64, role: NodeRole, lifecycle: Lifecycle, queued: u64) -> NodeState {

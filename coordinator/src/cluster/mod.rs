@@ -462,13 +462,11 @@ fn publish_pools(reg: &Registry, ready: &watch::Sender<crate::server::Readiness>
 }
 
 fn record_pools(s: &PoolSummary) {
-    for (pool, p) in [("prefill", &s.prefill), ("decode", &s.decode), ("colocated", &s.colocated)] {
+    for (pool, p) in s.named() {
         metrics::gauge!(metric::POOL_NODES, "pool" => pool).set(p.nodes as f64);
         metrics::gauge!(metric::POOL_QUEUED_PREFILL_TOKENS, "pool" => pool).set(p.queued_prefill_tokens as f64);
         metrics::gauge!(metric::POOL_RUNNING_SEQS, "pool" => pool).set(p.running_seqs as f64);
-        let used = p.total_blocks.saturating_sub(p.free_blocks + p.cached_blocks);
-        let ratio = if p.total_blocks == 0 { 0.0 } else { used as f64 / p.total_blocks as f64 };
-        metrics::gauge!(metric::POOL_KV_USAGE_RATIO, "pool" => pool).set(ratio);
+        metrics::gauge!(metric::POOL_KV_USAGE_RATIO, "pool" => pool).set(p.kv_usage());
     }
 }
 

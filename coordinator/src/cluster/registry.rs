@@ -668,22 +668,7 @@ impl Registry {
     pub fn pools(&self) -> PoolSummary {
         let mut s = PoolSummary::default();
         for n in self.nodes.values() {
-            let p = match n.reg.role {
-                NodeRole::Prefill => &mut s.prefill,
-                NodeRole::Decode => &mut s.decode,
-                NodeRole::Both => &mut s.colocated,
-            };
-            if n.lifecycle == Lifecycle::Active {
-                p.nodes += 1;
-            } else {
-                p.inactive += 1;
-            }
-            p.queued_prefill_tokens += n.load.queued_prefill_tokens;
-            p.running_seqs += u64::from(n.load.running_seqs);
-            p.waiting_seqs += u64::from(n.load.waiting_seqs);
-            p.free_blocks += u64::from(n.load.free_blocks);
-            p.cached_blocks += u64::from(n.load.cached_blocks);
-            p.total_blocks += u64::from(n.load.total_blocks);
+            s.add(n.reg.role, n.lifecycle == Lifecycle::Active, &n.load);
         }
         s
     }
@@ -746,11 +731,58 @@ pub struct PoolLoad {
     pub total_blocks: u64,
 }
 
+impl PoolLoad {
+    /// Share of the pool's KV blocks in use (neither free nor holding cached prefixes), 0..1.
+    pub fn kv_usage(&self) -> f64 {
+        let used = self.total_blocks.saturating_sub(self.free_blocks + self.cached_blocks);
+        if self.total_blocks == 0 {
+            0.0
+        } else {
+            used as f64 / self.total_blocks as f64
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolSummary {
     pub prefill: PoolLoad,
     pub decode: PoolLoad,
     pub colocated: PoolLoad,
+}
+
+impl PoolSummary {
+    /// The pools of the nodes the admin API lists (what [`Registry::pools`] says of the live ones).
+    pub fn of_states(states: &[NodeState]) -> Self {
+        let mut s = Self::default();
+        for n in states {
+            s.add(n.node.role, n.lifecycle == Lifecycle::Active, &n.load);
+        }
+        s
+    }
+
+    fn add(&mut self, role: NodeRole, active: bool, load: &LoadReport) {
+        let p = match role {
+            NodeRole::Prefill => &mut self.prefill,
+            NodeRole::Decode => &mut self.decode,
+            NodeRole::Both => &mut self.colocated,
+        };
+        if active {
+            p.nodes += 1;
+        } else {
+            p.inactive += 1;
+        }
+        p.queued_prefill_tokens += load.queued_prefill_tokens;
+        p.running_seqs += u64::from(load.running_seqs);
+        p.waiting_seqs += u64::from(load.waiting_seqs);
+        p.free_blocks += u64::from(load.free_blocks);
+        p.cached_blocks += u64::from(load.cached_blocks);
+        p.total_blocks += u64::from(load.total_blocks);
+    }
+
+    /// The pools by name (`prefill`, `decode`, `colocated`).
+    pub fn named(&self) -> [(&'static str, &PoolLoad); 3] {
+        [("prefill", &self.prefill), ("decode", &self.decode), ("colocated", &self.colocated)]
+    }
 }
 
 #[cfg(test)]

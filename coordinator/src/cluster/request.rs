@@ -321,15 +321,7 @@ fn report_later(mut ps: DuplexStream, pnode: NodeRef, dispatched: Duration, clus
     tokio::spawn(async move {
         loop {
             match next(&mut ps, REPORT_WAIT).await {
-                Read::Msg(ControlMsg::HandoffDone(h)) => {
-                    let labels = [("pool", "prefill".to_string()), ("node", pnode.name.clone())];
-                    record_handoff(&h, &pnode, dispatched, labels);
-                    if h.error.is_none() {
-                        let tail = Duration::from_micros(h.tail_us);
-                        cluster.observe(super::Observation::Handoff { bytes: h.transfer_bytes, tail });
-                    }
-                    return;
-                }
+                Read::Msg(ControlMsg::HandoffDone(h)) => return record_handoff(&h, &pnode, dispatched, &cluster),
                 Read::Msg(_) => {}
                 Read::Lost(_) => return,
             }
@@ -440,7 +432,6 @@ async fn remote(
     // Decode events that overtook the prefill node's first token (separate streams).
     let mut early: Vec<TokenEvent> = Vec::new();
     let mut decode_first_step_recorded = false;
-    let labels = |n: &NodeRef| [("pool", "prefill".to_string()), ("node", n.name.clone())];
     loop {
         tokio::select! {
             () = d.cancel.cancelled() => {
@@ -525,11 +516,7 @@ async fn remote(
                     }
                 }
                 Read::Msg(ControlMsg::HandoffDone(h)) => {
-                    record_handoff(&h, &pnode, dispatched, labels(&pnode));
-                    if h.error.is_none() {
-                        let tail = Duration::from_micros(h.tail_us);
-                        cluster.observe(super::Observation::Handoff { bytes: h.transfer_bytes, tail });
-                    }
+                    record_handoff(&h, &pnode, dispatched, cluster);
                     prefill_open = false;
                     // The prefill node's part is over (a drain of it need not wait for the
                     // stream's decode).
@@ -551,12 +538,16 @@ async fn remote(
     }
 }
 
-fn record_handoff(h: &HandoffDone, node: &NodeRef, dispatched: Duration, labels: [(&'static str, String); 2]) {
+/// A prefill node's handoff report: into the metrics, and (a completed one) the dashboard's history.
+fn record_handoff(h: &HandoffDone, node: &NodeRef, dispatched: Duration, cluster: &ClusterHandle) {
     if let Some(e) = &h.error {
         tracing::warn!(node = %node.name, error = %e, "handoff failed");
         metrics::counter!(metric::HANDOFF_FAILURES_TOTAL, "node" => node.name.clone()).increment(1);
         return;
     }
+    let tail = Duration::from_micros(h.tail_us);
+    cluster.observe(super::Observation::Handoff { bytes: h.transfer_bytes, tail });
+    let labels = [("pool", "prefill".to_string()), ("node", node.name.clone())];
     let s = |us: u64| us as f64 / 1e6;
     metrics::histogram!(metric::HANDOFF_QUEUE_SECONDS, &labels).record(dispatched.as_secs_f64() + s(h.queue_us));
     metrics::histogram!(metric::HANDOFF_PREFILL_SECONDS, &labels).record(s(h.prefill_us));
