@@ -90,9 +90,11 @@
 //! second, `TPOT_mean` its inverse, and `B = (lambda/k) O TPOT_mean`. TTFT = max(M/G/1 wait
 //! at `q` with utilisation `u` and service `ceil(P/x) t_m`, the backlog wait as above at the
 //! nodes' full-chunk rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
-//! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q = poisson_upper(lambda/k
-//! (O TPOT_mean + ceil(P/x) t_m))` the prompts whose prefill overlaps its life at the
-//! quantile; the rest are decode steps, both at the quantile batch `B_q`. So a small budget
+//! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q` the quantile of the
+//! Poisson count (mean `lambda/k (O TPOT_mean + ceil(P/x) t_m)`) of prompts whose prefill
+//! overlaps its life, its inverse CDF interpolated between the integers (at the small means
+//! that matter most sequences see no prompt at all, which a normal approximation cannot say);
+//! the rest are decode steps, both at the quantile batch `B_q`. So a small budget
 //! costs TTFT (more chunks) and a large one TPOT (long mixed
 //! steps), and loose TPOT targets with short prompts favour colocation (fewer nodes: no
 //! separate prefill node), tight ones disaggregation.
@@ -104,8 +106,16 @@
 //! kept in step with the window (1% resolution, O(1) per completion). Once the window holds
 //! 10 successful completions that started under the current configuration, `observed quantile / mean raw prediction made for
 //! it over the window` (clamped to [0.5, 4]) feeds an EWMA (time constant window / 3) per
-//! metric; every candidate's TTFT and TPOT are multiplied by the factors, recorded in each
-//! decision. TTFT is never scaled below what the backlog alone implies (the floor `W_b +
+//! metric, one pair per family (disaggregated pools, colocated nodes: different formulas with
+//! different errors; a mixed configuration corrects neither); every candidate's TTFT and TPOT
+//! are multiplied by its family's factors, recorded in each decision. A family that clients
+//! have not corrected within ten windows is predicted with the current family's factors where
+//! those exceed 1, else uncorrected: a factor learnt hours ago under another workload, or the
+//! other family's, misled more than it helped (a colocated factor at its 0.5 floor from a
+//! start-up storm made colocation look twice as good at 07:00 of a simulated day; colocated
+//! pessimism carried over to a 1p1d split made it look better than it ran), and an unchecked
+//! model must not look better than a checked one only because its errors are unseen. TTFT is
+//! never scaled below what the backlog alone implies (the floor `W_b +
 //! service`), because the backlog is measured, not modelled: a model that over-predicted in
 //! the past must not hide a queue that is building now.
 //!
@@ -127,10 +137,12 @@
 //!    with fewer nodes is chosen before the planner has observed one full window, nor while
 //!    the window's attainment is below `targets.attainment`.
 //! 3. `r(current) > up` (risk, or breach): the fewest nodes among candidates that do not add
-//!    nodes and reach `r <= down`, else among those adding nodes with `r <= up`; if none, the
-//!    smallest `r` the budget allows (overloaded ones ranked by load/capacity), adopted only
-//!    when `r <= 0.95 r(current)` (near a target, a few percent of p90 latency is most of the
-//!    attainment). So a re-split that is not a last resort must land clearly inside the
+//!    nodes and reach `r <= down`, else among those adding nodes with `r <= up`; if none
+//!    (nothing meets the targets), the candidate predicted to keep the most requests within
+//!    both targets (attainment, below), with the fewest nodes that keep as many, adopted only
+//!    when it keeps at least 5 points more than the current one; where no candidate is
+//!    predicted to keep even 5%, the smallest `r` the budget allows (overloaded ones ranked by
+//!    load/capacity), adopted only when `r <= 0.95 r(current)`. So a re-split that is not a last resort must land clearly inside the
 //!    targets, a last resort must be predicted better, and the move back needs the reverse
 //!    (with the memory of what each configuration was like to run): noise around a threshold
 //!    does not flap. No re-split (a move that adds no node) before one window was observed.
@@ -140,6 +152,18 @@
 //!    capacity slowly, add it fast.
 //!
 //! Ties: most slack, then the current configuration, then fewest role changes.
+//!
+//! **Predicted attainment** (`Model::attainment`): the share of requests within both targets,
+//! `P(TTFT <= target) * P(TPOT <= target)`, each the largest quantile whose corrected
+//! prediction stays within its target (bisection over the quantile, under a point of
+//! resolution), at the window's demand without the sequences in flight now (one instant of
+//! the population the demand implies: two sequences on a decoder whose lone step is at the
+//! target read as "nobody meets it", and the choice flapped with every such instant). Where
+//! nothing meets the targets at the quantile, p90 ratios cannot rank the candidates: at a 70
+//! ms TPOT with a lone decode step of 65 ms, one decoder and two colocated nodes are both past
+//! the target at p90, but the colocated pair keeps every request that no prompt lands beside
+//! within it, and measured twice the share. Reported in decisions and estimates
+//! (`predicted.*.attainment`).
 //!
 //! # Actions
 //!

@@ -8,8 +8,16 @@
 //! does not fit.
 
 use crate::costs::StepCosts;
-use crate::queueing::{erlang_c, erlang_c_table, least_fixed_point, normal_quantile, poisson_upper, wait_quantile};
+use crate::queueing::{
+    erlang_c, erlang_c_table, least_fixed_point, normal_quantile, poisson_quantile, poisson_upper, wait_quantile,
+};
 use crate::types::{ConfigPrediction, PoolTarget};
+
+/// Quantiles probed when predicting attainment: a prediction within target at the upper end
+/// counts as everyone, one past it at the lower end as no one.
+const ATTAIN_Q: (f64, f64) = (0.01, 0.99);
+/// Bisection steps: the share to within 0.98 / 2^7, under one percentage point.
+const ATTAIN_STEPS: u32 = 7;
 
 /// Demand and the work on the nodes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -108,6 +116,7 @@ impl Raw {
             tpot_ms: ms(c.tpot),
             prefill_utilisation: finite_or_zero(self.utilisation),
             decode_batch: finite_or_zero(self.batch),
+            attainment: None,
         }
     }
 }
@@ -130,6 +139,52 @@ pub(crate) struct Factors {
 impl Default for Factors {
     fn default() -> Self {
         Self { ttft: 1.0, tpot: 1.0 }
+    }
+}
+
+/// Correction factors per family of configuration: disaggregated pools and colocated nodes
+/// are predicted by different formulas, whose errors differ (the colocated one, built on the
+/// prompts that overlap a sequence's life, errs on the safe side at the quantile; the decode
+/// pool's on the other), so what clients showed of one says nothing of the other. One factor
+/// for both carried the colocated pessimism over to the disaggregated split and made it look
+/// better than it ran after every switch.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct FamilyFactors {
+    pub disaggregated: Factors,
+    pub colocated: Factors,
+}
+
+impl FamilyFactors {
+    /// The factors that apply to `t`: its family's, or for a mixed configuration (only ever a
+    /// transition) the larger of each.
+    pub fn of(&self, t: &PoolTarget) -> Factors {
+        match Self::family(t) {
+            Some(false) => self.disaggregated,
+            Some(true) => self.colocated,
+            None => Factors {
+                ttft: self.disaggregated.ttft.max(self.colocated.ttft),
+                tpot: self.disaggregated.tpot.max(self.colocated.tpot),
+            },
+        }
+    }
+
+    /// The factors observation of `t` corrects: none for a mixed (or empty) configuration,
+    /// whose completions belong to both families.
+    pub fn of_mut(&mut self, t: &PoolTarget) -> Option<&mut Factors> {
+        match Self::family(t) {
+            Some(false) => Some(&mut self.disaggregated),
+            Some(true) => Some(&mut self.colocated),
+            None => None,
+        }
+    }
+
+    /// `Some(true)`: colocated only; `Some(false)`: disaggregated only.
+    fn family(t: &PoolTarget) -> Option<bool> {
+        match (t.prefill + t.decode > 0, t.colocated > 0) {
+            (true, false) => Some(false),
+            (false, true) => Some(true),
+            _ => None,
+        }
     }
 }
 
@@ -414,7 +469,7 @@ impl<'a> Model<'a> {
         let x_q = 1.0 + self.life_batch_upper(b);
         // Prompts whose prefill overlaps the sequence's decoding: those arriving during its
         // life or up to one prompt's prefill before it.
-        let overlapping = poisson_upper(lam * (o * tpot_mean + chunks * t_m), self.z);
+        let overlapping = poisson_quantile(lam * (o * tpot_mean + chunks * t_m), self.q);
         let mixed = (overlapping * chunks).min(o);
         let tpot = (mixed * self.mixed_step(chunk, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
         Raw {
@@ -425,6 +480,48 @@ impl<'a> Model<'a> {
             batch: b,
             stress: stress.max(u),
         }
+    }
+
+    /// Predicted share of requests that meet both targets: `P(TTFT <= ttft_s) * P(TPOT <=
+    /// tpot_s)`, each the largest quantile whose corrected prediction stays within its target
+    /// (bisection over the quantile; the predictions are non-decreasing in it). The product
+    /// treats the two as independent, which under-states the share where both suffer from the
+    /// same busy periods: a conservative, not an exact, figure.
+    ///
+    /// What it is for: where no configuration meets the targets at the quantile, the one that
+    /// keeps the most requests within them is the best use of the nodes, and a worst-ratio at
+    /// the quantile cannot see that (two decoders whose p90 TPOT is past the target may still
+    /// keep twice the share under it as one). 0 for a configuration that cannot keep up.
+    pub fn attainment(&self, t: &PoolTarget, f: Factors, ttft_s: f64, tpot_s: f64) -> f64 {
+        // The steady state at the window's demand: the sequences in flight now are one instant
+        // of the population the demand implies, and near a target the share under it swings
+        // with every sequence that instant holds (two in flight on a decoder whose lone step
+        // is at the target read as "nobody meets it"), which made the choice flap.
+        let load = Load { inflight_seqs: 0.0, ..self.load };
+        let at = |q: f64| Model::new(self.costs, load, q, self.largest_budget).predict(t).corrected(f);
+        let share = |within: &dyn Fn(&Corrected) -> bool| {
+            let (mut lo, mut hi) = (ATTAIN_Q.0, ATTAIN_Q.1);
+            if within(&at(hi)) {
+                return 1.0;
+            }
+            if !within(&at(lo)) {
+                return 0.0;
+            }
+            for _ in 0..ATTAIN_STEPS {
+                let mid = 0.5 * (lo + hi);
+                if within(&at(mid)) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            lo
+        };
+        let ttft = share(&|c: &Corrected| c.ttft <= ttft_s);
+        if ttft == 0.0 {
+            return 0.0;
+        }
+        ttft * share(&|c: &Corrected| c.tpot <= tpot_s)
     }
 
     /// Any configuration, mixed ones included: demand, backlog and sequences in flight are

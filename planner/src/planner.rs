@@ -19,8 +19,8 @@ use crate::cluster::{plan_actions, ClusterView};
 use crate::config::{Mode, PlannerConfig, PlannerUpdate};
 use crate::costs::{StepCosts, StepStats};
 use crate::error::PlannerError;
-use crate::model::{Factors, Load, Model, Raw};
-use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput};
+use crate::model::{Factors, FamilyFactors, Load, Model, Raw};
+use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput, ATTAIN_GAIN};
 use crate::types::{Arrival, Completion, Decision, Estimate, Inputs, PoolTarget, Prediction, Reason, Snapshot};
 use crate::window::{shifted, ArrivalWindow, CompletionStats, CompletionWindow};
 
@@ -64,8 +64,9 @@ pub struct Planner {
     completions: CompletionWindow,
     first_seen: Option<Duration>,
     means: Means,
-    factors: Factors,
-    factors_at: Option<Duration>,
+    factors: FamilyFactors,
+    /// When each family's factors last moved (disaggregated, colocated).
+    factors_at: [Option<Duration>; 2],
     /// (tick time, raw TTFT s, raw TPOT s) predicted for the current configuration.
     history: VecDeque<(Duration, f64, f64)>,
     /// What clients experienced under recent configurations: the worst ratio to target of each,
@@ -123,8 +124,8 @@ impl Planner {
             completions,
             first_seen: None,
             means: Means::default(),
-            factors: Factors::default(),
-            factors_at: None,
+            factors: FamilyFactors::default(),
+            factors_at: [None; 2],
             history: VecDeque::new(),
             experienced: Vec::new(),
             config_since: Duration::ZERO,
@@ -220,15 +221,21 @@ impl Planner {
         let a = self.assess(snap);
         let model = Model::new(&*self.costs, a.load, self.cfg.targets.quantile, self.cfg.limits.largest_step_budget());
         let raw = model.predict(&a.current);
+        let f = self.live_factors(snap.now).of(&a.current);
         Estimate {
             at_ms: ms(snap.now),
             mode: self.cfg.mode,
             current: a.view.current,
             live_nodes: a.view.live,
             inputs: a.inputs,
-            predicted: raw.to_prediction(self.factors),
-            ttft_correction: self.factors.ttft,
-            tpot_correction: self.factors.tpot,
+            predicted: raw.to_prediction(f).with_attainment(Some(model.attainment(
+                &a.current,
+                f,
+                self.cfg.targets.ttft_ms / 1e3,
+                self.cfg.targets.tpot_ms / 1e3,
+            ))),
+            ttft_correction: f.ttft,
+            tpot_correction: f.tpot,
         }
     }
 
@@ -298,9 +305,11 @@ impl Planner {
     /// observed = the quantile over successful completions that started under it (at least
     /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
     /// same window. An EWMA with time constant window / 3, ratios clamped to
-    /// [`CORRECTION_RANGE`]. Factors persist across configuration changes (the model's bias
-    /// is a property of the model and the workload, not of the pool sizes).
-    fn update_correction(&mut self, now: Duration, stats: &CompletionStats, raw: &Raw) {
+    /// [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
+    /// (the model's bias is a property of the formula and the workload, not of the pool
+    /// sizes), and each family keeps its own ([`FamilyFactors`]); a mixed configuration
+    /// corrects neither.
+    fn update_correction(&mut self, now: Duration, current: &PoolTarget, stats: &CompletionStats, raw: &Raw) {
         let cutoff = now.checked_sub(self.cfg.window);
         while self.history.front().is_some_and(|h| cutoff.is_some_and(|c| h.0 <= c)) {
             self.history.pop_front();
@@ -314,25 +323,60 @@ impl Planner {
         let n = self.history.len() as f64;
         let pred_ttft = self.history.iter().map(|h| h.1).sum::<f64>() / n;
         let pred_tpot = self.history.iter().map(|h| h.2).sum::<f64>() / n;
-        let tau = self.cfg.window.as_secs_f64() / 3.0;
-        let dt =
-            self.factors_at.map_or(tau, |t| now.saturating_sub(t).as_secs_f64()).min(self.cfg.window.as_secs_f64());
-        let alpha = 1.0 - (-dt / tau).exp();
+        let slot = usize::from(current.colocated > 0);
+        let window = self.cfg.window.as_secs_f64();
+        let tau = window / 3.0;
         let (lo, hi) = CORRECTION_RANGE;
+        if self.factors_at[slot].is_some_and(|at| now.saturating_sub(at) > self.cfg.window * EXPERIENCE_WINDOWS) {
+            // What clients showed long ago says little now: start again from the model.
+            self.factors_at[slot] = None;
+            if let Some(f) = self.factors.of_mut(current) {
+                *f = Factors::default();
+            }
+        }
+        let dt = self.factors_at[slot].map_or(tau, |t| now.saturating_sub(t).as_secs_f64()).min(window);
+        let alpha = 1.0 - (-dt / tau).exp();
+        let Some(factors) = self.factors.of_mut(current) else { return };
         let mut moved = false;
         if let (true, Some(obs)) = (stats.since_count >= MIN_CORRECTION_SAMPLES, stats.since_ttft_q) {
             let r = (obs / pred_ttft).clamp(lo, hi);
-            self.factors.ttft += alpha * (r - self.factors.ttft);
+            factors.ttft += alpha * (r - factors.ttft);
             moved = true;
         }
         if let (true, Some(obs)) = (stats.since_tpot_count >= MIN_CORRECTION_SAMPLES, stats.since_tpot_q) {
             let r = (obs / pred_tpot).clamp(lo, hi);
-            self.factors.tpot += alpha * (r - self.factors.tpot);
+            factors.tpot += alpha * (r - factors.tpot);
             moved = true;
         }
         if moved {
-            self.factors_at = Some(now);
+            self.factors_at[slot] = Some(now);
         }
+    }
+
+    /// The correction factors predictions use at `now`: each family's own while clients
+    /// corrected it within [`EXPERIENCE_WINDOWS`] windows. A family without such a correction
+    /// (never run, or left long ago under another workload) is predicted with the current
+    /// family's factors where those are above 1, else uncorrected: a model nobody checked is
+    /// assumed no less wrong than the one clients are checking, so that the current family's
+    /// errors never make the other look better than it is (the grass is not greener for
+    /// being unobserved), and no better than the model says (a colocated factor at its 0.5
+    /// floor from a start-up storm made colocation look twice as good hours later, and
+    /// colocated pessimism carried over to a 1p1d split made it look better than it ran).
+    fn live_factors(&self, now: Duration) -> FamilyFactors {
+        let horizon = self.cfg.window * EXPERIENCE_WINDOWS;
+        let fresh = |slot: usize| self.factors_at[slot].is_some_and(|at| now.saturating_sub(at) <= horizon);
+        let current = self.last_current.unwrap_or_default();
+        let seen =
+            if fresh(usize::from(current.colocated > 0)) { self.factors.of(&current) } else { Factors::default() };
+        let prior = Factors { ttft: seen.ttft.max(1.0), tpot: seen.tpot.max(1.0) };
+        let mut f = self.factors;
+        if !fresh(0) {
+            f.disaggregated = prior;
+        }
+        if !fresh(1) {
+            f.colocated = prior;
+        }
+        f
     }
 
     /// One planning step. `None` when mode is off or no new target is decided.
@@ -359,7 +403,7 @@ impl Planner {
         let t = &cfg.targets;
         let largest = cfg.limits.largest_step_budget();
         let raw_current = Model::new(&*self.costs, a.load, t.quantile, largest).predict(&a.current);
-        self.update_correction(now, &a.stats, &raw_current);
+        self.update_correction(now, &a.current, &a.stats, &raw_current);
         let model = Model::new(&*self.costs, a.load, t.quantile, largest);
 
         let band = if cfg.can_add_nodes { (0, cfg.limits.max_nodes) } else { (a.view.live, a.view.live) };
@@ -372,7 +416,7 @@ impl Planner {
                 current: a.current,
                 ttft_target_s: t.ttft_ms / 1e3,
                 tpot_target_s: t.tpot_ms / 1e3,
-                factors: self.factors,
+                factors: self.live_factors(now),
             },
         );
         let current = search.evaluate(&a.current);
@@ -396,16 +440,21 @@ impl Planner {
             .retain(|e| now.saturating_sub(e.at) <= horizon && e.target != a.current && similar(&e.demand, &demand));
         // Judged once enough requests finished under it, or once it has run a third of a
         // window (its queues and the nodes' load are then its own, whatever the completions).
+        // Attainment only matters (and is only computed) where the targets are at risk.
+        let attained = (current.ratio > cfg.scale_up_margin).then(|| search.attainment(&a.current));
         if a.stats.since_count >= MIN_CORRECTION_SAMPLES || now.saturating_sub(self.config_since) >= cfg.window / 3 {
-            self.experienced.push(Experience { target: a.current, at: now, ratio: current.ratio, demand });
+            self.experienced.push(Experience { target: a.current, at: now, ratio: current.ratio, attained, demand });
         }
         let decided = search.decide(&current, in_limits, policy);
-        let seen_worse = |to: &PoolTarget| {
-            self.experienced
-                .iter()
-                .any(|e| e.target == *to && (e.ratio.is_nan() || e.ratio > current.ratio * cfg.scale_up_margin))
+        // Judged as the move was chosen: by predicted attainment (it must have kept more
+        // there than is predicted here now), else by worst ratio.
+        let seen_worse = |mv: &Move| {
+            self.experienced.iter().filter(|e| e.target == mv.to.target).any(|e| match mv.attainment {
+                Some([here, _]) => e.attained.is_some_and(|there| there < here + ATTAIN_GAIN),
+                None => e.ratio.is_nan() || e.ratio > current.ratio * cfg.scale_up_margin,
+            })
         };
-        let decided = decided.filter(|mv| mv.kind != MoveKind::Relieve || !seen_worse(&mv.to.target));
+        let decided = decided.filter(|mv| mv.kind != MoveKind::Relieve || !seen_worse(mv));
         // A re-split (a relief that adds no node) waits for one window of observation: before
         // that the costs rest on a few steps (a node's first ones, with weights still paging
         // in, are the slowest it will run) and no client has corrected them, and a re-split
@@ -457,11 +506,23 @@ impl Planner {
     fn decision(&self, snap: &Snapshot, a: &Assessment, current: &Candidate, mv: &Move) -> Decision {
         let target = mv.to.target;
         let reason = reason(&a.current, current, mv, &a.inputs, &self.cfg);
+        let t = &self.cfg.targets;
+        let live = self.live_factors(snap.now);
+        let model = Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget());
+        let attain = |p: &PoolTarget| {
+            let share = model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
+            Some(share)
+        };
+        let (f_cur, f_to) = (live.of(&a.current), live.of(&target));
+        let (cur_attain, to_attain) = match mv.attainment {
+            Some([c, to]) => (Some(c), Some(to)),
+            None => (attain(&a.current), attain(&target)),
+        };
         let predicted = Prediction {
-            current: current.raw.to_prediction(self.factors),
-            target: mv.to.raw.to_prediction(self.factors),
-            ttft_correction: self.factors.ttft,
-            tpot_correction: self.factors.tpot,
+            current: current.raw.to_prediction(f_cur).with_attainment(cur_attain),
+            target: mv.to.raw.to_prediction(f_to).with_attainment(to_attain),
+            ttft_correction: f_cur.ttft,
+            tpot_correction: f_cur.tpot,
         };
         Decision {
             at_ms: ms(snap.now),
@@ -471,7 +532,7 @@ impl Planner {
             actions: plan_actions(snap, &target, self.cfg.can_add_nodes),
             applied: self.cfg.mode == Mode::Auto,
             reason,
-            why: why(reason, binding(current, &self.cfg), &a.current, &target, &predicted, &a.inputs, &self.cfg),
+            why: why(reason, binding(current, &self.cfg), mv, &a.current, &predicted, &a.inputs, &self.cfg),
             inputs: a.inputs.clone(),
             predicted,
         }
@@ -481,12 +542,14 @@ impl Planner {
 /// How long (in windows) a configuration's experience counts, at most.
 const EXPERIENCE_WINDOWS: u32 = 10;
 
-/// What running a configuration was like: its worst ratio to target, and the demand then.
+/// What running a configuration was like: its worst ratio to target, its predicted
+/// attainment where the targets were at risk, and the demand then.
 #[derive(Debug, Clone, Copy)]
 struct Experience {
     target: PoolTarget,
     at: Duration,
     ratio: f64,
+    attained: Option<f64>,
     /// Arrival rate, mean prompt and mean output tokens.
     demand: [f64; 3],
 }
@@ -596,8 +659,8 @@ fn changes(cur: &PoolTarget, to: &PoolTarget) -> String {
 fn why(
     reason: Reason,
     binding: Binding,
+    mv: &Move,
     cur: &PoolTarget,
-    to: &PoolTarget,
     p: &Prediction,
     i: &Inputs,
     cfg: &PlannerConfig,
@@ -606,6 +669,7 @@ fn why(
     let q = (t.quantile * 100.0).round();
     let up = cfg.scale_up_margin;
     let rate = i.arrival_rate;
+    let to = &mv.to.target;
     let change = changes(cur, to);
     let observed = |v: Option<f64>| v.map_or_else(|| "none yet".to_string(), |v| format!("{v:.0} ms"));
     let ttft_context =
@@ -658,5 +722,14 @@ fn why(
             fmt_ms(p.current.tpot_ms),
         ),
     };
-    format!("{lead}: {change}")
+    match mv.attainment {
+        Some([here, there]) => format!(
+            "{lead}; no configuration meets the targets at p{q}, and {} nodes are predicted to keep {:.0}% of \
+             requests within both (now {:.0}%): {change}",
+            to.nodes(),
+            there * 100.0,
+            here * 100.0
+        ),
+        None => format!("{lead}: {change}"),
+    }
 }

@@ -97,6 +97,44 @@ pub(crate) fn poisson_upper(mu: f64, z: f64) -> f64 {
     (mu + z * mu.sqrt() + (z * z - 1.0) / 6.0).max(0.0)
 }
 
+/// Quantile `q` of a Poisson count with mean `mu`, the inverse CDF interpolated linearly
+/// between the integers (`n - 1 + (q - F(n - 1)) / p(n)` for `F(n - 1) < q <= F(n)`): exact at
+/// every integer's CDF, continuous and non-decreasing in `q` and `mu`, and 0 for `q <= e^-mu`.
+///
+/// For the few prompts that overlap one colocated sequence's life (means well under 1 at the
+/// loads that matter), the count is mostly 0: `e^-0.5` = 61% of sequences see no prefill at
+/// all, which the Cornish–Fisher form ([`poisson_upper`], 0.33 at the median) cannot say; it
+/// made colocated nodes look a prefill chunk slower at every quantile than they run. Above a
+/// mean of [`POISSON_EXACT_MAX`] the normal-based form is used (close there, and no long sum).
+pub(crate) fn poisson_quantile(mu: f64, q: f64) -> f64 {
+    if mu <= 0.0 || q <= 0.0 {
+        return 0.0;
+    }
+    if mu > POISSON_EXACT_MAX || q >= 1.0 {
+        return poisson_upper(mu, normal_quantile(q.min(1.0 - 1e-9)));
+    }
+    let mut pmf = (-mu).exp();
+    let mut cdf = pmf;
+    if q <= cdf {
+        return 0.0;
+    }
+    let mut n = 0.0;
+    // F(n) reaches any q < 1 well before mu + 40 sqrt(mu) + 40 terms for mu <= 50.
+    while cdf < q && n < mu + 40.0 * mu.sqrt() + 40.0 {
+        n += 1.0;
+        pmf *= mu / n;
+        let prev = cdf;
+        cdf += pmf;
+        if q <= cdf {
+            return n - 1.0 + (q - prev) / pmf;
+        }
+    }
+    n
+}
+
+/// Largest mean for which [`poisson_quantile`] sums the distribution.
+pub(crate) const POISSON_EXACT_MAX: f64 = 50.0;
+
 /// The least fixed point `x = g(x)` in `[0, limit]` of a non-decreasing `g` with `g(0) >= 0`,
 /// or `None` when there is none there (the pool diverges) or `g` answers something infinite.
 ///
@@ -167,6 +205,28 @@ pub(crate) fn least_fixed_point(mut g: impl FnMut(f64) -> f64, limit: f64) -> Op
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poisson_quantile_is_exact_at_the_integers_and_continuous() {
+        let mu: f64 = 0.5;
+        let f0 = (-mu).exp();
+        let f1 = f0 * (1.0 + mu);
+        assert_eq!(poisson_quantile(mu, 0.5), 0.0, "the median of Poisson(0.5) is 0");
+        assert_eq!(poisson_quantile(mu, f0), 0.0);
+        assert!((poisson_quantile(mu, f1) - 1.0).abs() < 1e-12);
+        assert!((poisson_quantile(mu, 0.5 * (f0 + f1)) - 0.5).abs() < 1e-12);
+        // Non-decreasing in q and mu; near the normal form for a large mean.
+        let mut last = 0.0;
+        for i in 1..100 {
+            let x = poisson_quantile(3.0, f64::from(i) / 100.0);
+            assert!(x >= last, "{x} < {last}");
+            last = x;
+        }
+        assert!(poisson_quantile(2.0, 0.9) > poisson_quantile(1.9, 0.9));
+        let (exact, cf) = (poisson_quantile(49.0, 0.9), poisson_upper(49.0, normal_quantile(0.9)));
+        assert!((exact - cf).abs() < 1.0, "{exact} vs {cf}");
+        assert_eq!(poisson_quantile(0.0, 0.9), 0.0);
+    }
 
     #[test]
     fn normal_quantile_known_values() {

@@ -19,7 +19,7 @@ use std::cmp::Ordering;
 use std::collections::HashMap;
 
 use crate::config::Limits;
-use crate::model::{Corrected, DecodePart, Factors, Model, PrefillPart, Raw};
+use crate::model::{Corrected, DecodePart, FamilyFactors, Model, PrefillPart, Raw};
 use crate::types::PoolTarget;
 
 /// Where nothing meets the targets, the least bad configuration replaces the current one only
@@ -29,6 +29,15 @@ use crate::types::PoolTarget;
 /// it; flapping is held off by `confirm_ticks`, the cooldown, and the memory of what each
 /// configuration was like to run, not by this gap.
 pub(crate) const RELIEF_GAIN: f64 = 0.95;
+
+/// Where nothing meets the targets and some configuration is predicted to keep at least
+/// [`MIN_ATTAINMENT`] of requests within them, the choice is by predicted attainment, and a
+/// move must gain this much of it (absolute share) over staying.
+pub(crate) const ATTAIN_GAIN: f64 = 0.05;
+
+/// Below this predicted attainment everywhere, nothing is kept within the targets worth the
+/// name, and the least bad configuration is the one nearest them (worst ratio).
+pub(crate) const MIN_ATTAINMENT: f64 = 0.05;
 
 /// A configuration with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,7 +67,7 @@ pub(crate) struct SearchInput<'l> {
     pub current: PoolTarget,
     pub ttft_target_s: f64,
     pub tpot_target_s: f64,
-    pub factors: Factors,
+    pub factors: FamilyFactors,
 }
 
 /// How the current configuration should be left, if at all.
@@ -87,6 +96,9 @@ pub(crate) enum MoveKind {
 pub(crate) struct Move {
     pub to: Candidate,
     pub kind: MoveKind,
+    /// Predicted attainment of the current configuration and of the target, when the move was
+    /// chosen by it (nothing meets the targets at the quantile).
+    pub attainment: Option<[f64; 2]>,
 }
 
 struct Disagg {
@@ -109,6 +121,8 @@ pub(crate) struct Search<'a, 'm> {
     dis: Option<Disagg>,
     col: Option<Coloc>,
     memo: HashMap<(u32, u32), Raw>,
+    /// Predicted attainment per configuration (see [`Model::attainment`]).
+    attained: HashMap<PoolTarget, f64>,
     /// Configurations evaluated so far (for the complexity test).
     pub evaluated: usize,
 }
@@ -158,7 +172,7 @@ impl<'a, 'm> Search<'a, 'm> {
             })
             .flatten();
         let evaluated = dis.as_ref().map_or(0, |d| d.pre.len());
-        Self { model, input, dis, col, memo: HashMap::new(), evaluated }
+        Self { model, input, dis, col, memo: HashMap::new(), attained: HashMap::new(), evaluated }
     }
 
     /// The worst ratio counts utilisation (offered load / capacity of the busiest pool) as a
@@ -166,7 +180,7 @@ impl<'a, 'm> Search<'a, 'm> {
     /// so latency alone would plan it at 99% busy, where the few percent of error in a windowed
     /// rate estimate make it unstable. The margins then apply to utilisation too.
     fn candidate(&self, target: PoolTarget, raw: Raw) -> Candidate {
-        let corrected = raw.corrected(self.input.factors);
+        let corrected = raw.corrected(self.input.factors.of(&target));
         let ratio = corrected.ratio(self.input.ttft_target_s, self.input.tpot_target_s).max(raw.stress);
         Candidate { target, raw, corrected, ratio }
     }
@@ -199,7 +213,7 @@ impl<'a, 'm> Search<'a, 'm> {
     /// a necessary condition for any split with `d` decode nodes, monotone in `d`.
     fn decode_meets(&mut self, d: u32, margin: f64) -> bool {
         let dec = self.decode(d);
-        dec.tpot * self.input.factors.tpot / self.input.tpot_target_s <= margin && dec.stress <= margin
+        dec.tpot * self.input.factors.disaggregated.tpot / self.input.tpot_target_s <= margin && dec.stress <= margin
     }
 
     /// Whether the prefill pool of `p` nodes alone (no decode first step) stays within
@@ -207,7 +221,7 @@ impl<'a, 'm> Search<'a, 'm> {
     fn prefill_meets(&self, p: u32, margin: f64) -> bool {
         let Some(dis) = self.dis.as_ref() else { return false };
         let pre = &dis.pre[p as usize];
-        let ttft = (pre.ttft * self.input.factors.ttft).max(pre.floor);
+        let ttft = (pre.ttft * self.input.factors.disaggregated.ttft).max(pre.floor);
         ttft / self.input.ttft_target_s <= margin && pre.utilisation <= margin
     }
 
@@ -342,7 +356,22 @@ impl<'a, 'm> Search<'a, 'm> {
         if nodes.0 > nodes.1 {
             return None;
         }
-        // (candidate, smallest count of the searched pool allowed)
+        let tops = self.tops(nodes);
+        let top = |c: &Candidate| (c.ratio, c.raw.stress);
+        let least = tops.iter().map(|(c, _)| top(c)).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)))?;
+        let mut best = None;
+        for (c, lo) in tops.into_iter().filter(|(c, _)| top(c) == least) {
+            let t = c.target;
+            let as_good = |x: &Candidate| x.ratio <= c.ratio && x.raw.stress <= c.raw.stress;
+            let shrunk = self.shrink(&t, lo, |_, x| as_good(x));
+            self.keep_best(&mut best, shrunk, Self::cmp_least);
+        }
+        best
+    }
+
+    /// For each decode count and each step budget, the configuration with the most nodes
+    /// allowed in the searched pool (prefill, colocated), with the smallest count allowed.
+    fn tops(&mut self, nodes: (u32, u32)) -> Vec<(Candidate, u32)> {
         let mut tops: Vec<(Candidate, u32)> = Vec::new();
         for d in self.d_values() {
             if let Some((lo, hi)) = self.p_range(d, nodes) {
@@ -354,23 +383,63 @@ impl<'a, 'm> Search<'a, 'm> {
                 tops.push((self.coloc(hi, b), lo));
             }
         }
-        let top = |c: &Candidate| (c.ratio, c.raw.stress);
-        let least = tops.iter().map(|(c, _)| top(c)).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)))?;
-        let mut best = None;
-        for (c, lo) in tops.into_iter().filter(|(c, _)| top(c) == least) {
-            let t = c.target;
-            let as_good = |x: &Candidate| x.ratio <= c.ratio && x.raw.stress <= c.raw.stress;
-            let shrunk = if t.colocated > 0 {
-                let b = t.step_budget.unwrap_or_default();
-                let k = first_true(lo, t.colocated, |k| as_good(&self.coloc(k, b))).unwrap_or(t.colocated);
-                self.coloc(k, b)
-            } else {
-                let p = first_true(lo, t.prefill, |p| as_good(&self.disagg(p, t.decode))).unwrap_or(t.prefill);
-                self.disagg(p, t.decode)
-            };
-            self.keep_best(&mut best, shrunk, Self::cmp_least);
+        tops
+    }
+
+    /// The fewest nodes of `t`'s searched pool (prefill beside its decode count, or colocated
+    /// at its budget), from `lo` up, for which `good` holds (binary search: `good` must be
+    /// monotone in the count); `t` itself when none smaller does.
+    fn shrink(&mut self, t: &PoolTarget, lo: u32, mut good: impl FnMut(&mut Self, &Candidate) -> bool) -> Candidate {
+        if t.colocated > 0 {
+            let b = t.step_budget.unwrap_or_default();
+            let k = first_true(lo, t.colocated, |k| {
+                let c = self.coloc(k, b);
+                good(self, &c)
+            });
+            self.coloc(k.unwrap_or(t.colocated), b)
+        } else {
+            let p = first_true(lo, t.prefill, |p| {
+                let c = self.disagg(p, t.decode);
+                good(self, &c)
+            });
+            self.disagg(p.unwrap_or(t.prefill), t.decode)
         }
-        best
+    }
+
+    /// Predicted share of requests within both targets under `t` (memoized).
+    pub fn attainment(&mut self, t: &PoolTarget) -> f64 {
+        if let Some(a) = self.attained.get(t) {
+            return *a;
+        }
+        let i = &self.input;
+        let a = self.model.attainment(t, i.factors.of(t), i.ttft_target_s, i.tpot_target_s);
+        self.attained.insert(*t, a);
+        a
+    }
+
+    /// The candidate predicted to keep the most requests within the targets in `band`, with
+    /// the fewest nodes that keep as many; among equals the smallest worst ratio. Attainment
+    /// grows with every pool's size, so as in [`Self::least_ratio`] only the largest count per
+    /// decode count and step budget is scored, then the winner is shrunk.
+    pub fn most_attaining(&mut self, band: (u32, u32)) -> Option<(Candidate, f64)> {
+        let nodes = self.nodes_within(band);
+        if nodes.0 > nodes.1 {
+            return None;
+        }
+        let mut best: Option<(Candidate, u32, f64)> = None;
+        for (c, lo) in self.tops(nodes) {
+            let a = self.attainment(&c.target);
+            let better = best.as_ref().is_none_or(|(b, _, ba)| {
+                a > ba + 1e-9 || ((a - ba).abs() <= 1e-9 && self.cmp_least(&c, b) == Ordering::Less)
+            });
+            if better {
+                best = Some((c, lo, a));
+            }
+        }
+        let (c, lo, a) = best?;
+        let shrunk = self.shrink(&c.target, lo, |s, x| s.attainment(&x.target) >= a - 1e-9);
+        let a = self.attainment(&shrunk.target);
+        Some((shrunk, a))
     }
 
     /// The hysteresis policy (see the crate docs, "Choosing"). `None`: keep the current one.
@@ -378,7 +447,9 @@ impl<'a, 'm> Search<'a, 'm> {
         let (up, down) = (policy.scale_up_margin, policy.scale_down_margin);
         let all = (0, u32::MAX);
         let n = current.nodes();
-        let chosen = |to: Candidate, kind: MoveKind| (to.target != current.target).then_some(Move { to, kind });
+        let chosen = |to: Candidate, kind: MoveKind| {
+            (to.target != current.target).then_some(Move { to, kind, attainment: None })
+        };
         if !in_limits {
             let to = self.best_meeting(up, all).or_else(|| self.least_ratio(all))?;
             return chosen(to, MoveKind::Bounds);
@@ -395,7 +466,20 @@ impl<'a, 'm> Search<'a, 'm> {
         if let Some(to) = self.best_meeting(down, same_or_fewer).or_else(|| self.best_meeting(up, (n + 1, u32::MAX))) {
             return chosen(to, MoveKind::Relieve);
         }
-        // Nothing meets: the least bad, if clearly better than staying.
+        // Nothing meets: the one keeping the most requests within the targets, if it keeps
+        // clearly more than staying; where nothing keeps a share worth the name, the one
+        // nearest the targets, if clearly nearer.
+        if let Some((to, a_to)) = self.most_attaining(all) {
+            let a_cur = self.attainment(&current.target);
+            if a_to.max(a_cur) >= MIN_ATTAINMENT {
+                let gain = a_to >= a_cur + ATTAIN_GAIN;
+                return (gain && to.target != current.target).then_some(Move {
+                    to,
+                    kind: MoveKind::Relieve,
+                    attainment: Some([a_cur, a_to]),
+                });
+            }
+        }
         let to = self.least_ratio(all)?;
         let better = if to.ratio.is_finite() {
             !current.ratio.is_finite() || to.ratio <= current.ratio * RELIEF_GAIN
@@ -459,7 +543,7 @@ mod tests {
             current: PoolTarget { prefill: 1, decode: 1, colocated: 0, step_budget: None },
             ttft_target_s: 3.0,
             tpot_target_s: 0.1,
-            factors: Factors::default(),
+            factors: FamilyFactors::default(),
         };
         let mut s = Search::new(&model, input);
         let cur = s.evaluate(&PoolTarget { prefill: 1, decode: 1, colocated: 0, step_budget: None });

@@ -226,6 +226,18 @@ pub struct ConfigPrediction {
     pub prefill_utilisation: f64,
     /// Mean sequences in flight per decoding node.
     pub decode_batch: f64,
+    /// Predicted share of requests within both targets (TTFT and TPOT), 0 to 1: what decides
+    /// between configurations when none meets the targets at the quantile. Absent in records
+    /// from before it was predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attainment: Option<f64>,
+}
+
+impl ConfigPrediction {
+    pub fn with_attainment(mut self, attainment: Option<f64>) -> Self {
+        self.attainment = attainment;
+        self
+    }
 }
 
 /// Predictions behind a decision.
@@ -233,9 +245,10 @@ pub struct ConfigPrediction {
 pub struct Prediction {
     pub current: ConfigPrediction,
     pub target: ConfigPrediction,
-    /// Observed/predicted TTFT factor multiplied into every prediction.
+    /// Observed/predicted TTFT factor multiplied into the current configuration's
+    /// prediction (its family's; the target is corrected by its own family's).
     pub ttft_correction: f64,
-    /// Observed/predicted TPOT factor multiplied into every prediction.
+    /// Observed/predicted TPOT factor, likewise.
     pub tpot_correction: f64,
 }
 

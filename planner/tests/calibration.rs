@@ -59,3 +59,30 @@ fn no_resplit_before_one_window_of_observation() {
     assert!(at >= Duration::from_secs(30), "re-split at {at:?}, before one window (30 s) of observation: {}", d.why);
     assert_eq!(d.target.nodes(), 2);
 }
+
+/// What clients showed of colocated nodes corrects colocated predictions only: the two
+/// families are predicted by different formulas whose errors differ, and one shared factor
+/// carried the colocated model's pessimism over to disaggregated pools after every switch
+/// (making them look better than they ran).
+#[test]
+fn clients_correct_the_family_they_were_served_by() {
+    let cfg = common::config(Mode::Advise, 3000.0, 200.0, common::limits(2, 2, 2, 2), false);
+    let mut sim = Sim::new(cfg, &[Role::Both, Role::Both]);
+    let mut colocated = None;
+    for _ in 0..90 {
+        let n = sim.arrive(1.0, Duration::from_secs(1), 64, 32);
+        // Clients see TPOT far under anything predicted.
+        sim.complete(n, Duration::from_millis(100), Duration::from_millis(5), 32);
+        sim.tick();
+        colocated = Some(sim.planner.estimate(&sim.snapshot()));
+    }
+    let colocated = colocated.unwrap();
+    assert!(colocated.tpot_correction < 0.8, "{colocated:?}");
+    for (i, n) in sim.nodes.iter_mut().enumerate() {
+        n.role = if i == 0 { Role::Prefill } else { Role::Decode };
+    }
+    let split = sim.planner.estimate(&sim.snapshot());
+    let c = split.current;
+    assert_eq!((c.prefill, c.decode, c.colocated), (1, 1, 0), "{split:?}");
+    assert_eq!((split.ttft_correction, split.tpot_correction), (1.0, 1.0), "{split:?}");
+}

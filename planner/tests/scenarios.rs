@@ -349,3 +349,40 @@ fn expected_outputs_are_the_used_share_of_what_arrivals_ask_for() {
     assert_eq!(e.inputs.completions, 10, "{:?}", e.inputs);
     assert!((e.inputs.mean_output_tokens - 128.0).abs() < 1e-9, "{:?}", e.inputs);
 }
+
+/// (10) Nothing meets the targets: a decode step of one sequence is 66 ms against a 70 ms TPOT
+/// target, and every second sequence in a batch adds 8 ms, so at p90 both 1p1d (one decoder
+/// holding every sequence) and two colocated nodes (half the sequences each, a prompt's chunks
+/// now and then) miss it. What differs is how many requests stay under it: on the one decoder
+/// a request meets the target only when it decodes alone for most of its life, on two
+/// colocated nodes whenever no prompt lands on its node meanwhile. Ranked by the p90 ratio the
+/// planner stayed on 1p1d (and measured 15-23% against 28-31% for two colocated nodes); ranked
+/// by predicted attainment it colocates, once, and says why.
+#[test]
+fn with_no_configuration_meeting_the_targets_the_one_keeping_most_requests_within_them_wins() {
+    let costs = cleave_planner::LinearCosts {
+        decode_fixed_s: 0.058,
+        decode_s_per_seq: 0.008,
+        prefill_fixed_s: 0.010,
+        prefill_s_per_token: 0.0015,
+        ..common::cpu_costs()
+    };
+    let cfg = config(Mode::Auto, 3000.0, 70.0, limits(2, 2, 2, 2), false);
+    let mut sim = Sim::with_costs(cfg, &[Role::Prefill, Role::Decode], costs);
+    let mut decisions = Vec::new();
+    for step in 0..300u32 {
+        sim.arrive(0.3, TICK, 384, 32);
+        if let Some(d) = sim.tick() {
+            sim.apply(&d);
+            decisions.push((step, d));
+        }
+    }
+    let (_, d) = decisions.first().expect("stayed on the split that keeps fewer requests within the targets");
+    assert_eq!(d.target.colocated, 2, "{d:?}");
+    let (now, then) = (d.predicted.current, d.predicted.target);
+    assert!(now.tpot_ms.unwrap() > 70.0 && then.tpot_ms.unwrap() > 70.0, "something met the target: {d:?}");
+    let (a_now, a_then) = (now.attainment.unwrap(), then.attainment.unwrap());
+    assert!(a_then >= a_now + 0.05, "moved for {a_then} against {a_now}");
+    assert!(d.why.contains("predicted to keep"), "{}", d.why);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+}

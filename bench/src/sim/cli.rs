@@ -108,6 +108,12 @@ pub struct SimulateArgs {
     /// times and lengths; its phases are the trace), to set the simulation beside that run.
     #[arg(long, value_name = "RESULT_JSON")]
     pub replay: Option<PathBuf>,
+    /// Planner mode, with --replay: scale the profile's step times to the speed the nodes of
+    /// that run really had, from their cumulative step timings in a saved `GET /admin/nodes`
+    /// answer (`bench/planner/shift.sh` writes NAME.nodes.json beside each run). A shared
+    /// machine drifts; this puts the replay at the run's own speed.
+    #[arg(long, value_name = "NODES_JSON")]
+    pub scale_to_nodes: Option<PathBuf>,
     /// Planner mode: a preset's length, seconds (day: 86400, shift: 600).
     #[arg(long)]
     pub trace_duration_s: Option<f64>,
@@ -186,6 +192,9 @@ pub struct SimulateReport {
     pub comparisons: Vec<super::validate::PointComparison>,
     /// Planner mode (--planner).
     pub planner: Option<super::plan_report::PlannerReport>,
+    /// The factors the profile was scaled by (--scale-to-nodes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speed: Option<super::speed::SpeedScale>,
 }
 
 /// Runs the subcommand: prints a table and writes `--output`.
@@ -194,6 +203,26 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
     let handoff = HandoffCost {
         bandwidth_bytes_per_s: args.handoff_bandwidth_gbps * 1e9,
         latency_s: args.handoff_latency_ms / 1e3,
+    };
+    let (profile, speed) = match &args.scale_to_nodes {
+        Some(nodes) => {
+            let run = args.replay.as_ref().ok_or_else(|| {
+                BenchError::InvalidArg("--scale-to-nodes needs --replay (the run those nodes served)".into())
+            })?;
+            let (_, requests) = super::plan_report::replay(run)?;
+            let steps = super::speed::node_steps(nodes)?;
+            let s = super::speed::measure(&profile, handoff, &steps, &requests, args.max_num_batched_tokens)?;
+            println!(
+                "speed of {}: prefill x{:.3} ({} tokens), decode x{:.3} ({} steps) against the profile",
+                nodes.display(),
+                s.prefill,
+                s.prefill_tokens,
+                s.decode,
+                s.decode_steps
+            );
+            (super::speed::apply(&profile, &s), Some(s))
+        }
+        None => (profile, None),
     };
     let cost = CostModel::from_profile(&profile, handoff)?;
     let mut limits = NodeLimits::from_cost(&cost);
@@ -211,6 +240,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
         let report = SimulateReport {
             model: profile.model.clone(),
             profile_threads: profile.threads,
+            speed,
             limits,
             handoff,
             workload: WorkloadSpec {
@@ -241,6 +271,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
         let report = SimulateReport {
             model: profile.model.clone(),
             profile_threads: profile.threads,
+            speed,
             limits,
             handoff,
             workload: WorkloadSpec {
@@ -288,6 +319,7 @@ pub fn run(args: &SimulateArgs) -> Result<SimulateReport> {
     let mut report = SimulateReport {
         model: profile.model.clone(),
         profile_threads: profile.threads,
+        speed,
         limits,
         handoff,
         workload,

@@ -14,6 +14,7 @@
 //! - [`plan_report`]: planner mode's report (per-window attainment, nodes, actions per hour).
 //! - [`search`]: summaries, goodput search and the recommendation.
 //! - [`validate`]: predicted against measured, replaying a real sweep's arrivals.
+//! - [`speed`]: a profile scaled to the speed a measured run's nodes really had.
 //! - [`cli`]: the subcommand's flags and report.
 //!
 //! Dependencies: of cleave's, only the sans-IO planner crate (its types and its `Planner`); this
@@ -29,6 +30,7 @@ pub mod plan_report;
 pub mod planned;
 pub mod profile;
 pub mod search;
+pub mod speed;
 pub mod trace;
 pub mod validate;
 pub mod workload;
