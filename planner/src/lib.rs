@@ -102,22 +102,25 @@
 //! Mixed configurations (only ever the current one) share demand between their parts in
 //! proportion to node counts and report the worse part.
 //!
-//! **Correction from observation.** Clients' percentiles come from log-bucketed histograms
-//! kept in step with the window (1% resolution, O(1) per completion). Once the window holds
-//! 10 successful completions that started under the current configuration, `observed quantile / mean raw prediction made for
-//! it over the window` (clamped to [0.5, 4]) feeds an EWMA (time constant window / 3) per
-//! metric, one pair per family (disaggregated pools, colocated nodes: different formulas with
-//! different errors; a mixed configuration corrects neither); every candidate's TTFT and TPOT
-//! are multiplied by its family's factors, recorded in each decision. A family that clients
-//! have not corrected within ten windows is predicted with the current family's factors where
-//! those exceed 1, else uncorrected: a factor learnt hours ago under another workload, or the
-//! other family's, misled more than it helped (a colocated factor at its 0.5 floor from a
-//! start-up storm made colocation look twice as good at 07:00 of a simulated day; colocated
-//! pessimism carried over to a 1p1d split made it look better than it ran), and an unchecked
-//! model must not look better than a checked one only because its errors are unseen. TTFT is
-//! never scaled below what the backlog alone implies (the floor `W_b +
-//! service`), because the backlog is measured, not modelled: a model that over-predicted in
-//! the past must not hide a queue that is building now.
+//! **Correction from observation.** Clients' percentiles come from log-bucketed histograms kept in
+//! step with the window (1% resolution, O(1) per completion). Once the window holds 10 successful
+//! completions that started under the current configuration, `observed quantile / mean raw
+//! prediction made for it over the window` (clamped to [0.5, 4]) feeds an EWMA (time constant
+//! window / 3) per metric (for TPOT, of what the prediction adds above a lone decode step:
+//! `(observed - lone) / (predicted - lone)`, applied as `lone + factor (predicted - lone)`; the
+//! step's own speed is what the cost calibration follows, and a factor learnt at the tail applied
+//! to the floor too made a lone request look past a target set near its step), one pair per family
+//! (disaggregated pools, colocated nodes: different formulas with different errors; a mixed
+//! configuration corrects neither); every candidate's TTFT and TPOT are multiplied by its family's
+//! factors, recorded in each decision. A family that clients have not corrected within ten windows
+//! is predicted with the current family's factors where those exceed 1, else uncorrected: a factor
+//! learnt hours ago under another workload, or the other family's, misled more than it helped (a
+//! colocated factor at its 0.5 floor from a start-up storm made colocation look twice as good at
+//! 07:00 of a simulated day; colocated pessimism carried over to a 1p1d split made it look better
+//! than it ran), and an unchecked model must not look better than a checked one only because its
+//! errors are unseen. TTFT is never scaled below what the backlog alone implies (the floor `W_b +
+//! service`), because the backlog is measured, not modelled: a model that over-predicted in the
+//! past must not hide a queue that is building now.
 //!
 //! # Choosing
 //!

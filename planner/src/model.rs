@@ -67,6 +67,11 @@ pub(crate) struct Raw {
     /// scales a prediction below it, because the backlog is a measurement, not a model.
     pub ttft_floor: f64,
     pub tpot: f64,
+    /// A lone decode step at the mean context: TPOT's floor. The correction scales only what a
+    /// prediction adds above it (batching, prefill chunks), because the step's own speed is
+    /// what the cost calibration already follows, and a factor learnt at the quantile's tail
+    /// applied to the floor too pushed even a lone request past a target set near it.
+    pub tpot_floor: f64,
     /// Busy share of the prefill servers.
     pub utilisation: f64,
     /// Mean sequences in flight per decoding node.
@@ -85,6 +90,7 @@ impl Raw {
             ttft: f64::INFINITY,
             ttft_floor: f64::INFINITY,
             tpot: f64::INFINITY,
+            tpot_floor: 0.0,
             utilisation: 0.0,
             batch: 0.0,
             stress,
@@ -97,6 +103,7 @@ impl Raw {
             ttft: self.ttft.max(o.ttft),
             ttft_floor: self.ttft_floor.max(o.ttft_floor),
             tpot: self.tpot.max(o.tpot),
+            tpot_floor: self.tpot_floor.max(o.tpot_floor),
             utilisation: self.utilisation.max(o.utilisation),
             batch: self.batch.max(o.batch),
             stress: self.stress.max(o.stress),
@@ -105,7 +112,10 @@ impl Raw {
 
     /// Applies the observed/predicted factors.
     pub fn corrected(self, f: Factors) -> Corrected {
-        Corrected { ttft: (self.ttft * f.ttft).max(self.ttft_floor), tpot: self.tpot * f.tpot }
+        Corrected {
+            ttft: (self.ttft * f.ttft).max(self.ttft_floor),
+            tpot: correct_above(self.tpot, self.tpot_floor, f.tpot),
+        }
     }
 
     pub fn to_prediction(self, f: Factors) -> ConfigPrediction {
@@ -119,6 +129,16 @@ impl Raw {
             attainment: None,
         }
     }
+}
+
+/// `floor + factor * (x - floor)`: a correction of what `x` adds above its floor (see
+/// [`Raw::tpot_floor`]); never below the floor, infinite stays infinite.
+pub(crate) fn correct_above(x: f64, floor: f64, factor: f64) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    let floor = floor.min(x).max(0.0);
+    floor + factor * (x - floor)
 }
 
 fn finite_or_zero(x: f64) -> f64 {
@@ -215,6 +235,8 @@ pub(crate) struct PrefillPart {
 pub(crate) struct DecodePart {
     /// The decode node's first step, added to TTFT.
     pub first_step: f64,
+    /// A lone decode step (TPOT's floor, [`Raw::tpot_floor`]).
+    pub lone: f64,
     pub tpot: f64,
     pub batch: f64,
     /// `(lambda/m) * O * step(1 + K) / K` with `K` the KV limit in sequences: >= 1 means the
@@ -345,13 +367,20 @@ impl<'a> Model<'a> {
     /// ([`Self::life_batch_upper`]). Unstable when no fixed point exists below the KV capacity.
     pub fn decode_pool(&self, m: u32, lambda: f64, inflight: f64) -> DecodePart {
         if m == 0 {
-            return DecodePart { first_step: f64::INFINITY, tpot: f64::INFINITY, batch: 0.0, stress: f64::INFINITY };
+            return DecodePart {
+                first_step: f64::INFINITY,
+                lone: 0.0,
+                tpot: f64::INFINITY,
+                batch: 0.0,
+                stress: f64::INFINITY,
+            };
         }
         let lam = lambda / f64::from(m);
         let o = self.load.output;
         let limit = self.kv_limit();
         let stress = self.decode_stress(lam, limit);
-        let unstable = DecodePart { first_step: f64::INFINITY, tpot: f64::INFINITY, batch: 0.0, stress };
+        let lone = self.decode_step(1.0);
+        let unstable = DecodePart { first_step: f64::INFINITY, lone, tpot: f64::INFINITY, batch: 0.0, stress };
         let Some(b) = least_fixed_point(|b| lam * o * self.decode_step(1.0 + b), limit) else {
             return unstable;
         };
@@ -361,6 +390,7 @@ impl<'a> Model<'a> {
         }
         DecodePart {
             first_step: self.decode_step(1.0 + b),
+            lone,
             tpot: self.decode_step(1.0 + self.life_batch_upper(b)),
             batch: b,
             stress,
@@ -391,6 +421,7 @@ impl<'a> Model<'a> {
             ttft: pre.ttft + dec.first_step,
             ttft_floor: pre.floor + dec.first_step,
             tpot: dec.tpot,
+            tpot_floor: dec.lone,
             utilisation: pre.utilisation,
             batch: dec.batch,
             stress: pre.utilisation.max(dec.stress),
@@ -476,6 +507,7 @@ impl<'a> Model<'a> {
             ttft: wait.max(drain) + settle,
             ttft_floor: drain + settle,
             tpot,
+            tpot_floor: self.decode_step(1.0),
             utilisation: u,
             batch: b,
             stress: stress.max(u),
@@ -657,6 +689,21 @@ mod tests {
         assert!(m.predict(&PoolTarget::default()).ttft.is_infinite());
         let mixed = m.predict(&PoolTarget { prefill: 1, decode: 1, colocated: 1, step_budget: Some(256) });
         assert!(mixed.ttft.is_finite() && mixed.tpot.is_finite());
+    }
+
+    #[test]
+    fn the_tpot_correction_scales_only_what_a_prediction_adds_above_a_lone_step() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(correct_above(0.100, 0.060, 2.0), 0.140));
+        assert!(close(correct_above(0.100, 0.060, 0.5), 0.080));
+        assert!(close(correct_above(0.060, 0.060, 3.0), 0.060), "a lone request stays one lone step");
+        assert!(correct_above(f64::INFINITY, 0.060, 2.0).is_infinite());
+        let c = costs();
+        let r = Model::new(&c, load(0.2), 0.9, 2048).predict(&disagg(1, 1));
+        // Context per sequence: 200 prompt + 100 / 2 output tokens.
+        assert!(close(r.tpot_floor, c.decode_step_time(1, 250)), "{r:?}");
+        let f = Factors { ttft: 1.0, tpot: 2.0 };
+        assert!(close(r.corrected(f).tpot, r.tpot_floor + 2.0 * (r.tpot - r.tpot_floor)));
     }
 
     #[test]

@@ -67,8 +67,8 @@ pub struct Planner {
     factors: FamilyFactors,
     /// When each family's factors last moved (disaggregated, colocated).
     factors_at: [Option<Duration>; 2],
-    /// (tick time, raw TTFT s, raw TPOT s) predicted for the current configuration.
-    history: VecDeque<(Duration, f64, f64)>,
+    /// (tick time, raw TTFT s, raw TPOT s, TPOT floor s) predicted for the current configuration.
+    history: VecDeque<(Duration, f64, f64, f64)>,
     /// What clients experienced under recent configurations: the worst ratio to target of each,
     /// judged once enough requests were served under it, and when (see [`Planner::tick`]).
     experienced: Vec<Experience>,
@@ -315,7 +315,7 @@ impl Planner {
             self.history.pop_front();
         }
         if raw.ttft.is_finite() && raw.tpot.is_finite() {
-            self.history.push_back((now, raw.ttft, raw.tpot));
+            self.history.push_back((now, raw.ttft, raw.tpot, raw.tpot_floor));
         }
         if self.history.is_empty() {
             return;
@@ -323,6 +323,7 @@ impl Planner {
         let n = self.history.len() as f64;
         let pred_ttft = self.history.iter().map(|h| h.1).sum::<f64>() / n;
         let pred_tpot = self.history.iter().map(|h| h.2).sum::<f64>() / n;
+        let floor = self.history.iter().map(|h| h.3).sum::<f64>() / n;
         let slot = usize::from(current.colocated > 0);
         let window = self.cfg.window.as_secs_f64();
         let tau = window / 3.0;
@@ -344,7 +345,9 @@ impl Planner {
             moved = true;
         }
         if let (true, Some(obs)) = (stats.since_tpot_count >= MIN_CORRECTION_SAMPLES, stats.since_tpot_q) {
-            let r = (obs / pred_tpot).clamp(lo, hi);
+            // Of what the prediction adds above the lone step (see `Raw::tpot_floor`); a
+            // prediction at the floor still learns, against a tenth of the floor.
+            let r = ((obs - floor) / (pred_tpot - floor).max(0.1 * floor)).clamp(lo, hi);
             factors.tpot += alpha * (r - factors.tpot);
             moved = true;
         }

@@ -19,7 +19,7 @@ use std::cmp::Ordering;
 use std::collections::HashMap;
 
 use crate::config::Limits;
-use crate::model::{Corrected, DecodePart, FamilyFactors, Model, PrefillPart, Raw};
+use crate::model::{correct_above, Corrected, DecodePart, FamilyFactors, Model, PrefillPart, Raw};
 use crate::types::PoolTarget;
 
 /// Where nothing meets the targets, the least bad configuration replaces the current one only
@@ -213,7 +213,8 @@ impl<'a, 'm> Search<'a, 'm> {
     /// a necessary condition for any split with `d` decode nodes, monotone in `d`.
     fn decode_meets(&mut self, d: u32, margin: f64) -> bool {
         let dec = self.decode(d);
-        dec.tpot * self.input.factors.disaggregated.tpot / self.input.tpot_target_s <= margin && dec.stress <= margin
+        let tpot = correct_above(dec.tpot, dec.lone, self.input.factors.disaggregated.tpot);
+        tpot / self.input.tpot_target_s <= margin && dec.stress <= margin
     }
 
     /// Whether the prefill pool of `p` nodes alone (no decode first step) stays within
