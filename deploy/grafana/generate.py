@@ -54,7 +54,9 @@ TPOT_TARGET = ('max(cleave_planner_target_seconds{slo="tpot"})', "target")
 
 row("Overview")
 line_of_three([
-    ("SLO attainment over the planner's window", [("cleave:slo_attainment:window", "{{pool}}")], "percentunit"),
+    ("SLO attainment over the planner's window",
+     [("cleave:slo_attainment:window", "{{pool}}"),
+      ("cleave_planner_predicted_slo_attainment", "predicted for the running configuration")], "percentunit"),
     ("Requests per second by path", [("sum by (path) (cleave:requests:rate1m)", "{{path}}")], "reqps"),
     ("Nodes per pool (live / planner's target)",
      [("cleave_pool_nodes", "{{pool}}"), ("cleave_planner_desired_nodes", "{{pool}} target")], "short"),

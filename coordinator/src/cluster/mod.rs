@@ -88,6 +88,10 @@ pub mod metric {
     pub const PLANNER_SATURATION_TOKENS: &str = "cleave_planner_saturation_tokens";
     /// Share of requests in the planner's window that met both targets.
     pub const PLANNER_SLO_ATTAINMENT: &str = "cleave_planner_slo_attainment";
+    /// The model's predicted share of requests within both targets under the configuration
+    /// running now (beside `cleave_planner_slo_attainment`, what clients saw: the gap is how
+    /// far to trust the planner's choices where nothing meets the targets).
+    pub const PLANNER_PREDICTED_SLO_ATTAINMENT: &str = "cleave_planner_predicted_slo_attainment";
     /// The targets, labelled `slo` (`ttft`, `tpot`), in seconds.
     pub const PLANNER_TARGET_SECONDS: &str = "cleave_planner_target_seconds";
 }

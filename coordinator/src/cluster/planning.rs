@@ -212,6 +212,9 @@ impl Actor {
         if let Some(a) = est.inputs.attainment {
             metrics::gauge!(super::metric::PLANNER_SLO_ATTAINMENT).set(a);
         }
+        if let Some(a) = est.predicted.attainment {
+            metrics::gauge!(super::metric::PLANNER_PREDICTED_SLO_ATTAINMENT).set(a);
+        }
         let t = &self.planner.config().targets;
         metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "ttft").set(t.ttft_ms / 1e3);
         metrics::gauge!(super::metric::PLANNER_TARGET_SECONDS, "slo" => "tpot").set(t.tpot_ms / 1e3);
