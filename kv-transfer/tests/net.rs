@@ -267,6 +267,38 @@ async fn connect_to_a_silent_peer_times_out_without_hanging() {
     // (No unroutable-address case: sandboxes with a transparent proxy accept any TCP connect.)
 }
 
+/// Callers queued on one silent QUIC address share the failing attempt's answer: a peer that
+/// died mid-handshake answers no datagram, so each attempt costs the whole connect timeout,
+/// and twelve requests routed to a prefill node just before it was killed failed one after
+/// another over a minute (`tests/cluster.rs::killing_a_prefill_node_leaves_no_request_hanging`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_connects_to_a_silent_peer_fail_together() {
+    let ids = NodeIdentity::generate_test_cluster(&["client"]).unwrap();
+    let udp = std::net::UdpSocket::bind(local()).unwrap();
+    let addr = udp.local_addr().unwrap();
+    let mut c = cfg(NetKind::Quic, Some(&ids[0]));
+    let timeout = Duration::from_millis(400);
+    c.connect_timeout = timeout;
+    let conn = std::sync::Arc::new(Connector::new(&c).unwrap());
+    let t0 = std::time::Instant::now();
+    let tries: Vec<_> = (0..12)
+        .map(|_| {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.open(addr).await.map(|_| ()) })
+        })
+        .collect();
+    for t in tries {
+        assert!(bounded("silent connect", t).await.unwrap().is_err(), "connected to a silent peer");
+    }
+    // One attempt's timeout, not twelve in a row (4.8 s); the margin is for a loaded machine.
+    let took = t0.elapsed();
+    assert!(took < timeout * 4, "12 callers took {took:?} with a {timeout:?} connect timeout");
+    // A caller that comes after the failure tries afresh (and fails on its own timeout).
+    let t1 = std::time::Instant::now();
+    assert!(bounded("fresh connect", conn.open(addr)).await.is_err());
+    assert!(t1.elapsed() >= timeout / 2, "a later caller reused an old failure: {:?}", t1.elapsed());
+}
+
 #[tokio::test]
 async fn tls_kinds_need_an_identity() {
     for kind in [NetKind::Quic, NetKind::TcpTls] {

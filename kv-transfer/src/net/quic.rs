@@ -271,7 +271,23 @@ fn duplex(send: quinn::SendStream, recv: quinn::RecvStream) -> DuplexStream {
     DuplexStream::quic(send, recv)
 }
 
-type Slot = Arc<tokio::sync::Mutex<Option<quinn::Connection>>>;
+type Slot = Arc<tokio::sync::Mutex<SlotState>>;
+
+/// What a connection slot holds.
+#[derive(Default)]
+enum SlotState {
+    #[default]
+    Empty,
+    Live(quinn::Connection),
+    /// The last attempt failed, when and why: callers that were already waiting on the slot
+    /// take this answer instead of trying again. A peer that died mid-handshake answers no
+    /// datagram, so each attempt costs the whole connect timeout; twelve requests queued behind
+    /// one dead address took a minute to fail one after another.
+    Failed {
+        at: tokio::time::Instant,
+        reason: String,
+    },
+}
 
 pub(super) struct QuicConnector {
     /// One client endpoint per address family, created on first use.
@@ -341,17 +357,29 @@ impl QuicConnector {
             let mut map = self.conns.lock().expect("connection cache lock poisoned");
             map.entry((addr, index)).or_default().clone()
         };
+        let asked = tokio::time::Instant::now();
         let mut guard = slot.lock().await;
-        if let Some(c) = guard.as_ref() {
-            if c.close_reason().is_none() {
-                return Ok(c.clone());
+        match &*guard {
+            SlotState::Live(c) if c.close_reason().is_none() => return Ok(c.clone()),
+            SlotState::Live(c) => {
+                tracing::debug!(%addr, reason = ?c.close_reason(), "evicting closed quic connection");
             }
-            tracing::debug!(%addr, reason = ?c.close_reason(), "evicting closed quic connection");
-            *guard = None;
+            SlotState::Failed { at, reason } if *at >= asked => {
+                // It failed while this caller waited for the slot: the same answer, now.
+                return Err(KvTransferError::Connect { addr, reason: format!("{reason} (a concurrent attempt)") });
+            }
+            SlotState::Failed { .. } | SlotState::Empty => {}
         }
-        let conn = self.connect(addr).await?;
-        *guard = Some(conn.clone());
-        Ok(conn)
+        match self.connect(addr).await {
+            Ok(conn) => {
+                *guard = SlotState::Live(conn.clone());
+                Ok(conn)
+            }
+            Err(e) => {
+                *guard = SlotState::Failed { at: tokio::time::Instant::now(), reason: e.to_string() };
+                Err(e)
+            }
+        }
     }
 
     pub(super) async fn open(&self, addr: SocketAddr) -> Result<(DuplexStream, PeerInfo)> {
