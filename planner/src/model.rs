@@ -174,37 +174,51 @@ pub(crate) struct FamilyFactors {
     pub colocated: Factors,
 }
 
+/// A family of configurations: predicted by its own formula, corrected by its own factors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Family {
+    Disaggregated = 0,
+    Colocated = 1,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::Disaggregated, Family::Colocated];
+
+    /// `None` for a mixed (or empty) configuration, whose completions belong to both.
+    pub fn of(t: &PoolTarget) -> Option<Family> {
+        match (t.prefill + t.decode > 0, t.colocated > 0) {
+            (true, false) => Some(Family::Disaggregated),
+            (false, true) => Some(Family::Colocated),
+            _ => None,
+        }
+    }
+}
+
 impl FamilyFactors {
+    pub fn get(&self, f: Family) -> Factors {
+        match f {
+            Family::Disaggregated => self.disaggregated,
+            Family::Colocated => self.colocated,
+        }
+    }
+
+    pub fn get_mut(&mut self, f: Family) -> &mut Factors {
+        match f {
+            Family::Disaggregated => &mut self.disaggregated,
+            Family::Colocated => &mut self.colocated,
+        }
+    }
+
     /// The factors that apply to `t`: its family's, or for a mixed configuration (only ever a
     /// transition) the larger of each.
     pub fn of(&self, t: &PoolTarget) -> Factors {
-        match Self::family(t) {
-            Some(false) => self.disaggregated,
-            Some(true) => self.colocated,
-            None => Factors {
+        Family::of(t).map_or(
+            Factors {
                 ttft: self.disaggregated.ttft.max(self.colocated.ttft),
                 tpot: self.disaggregated.tpot.max(self.colocated.tpot),
             },
-        }
-    }
-
-    /// The factors observation of `t` corrects: none for a mixed (or empty) configuration,
-    /// whose completions belong to both families.
-    pub fn of_mut(&mut self, t: &PoolTarget) -> Option<&mut Factors> {
-        match Self::family(t) {
-            Some(false) => Some(&mut self.disaggregated),
-            Some(true) => Some(&mut self.colocated),
-            None => None,
-        }
-    }
-
-    /// `Some(true)`: colocated only; `Some(false)`: disaggregated only.
-    fn family(t: &PoolTarget) -> Option<bool> {
-        match (t.prefill + t.decode > 0, t.colocated > 0) {
-            (true, false) => Some(false),
-            (false, true) => Some(true),
-            _ => None,
-        }
+            |f| self.get(f),
+        )
     }
 }
 

@@ -19,7 +19,7 @@ use crate::cluster::{plan_actions, ClusterView};
 use crate::config::{Mode, PlannerConfig, PlannerUpdate};
 use crate::costs::{StepCosts, StepStats};
 use crate::error::PlannerError;
-use crate::model::{Factors, FamilyFactors, Load, Model, Raw};
+use crate::model::{Factors, Family, FamilyFactors, Load, Model, Raw};
 use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput, ATTAIN_GAIN};
 use crate::types::{Arrival, Completion, Decision, Estimate, Inputs, PoolTarget, Prediction, Reason, Snapshot};
 use crate::window::{shifted, ArrivalWindow, CompletionStats, CompletionWindow};
@@ -65,7 +65,7 @@ pub struct Planner {
     first_seen: Option<Duration>,
     means: Means,
     factors: FamilyFactors,
-    /// When each family's factors last moved (disaggregated, colocated).
+    /// When each family's factors last moved (indexed by `Family as usize`).
     factors_at: [Option<Duration>; 2],
     /// (tick time, raw TTFT s, raw TPOT s, TPOT floor s) predicted for the current configuration.
     history: VecDeque<(Duration, f64, f64, f64)>,
@@ -324,20 +324,19 @@ impl Planner {
         let pred_ttft = self.history.iter().map(|h| h.1).sum::<f64>() / n;
         let pred_tpot = self.history.iter().map(|h| h.2).sum::<f64>() / n;
         let floor = self.history.iter().map(|h| h.3).sum::<f64>() / n;
-        let slot = usize::from(current.colocated > 0);
+        let Some(family) = Family::of(current) else { return };
+        let slot = family as usize;
         let window = self.cfg.window.as_secs_f64();
         let tau = window / 3.0;
         let (lo, hi) = CORRECTION_RANGE;
+        let factors = self.factors.get_mut(family);
         if self.factors_at[slot].is_some_and(|at| now.saturating_sub(at) > self.cfg.window * EXPERIENCE_WINDOWS) {
             // What clients showed long ago says little now: start again from the model.
             self.factors_at[slot] = None;
-            if let Some(f) = self.factors.of_mut(current) {
-                *f = Factors::default();
-            }
+            *factors = Factors::default();
         }
         let dt = self.factors_at[slot].map_or(tau, |t| now.saturating_sub(t).as_secs_f64()).min(window);
         let alpha = 1.0 - (-dt / tau).exp();
-        let Some(factors) = self.factors.of_mut(current) else { return };
         let mut moved = false;
         if let (true, Some(obs)) = (stats.since_count >= MIN_CORRECTION_SAMPLES, stats.since_ttft_q) {
             let r = (obs / pred_ttft).clamp(lo, hi);
@@ -367,19 +366,18 @@ impl Planner {
     /// colocated pessimism carried over to a 1p1d split made it look better than it ran).
     fn live_factors(&self, now: Duration) -> FamilyFactors {
         let horizon = self.cfg.window * EXPERIENCE_WINDOWS;
-        let fresh = |slot: usize| self.factors_at[slot].is_some_and(|at| now.saturating_sub(at) <= horizon);
-        let current = self.last_current.unwrap_or_default();
-        let seen =
-            if fresh(usize::from(current.colocated > 0)) { self.factors.of(&current) } else { Factors::default() };
+        let fresh = |f: Family| self.factors_at[f as usize].is_some_and(|at| now.saturating_sub(at) <= horizon);
+        let seen = self
+            .last_current
+            .and_then(|c| Family::of(&c))
+            .filter(|f| fresh(*f))
+            .map_or(Factors::default(), |f| self.factors.get(f));
         let prior = Factors { ttft: seen.ttft.max(1.0), tpot: seen.tpot.max(1.0) };
-        let mut f = self.factors;
-        if !fresh(0) {
-            f.disaggregated = prior;
+        let mut out = self.factors;
+        for f in Family::ALL.into_iter().filter(|f| !fresh(*f)) {
+            *out.get_mut(f) = prior;
         }
-        if !fresh(1) {
-            f.colocated = prior;
-        }
-        f
+        out
     }
 
     /// One planning step. `None` when mode is off or no new target is decided.
@@ -512,18 +510,12 @@ impl Planner {
         let t = &self.cfg.targets;
         let live = self.live_factors(snap.now);
         let model = Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget());
-        let attain = |p: &PoolTarget| {
-            let share = model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
-            Some(share)
-        };
+        let attain = |p: &PoolTarget| model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
         let (f_cur, f_to) = (live.of(&a.current), live.of(&target));
-        let (cur_attain, to_attain) = match mv.attainment {
-            Some([c, to]) => (Some(c), Some(to)),
-            None => (attain(&a.current), attain(&target)),
-        };
+        let [cur_attain, to_attain] = mv.attainment.unwrap_or_else(|| [attain(&a.current), attain(&target)]);
         let predicted = Prediction {
-            current: current.raw.to_prediction(f_cur).with_attainment(cur_attain),
-            target: mv.to.raw.to_prediction(f_to).with_attainment(to_attain),
+            current: current.raw.to_prediction(f_cur).with_attainment(Some(cur_attain)),
+            target: mv.to.raw.to_prediction(f_to).with_attainment(Some(to_attain)),
             ttft_correction: f_cur.ttft,
             tpot_correction: f_cur.tpot,
         };

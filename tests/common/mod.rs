@@ -380,6 +380,18 @@ pub fn have(bin: &str) -> bool {
     Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
+/// Whether a component a test needs (`what`) is here. When it is not, a failure if
+/// `require_env` is set (CI installs it, and a test that skips there proves nothing), else a
+/// SKIPPED line saying how to get it (`hint`) and `false`.
+pub fn available(present: bool, require_env: &str, what: &str, hint: &str) -> bool {
+    if present {
+        return true;
+    }
+    assert!(std::env::var_os(require_env).is_none(), "{require_env} is set but {what}");
+    eprintln!("SKIPPED: {what} ({hint})");
+    false
+}
+
 /// One node of each pool (prefill, decode, colocated), short prompts prefilled on their decode
 /// node, and the planner in advise mode (it publishes targets, attainment, its saturation line and
 /// its target sizes without moving anything): the cluster the observability tests watch.

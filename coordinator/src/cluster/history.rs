@@ -138,30 +138,20 @@ impl History {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::registry::{Lifecycle, NodeRef};
+    use crate::cluster::registry::Lifecycle;
     use cleave_protocol::control::{LoadReport, NodeRole};
     use serde_json::json;
 
     fn node(id: u64, role: NodeRole, lifecycle: Lifecycle, queued: u64) -> NodeState {
-        NodeState {
-            node: NodeRef { id, name: format!("n{id}"), role, rpc_addr: ([127, 0, 0, 1], 1).into() },
-            lifecycle,
-            active_prefill: 0,
-            active_decode: 0,
-            step_budget: None,
-            model_name: "m".into(),
-            metrics_addr: None,
-            load: LoadReport {
-                queued_prefill_tokens: queued,
-                running_seqs: 3,
-                free_blocks: 60,
-                cached_blocks: 10,
-                total_blocks: 100,
-                ..Default::default()
-            },
-            cached_prefix_blocks: 0,
-            report_age: Duration::ZERO,
-        }
+        let load = LoadReport {
+            queued_prefill_tokens: queued,
+            running_seqs: 3,
+            free_blocks: 60,
+            cached_blocks: 10,
+            total_blocks: 100,
+            ..Default::default()
+        };
+        NodeState::for_test(id, role, lifecycle, load)
     }
 
     #[test]

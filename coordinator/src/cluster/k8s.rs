@@ -673,20 +673,8 @@ mod tests {
 
     #[test]
     fn a_stop_waits_for_parked_or_gone_and_yields_to_a_new_role() {
-        use super::super::registry::NodeRef;
         use cleave_protocol::control::NodeRole;
-        let state = |lifecycle| NodeState {
-            node: NodeRef { id: 1, name: "p".into(), role: NodeRole::Decode, rpc_addr: ([127, 0, 0, 1], 1).into() },
-            lifecycle,
-            active_prefill: 0,
-            active_decode: 0,
-            step_budget: None,
-            model_name: "m".into(),
-            metrics_addr: None,
-            load: Default::default(),
-            cached_prefix_blocks: 0,
-            report_age: Duration::ZERO,
-        };
+        let state = |lifecycle| NodeState::for_test(1, NodeRole::Decode, lifecycle, Default::default());
         let since = std::time::Instant::now();
         let progress = |l| drain_progress(Some(&state(l)));
         assert_eq!(drain_progress(None), DrainProgress::Gone);

@@ -716,6 +716,25 @@ pub struct NodeState {
     pub report_age: Duration,
 }
 
+#[cfg(test)]
+impl NodeState {
+    /// A node as a test needs it: `id`, named `n{id}`, with `load`; nothing routed to it.
+    pub(crate) fn for_test(id: u64, role: NodeRole, lifecycle: Lifecycle, load: LoadReport) -> NodeState {
+        NodeState {
+            node: NodeRef { id, name: format!("n{id}"), role, rpc_addr: ([127, 0, 0, 1], 1).into() },
+            lifecycle,
+            active_prefill: 0,
+            active_decode: 0,
+            step_budget: None,
+            model_name: "m".into(),
+            metrics_addr: None,
+            load,
+            cached_prefix_blocks: 0,
+            report_age: Duration::ZERO,
+        }
+    }
+}
+
 /// Load of one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolLoad {
