@@ -33,6 +33,12 @@ pub enum BenchError {
          last arrival (no node left that can serve them?)"
     )]
     Stalled { at_s: f64, unfinished: usize, since_last_arrival_s: f64 },
+    #[error("{0} failed (ring)")]
+    Crypto(&'static str),
+    #[error("transfer: {0}")]
+    Net(#[from] cleave_net::NetError),
+    #[error("transfer: {0}")]
+    Transfer(#[from] cleave_kv_transfer::KvTransferError),
 }
 
 pub type Result<T> = std::result::Result<T, BenchError>;

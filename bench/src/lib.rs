@@ -8,8 +8,11 @@
 //!   own `cleave up`.
 //! - [`sim`]: a discrete-event simulator of a cleave cluster driven by a measured cost profile.
 //! - [`plot`]: PNG and SVG plots of latency CDFs and sweep curves.
+//! - [`transfer`]: `cleave bench transfer`, KV-cache bytes over every transport on loopback
+//!   beside memcpy, AES-GCM and raw TCP, and the real handoff into a block pool.
 //!
-//! Dependencies: HTTP and the shared tokenizer only; never the engine or kernels.
+//! Dependencies: HTTP and the shared tokenizer; net and kv-transfer for `transfer` alone; never
+//! the engine or kernels.
 
 pub mod client;
 pub mod compare;
@@ -23,5 +26,6 @@ pub mod serve;
 pub mod sim;
 pub mod sweep;
 pub mod timeline;
+pub mod transfer;
 
 pub use error::{BenchError, Result};

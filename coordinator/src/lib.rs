@@ -10,7 +10,7 @@
 //! each request's path through the nodes, the admin API, and the planner's actor with its
 //! actuators.
 //!
-//! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-planner and kv-transfer's
+//! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-planner and cleave-net's
 //! authenticated streams (never the engine or kernels), axum/tokio, metrics; kube behind the
 //! `kubernetes` feature.
 

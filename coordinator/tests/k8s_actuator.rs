@@ -28,7 +28,7 @@ use cleave_coordinator::cluster::k8s::{
 use cleave_coordinator::cluster::registry::RouteQuery;
 use cleave_coordinator::cluster::{Actuator, ActuatorError, Cluster, ClusterConfig, ClusterHandle};
 use cleave_coordinator::dispatch_channel;
-use cleave_kv_transfer::net::{Connector, Listener, NetConfig, NetKind};
+use cleave_net::{Connector, Listener, NetConfig, NetKind};
 use cleave_planner::{Action, Role};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, NodeRole, Register, RegisterReply};
 use cleave_protocol::{KvDtype, KvLayout};

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
-use cleave_kv_transfer::net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
+use cleave_net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
 use cleave_protocol::{RequestId, TokenEvent, TransportKind};
 use tracing::Instrument;
@@ -57,6 +57,8 @@ pub mod metric {
 pub enum NodeError {
     #[error(transparent)]
     Transfer(#[from] KvTransferError),
+    #[error(transparent)]
+    Net(#[from] cleave_net::NetError),
     #[error(transparent)]
     Engine(#[from] cleave_engine::EngineError),
     #[error("node setup: {0}")]

@@ -14,13 +14,13 @@ use cleave_decode_node::{land_into_engine, LandingSink};
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineConfig, EngineCore, EngineRequest, EngineThread, ImportStart, KvExport, KvExportEvent};
 use cleave_kernels::cpu::CpuBackend;
-use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
 use cleave_kv_transfer::rdma::sim::SimFabric;
 use cleave_kv_transfer::rdma::{
     DriverConfig, RdmaReceive, RdmaSendConfig, RdmaTransport, SendLinkConfig, SignalPolicy,
 };
-use cleave_kv_transfer::tls::NodeIdentity;
 use cleave_kv_transfer::{KvSender, LayerChunk, MemoryPool, ReceiverConfig, ReceiverService, SendConfig};
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_protocol::{RequestId, SamplingParams, StopConditions, TransportKind};
 use tokio::sync::mpsc;
 use tokio::time::timeout;

@@ -27,11 +27,11 @@ use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 
 use crate::frame::{read_frame_recycling, write_control, Control, Frame, Limits};
 use crate::metrics as m;
-use crate::net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
 use crate::sink::KvSink;
 use crate::transport::{BoxFuture, FramePipe, Transport};
 use crate::{KvTransferError, Result};
+use cleave_net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
 
 /// Settings of a receiver.
 #[derive(Debug, Clone)]

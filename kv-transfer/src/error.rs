@@ -15,12 +15,9 @@ pub enum KvTransferError {
         #[source]
         source: std::io::Error,
     },
-    #[error("tls: {0}")]
-    Tls(String),
-    #[error("certificate {path}: {reason}")]
-    Cert { path: String, reason: String },
-    #[error("connect to {addr} failed: {reason}")]
-    Connect { addr: SocketAddr, reason: String },
+    /// Opening or using a stream failed below the handoff (connect, TLS, QUIC).
+    #[error(transparent)]
+    Net(#[from] cleave_net::NetError),
     #[error("connection to {addr} lost: {reason}")]
     ConnectionLost { addr: SocketAddr, reason: String },
     #[error("timed out after {ms} ms waiting for {what}")]
@@ -90,11 +87,4 @@ pub enum KvTransferError {
     RdmaLink { link: u64, reason: String },
     #[error("rdma: no link {link} on this receiver (it restarted or dropped the link)")]
     RdmaUnknownLink { link: u64 },
-    #[error("refused by the coordinator: {reason}")]
-    Refused { reason: String },
-    #[error("control message: {0}")]
-    Control(#[from] cleave_protocol::control::WireError),
-    // --- net and bench ---
-    #[error("benchmark: {0}")]
-    Bench(String),
 }

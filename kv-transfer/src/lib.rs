@@ -2,9 +2,10 @@
 //! another node leased for it. It moves bytes described by a [`cleave_protocol::KvLayout`] and
 //! never sees engine types (see STYLE.md).
 //!
+//! The streams it sends on are `cleave_net`'s (QUIC, TLS-TCP or plain TCP, authenticated by the
+//! cluster CA); this crate adds the handoff protocol on top of them.
+//!
 //! Modules:
-//! - [`net`]: authenticated byte streams to peers over QUIC or TCP (TLS or plain);
-//! - [`tls`]: the cluster CA and node certificates (mutual TLS on every internal link);
 //! - [`frame`]: the wire format (length-prefixed flatbuffers headers + `Bytes` payloads);
 //! - [`receiver`]: the sans-IO lease and coverage state machine of a decode node;
 //! - [`actor`]: the receiver's async driver, the in-process transport;
@@ -86,20 +87,16 @@
 //! minus adopted blocks).
 
 pub mod actor;
-pub mod bench;
-pub mod bench_handoff;
 pub mod error;
 pub mod frame;
 #[allow(clippy::all)]
 pub mod generated;
 pub mod metrics;
-pub mod net;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod receiver;
 pub mod sender;
 pub mod sink;
-pub mod tls;
 pub mod transport;
 
 pub use actor::{

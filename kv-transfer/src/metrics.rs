@@ -44,11 +44,17 @@ pub fn transport_label(t: TransportKind) -> &'static str {
 
 /// The `cause` label of an error: a short, bounded set of values.
 pub fn cause(e: &KvTransferError) -> &'static str {
+    use cleave_net::NetError;
     use KvTransferError as E;
     match e {
         E::Io { .. } => "io",
-        E::Tls(_) | E::Cert { .. } => "tls",
-        E::Connect { .. } => "connect",
+        E::Net(n) => match n {
+            NetError::Io { .. } => "io",
+            NetError::Tls(_) | NetError::Cert { .. } | NetError::UnknownKind(_) => "tls",
+            NetError::Connect { .. } => "connect",
+            NetError::ConnectionLost { .. } => "connection_lost",
+            NetError::Timeout { .. } => "timeout",
+        },
         E::ConnectionLost { .. } => "connection_lost",
         E::Timeout { .. } => "timeout",
         E::MalformedFrame { .. } | E::FrameTooLarge { .. } | E::Protocol { .. } => "malformed",

@@ -30,10 +30,10 @@ use crate::actor::AbortOnDrop;
 use crate::frame::{
     checksum, encode_chunk_header, read_frame, run_bytes, write_control, ChunkHeader, Control, Frame, Limits, Open,
 };
-use crate::net::{DuplexStream, RecvHalf, SendHalf};
 use crate::receiver::layout_mismatch;
 use crate::transport::{FramePipe, Transport};
 use crate::{KvTransferError, Result};
+use cleave_net::{DuplexStream, RecvHalf, SendHalf};
 
 /// Settings of one transfer.
 #[derive(Debug, Clone)]

@@ -23,8 +23,8 @@ use std::pin::Pin;
 
 use cleave_protocol::TransportKind;
 
-use crate::net::{Connector, DuplexStream, NetConfig, NetKind};
 use crate::Result;
+use cleave_net::{Connector, DuplexStream, NetConfig, NetKind};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -80,7 +80,7 @@ impl Transport for NetTransport {
     }
 
     fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
-        Box::pin(self.connector.open(peer))
+        Box::pin(async move { Ok(self.connector.open(peer).await?) })
     }
 }
 

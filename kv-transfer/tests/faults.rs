@@ -10,8 +10,8 @@ use std::time::Duration;
 use cleave_kv_transfer::frame::{
     encode_chunk, read_frame, write_control, AbortCode, ChunkHeader, Control, Frame, Limits, Open,
 };
-use cleave_kv_transfer::net::DuplexStream;
 use cleave_kv_transfer::{KvSender, KvTransferError, SendConfig};
+use cleave_net::DuplexStream;
 use cleave_protocol::{HandoffTicket, KvDtype, LeaseId, RequestId, TransportKind};
 use common::{bounded, chunk_frame, layout, prefill_chunks, Pair, PairOptions, KINDS, WAIT};
 use tokio::io::AsyncWriteExt;
@@ -143,7 +143,9 @@ async fn receiver_dies_mid_transfer_and_restarts_on_the_same_address() {
                 &e,
                 KvTransferError::PeerAborted { .. }
                     | KvTransferError::ConnectionLost { .. }
-                    | KvTransferError::Connect { .. }
+                    | KvTransferError::Net(
+                        cleave_net::NetError::Connect { .. } | cleave_net::NetError::ConnectionLost { .. }
+                    )
             ),
             "{kind:?}: {e}"
         );

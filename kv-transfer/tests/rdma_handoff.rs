@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
 use cleave_kv_transfer::rdma::sim::SimFabric;
 use cleave_kv_transfer::rdma::*;
-use cleave_kv_transfer::tls::NodeIdentity;
 use cleave_kv_transfer::{
     KvSender, KvTransferError, LayerChunk, MemoryPool, ReceiverConfig, ReceiverHandle, ReceiverService, SendConfig,
 };
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_protocol::{KvDtype, KvLayout, RequestId, TransportKind};
 use tokio::time::timeout;
 
@@ -412,8 +412,8 @@ async fn long_and_unevenly_chunked_layers_land() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_named_by_another_peer_is_refused() {
     use cleave_kv_transfer::frame::{read_frame, write_control, Control, Limits, Open};
-    use cleave_kv_transfer::net::Connector;
     use cleave_kv_transfer::Transport;
+    use cleave_net::Connector;
     let r = rig(Duration::from_secs(60)).await;
     let link = r.transport.rdma_path(r.addr).unwrap().await.unwrap().link_id;
     let res = r.handle.reserve(RequestId(31), 8, None).await.unwrap();

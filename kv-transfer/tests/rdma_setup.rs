@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_kv_transfer::frame::{encode_control, read_frame, write_control, Control, Limits};
-use cleave_kv_transfer::net::{Connector, Listener, NetConfig, NetKind};
 use cleave_kv_transfer::rdma::sim::SimFabric;
 use cleave_kv_transfer::rdma::*;
-use cleave_kv_transfer::tls::NodeIdentity;
 use cleave_kv_transfer::transport::duplex_from;
 use cleave_kv_transfer::KvTransferError;
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Connector, Listener, NetConfig, NetKind};
 use cleave_protocol::{KvDtype, KvLayout};
 use tokio::io::AsyncWriteExt;
 use tokio::time::timeout;

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
-use cleave_kv_transfer::tls::NodeIdentity;
 use cleave_kv_transfer::{
     KvSender, LayerChunk, MemoryPool, NetTransport, ReceiverConfig, ReceiverService, SendConfig, Transport,
 };
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_protocol::{KvDtype, KvLayout, RequestId, TransportKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

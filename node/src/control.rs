@@ -24,7 +24,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use cleave_kv_transfer::net::{Connector, DuplexStream};
+use cleave_net::{Connector, DuplexStream};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply, SetRole};
 use tokio::sync::{mpsc, oneshot};
 

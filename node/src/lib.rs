@@ -14,7 +14,7 @@
 //! `SetRole` once the node has drained the work its old role had and the new one does not (see
 //! the coordinator's registry), so a switch reloads nothing and loses nothing.
 //!
-//! Allowed dependencies: engine, kv-transfer, protocol and the two role crates; the coordinator
+//! Allowed dependencies: engine, net, kv-transfer, protocol and the two role crates; the coordinator
 //! never depends on this crate.
 
 pub mod control;
@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use cleave_decode_node::{DecodeConfig, Decoder};
 use cleave_engine::EngineHandle;
-use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_kv_transfer::{KvTransferError, SendConfig, Transport};
+use cleave_net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_prefill_node::{PrefillConfig, Prefiller};
 use cleave_protocol::control::{read_msg, ControlMsg, NodeRole, Register, WireError};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -41,6 +41,8 @@ pub const MAX_REPORTED_HASHES: usize = 4096;
 pub enum NodeError {
     #[error(transparent)]
     Transfer(#[from] KvTransferError),
+    #[error(transparent)]
+    Net(#[from] cleave_net::NetError),
     #[error(transparent)]
     Engine(#[from] cleave_engine::EngineError),
     #[error(transparent)]

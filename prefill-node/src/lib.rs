@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent, SinkError};
-use cleave_kv_transfer::net::{DuplexStream, NetConfig};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
+use cleave_net::{DuplexStream, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, PrefillRequest};
 use cleave_protocol::{HandoffTicket, KvLayout, TokenEvent};
 use tokio::sync::{mpsc, oneshot};
@@ -52,6 +52,8 @@ pub mod metric {
 pub enum NodeError {
     #[error(transparent)]
     Transfer(#[from] KvTransferError),
+    #[error(transparent)]
+    Net(#[from] cleave_net::NetError),
     #[error(transparent)]
     Engine(#[from] cleave_engine::EngineError),
 }

@@ -1,9 +1,9 @@
 //! `cleave bench transfer`: KV-cache transfer throughput over QUIC, TCP+TLS and plain TCP on
 //! loopback for a model's KV shape, beside raw TCP and memcpy measured in the same run. The
-//! measuring code is `cleave_kv_transfer::bench`; this module only maps arguments.
+//! measuring code is `cleave_bench::transfer`; this module only maps arguments.
 
-use cleave_kv_transfer::bench::{self, TransferBenchConfig};
-use cleave_kv_transfer::net::{NetKind, QuicTuning};
+use cleave_bench::transfer::{self as bench, TransferBenchConfig};
+use cleave_net::{NetKind, QuicTuning};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTransferArgs {

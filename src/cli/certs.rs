@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use cleave_kv_transfer::tls::CertFiles;
+use cleave_net::tls::CertFiles;
 
 #[derive(clap::Args, Debug)]
 pub struct CertsArgs {

@@ -8,11 +8,11 @@ use anyhow::Context;
 use cleave_decode_node::RdmaLanding;
 use cleave_engine::EngineInfo;
 use cleave_kv_transfer::frame::run_bytes;
-use cleave_kv_transfer::net::{NetConfig, NetKind};
 use cleave_kv_transfer::rdma::verbs::{Context as Device, MemoryRegion, ProtectionDomain, QpConfig, VerbsProvider};
 use cleave_kv_transfer::rdma::{DriverConfig, PoolLayout, RdmaReceive, RdmaSendConfig, RdmaTransport};
 use cleave_kv_transfer::rdma::{SendLinkConfig, SignalPolicy};
 use cleave_kv_transfer::{MemoryPool, Transport};
+use cleave_net::{NetConfig, NetKind};
 
 /// Staging slots of a sender: chunks of one link in flight at once.
 const SLOTS: usize = 4;

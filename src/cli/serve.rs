@@ -14,8 +14,8 @@ use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, ModelInfo}
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineCore, EngineThread};
 use cleave_kernels::cpu::CpuBackend;
-use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
-use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_node::{Exit, Node, NodeConfig};
 use cleave_protocol::control::NodeRole;
 

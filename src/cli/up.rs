@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cleave_engine::model::synth::{self, SynthDtype};
-use cleave_kv_transfer::tls::CertFiles;
+use cleave_net::tls::CertFiles;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 

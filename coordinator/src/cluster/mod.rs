@@ -10,7 +10,7 @@
 //! - the router takes dispatches off the edge's channel and spawns one task per request
 //!   ([`request`]).
 //!
-//! Allowed dependencies: protocol (messages) and kv-transfer's `net` (authenticated streams);
+//! Allowed dependencies: protocol (messages) and cleave-net (authenticated streams);
 //! never the engine.
 
 mod actuate;
@@ -30,7 +30,7 @@ pub use planning::PlannerHandle;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig};
+use cleave_net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 

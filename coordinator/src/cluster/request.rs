@@ -20,7 +20,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cleave_kv_transfer::net::{Connector, DuplexStream};
+use cleave_net::{Connector, DuplexStream};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest, HandoffDone, PrefillRequest, Work};
 use cleave_protocol::{FinishReason, TokenEvent};
 use tokio::sync::broadcast;

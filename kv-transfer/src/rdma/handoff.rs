@@ -36,9 +36,9 @@ use super::link::{RecvLinkConfig, SendLinkConfig};
 use super::setup::{Acceptor, DynRecvLink, Provider};
 use crate::error::{KvTransferError, Result};
 use crate::frame::{read_frame, write_control, Control, Limits};
-use crate::net::{Connector, DuplexStream, NetConfig};
 use crate::receiver::StreamId;
 use crate::transport::{BoxFuture, Transport};
+use cleave_net::{Connector, DuplexStream, NetConfig};
 
 /// A receiver's RDMA side: where its queue pairs come from and how they are sized.
 #[derive(Clone)]
@@ -363,7 +363,7 @@ pub struct RdmaTransport<P: Provider> {
 impl<P: Provider + 'static> RdmaTransport<P> {
     /// `net` must describe QUIC: control streams of an RDMA handoff travel over it.
     pub fn new(net: &NetConfig, provider: P, cfg: RdmaSendConfig) -> Result<Self> {
-        if net.kind != crate::net::NetKind::Quic {
+        if net.kind != cleave_net::NetKind::Quic {
             return Err(KvTransferError::InvalidRequest {
                 reason: "the RDMA transport's control streams go over QUIC".into(),
             });
@@ -430,7 +430,7 @@ impl<P: Provider + 'static> Transport for RdmaTransport<P> {
     }
 
     fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
-        Box::pin(self.connector.open(peer))
+        Box::pin(async move { Ok(self.connector.open(peer).await?) })
     }
 
     fn rdma_path(&self, peer: SocketAddr) -> Option<BoxFuture<'_, Result<SendPath>>> {

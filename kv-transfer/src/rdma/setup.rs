@@ -22,7 +22,7 @@ use super::link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, S
 use super::meta::QpMetadata;
 use crate::error::{KvTransferError, Result};
 use crate::frame::{read_frame, write_control, Control, Frame, Limits};
-use crate::net::DuplexStream;
+use cleave_net::DuplexStream;
 
 /// Where queue pairs come from. Creating one yields its metadata for the peer; connecting it to
 /// the peer's metadata yields the link end's operations.

@@ -80,9 +80,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cleave_kv_transfer::net::{Listener, NetConfig, NetKind};
-use cleave_kv_transfer::tls::NodeIdentity;
 use cleave_kv_transfer::{MemoryPool, NetTransport, ReceiverConfig, ReceiverService, Transport};
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_protocol::TransportKind;
 
 /// Upper bound of any single wait in these tests; far above what each step needs.

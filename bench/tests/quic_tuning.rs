@@ -1,12 +1,12 @@
 //! Tuning sweep of the QUIC transport (ignored by default; a measurement, not a check):
-//! `cargo test --release -p cleave-kv-transfer --test net_bench -- --ignored --nocapture`
+//! `cargo test --release -p cleave-bench --test quic_tuning -- --ignored --nocapture`
 //! Knobs (environment, read by this test only): `CLEAVE_BENCH_TOKENS` (default 2048),
 //! `CLEAVE_BENCH_VARIANTS` (comma-separated variant names; default all), `CLEAVE_BENCH_KINDS`
 //! (quic,tcp-plain,tcp-tls), `CLEAVE_BENCH_STREAMS` (default 1,4), `CLEAVE_BENCH_HANDOFFS` (set:
 //! also run handoff rows), `CLEAVE_BENCH_ROUNDS` (default 1).
 
-use cleave_kv_transfer::bench::{self, TransferBenchConfig};
-use cleave_kv_transfer::net::{NetKind, QuicTuning};
+use cleave_bench::transfer::{self as bench, TransferBenchConfig};
+use cleave_net::{NetKind, QuicTuning};
 
 #[test]
 #[ignore]
@@ -22,7 +22,7 @@ fn quic_tuning_sweep() {
         ("no gso mtu 9000", QuicTuning { mtu_discovery_upper_bound: Some(9000), ..nogso.clone() }),
         ("no gso mtu 16k", QuicTuning { mtu_discovery_upper_bound: Some(16384), ..nogso.clone() }),
         ("no gso mtu 32k", QuicTuning { mtu_discovery_upper_bound: Some(32768), ..nogso.clone() }),
-        ("no gso bbr", QuicTuning { congestion: cleave_kv_transfer::net::Congestion::Bbr, ..nogso.clone() }),
+        ("no gso bbr", QuicTuning { congestion: cleave_net::Congestion::Bbr, ..nogso.clone() }),
         ("no gso init window 16M", QuicTuning { initial_window: Some(16 << 20), ..nogso.clone() }),
         (
             "no gso quinn windows",

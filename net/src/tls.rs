@@ -13,7 +13,7 @@
 //!
 //! Authorization is membership: any holder of a certificate from the cluster CA is a peer. A
 //! client dials by address, not by name, so it accepts any cluster member at that address and
-//! reports the member's name ([`PeerInfo::name`](crate::net::PeerInfo)) for the caller to check.
+//! reports the member's name ([`PeerInfo::name`](crate::PeerInfo)) for the caller to check.
 //!
 //! Allowed dependencies: rustls (ring provider, chosen explicitly so that a second provider
 //! linked into the binary never makes config building ambiguous), rcgen, rustls-webpki.
@@ -33,7 +33,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 
-use crate::{KvTransferError, Result};
+use crate::{NetError, Result};
 
 /// ALPN protocol of every cleave link; a peer speaking anything else is refused in the handshake.
 pub const ALPN: &[u8] = b"cleave/1";
@@ -42,12 +42,12 @@ pub const ALPN: &[u8] = b"cleave/1";
 /// relies on it being constant (the issuer name of node certificates must match).
 const CA_COMMON_NAME: &str = "cleave cluster CA";
 
-fn tls_err(e: impl fmt::Display) -> KvTransferError {
-    KvTransferError::Tls(e.to_string())
+fn tls_err(e: impl fmt::Display) -> NetError {
+    NetError::Tls(e.to_string())
 }
 
-fn cert_err(path: &Path, e: impl fmt::Display) -> KvTransferError {
-    KvTransferError::Cert { path: path.display().to_string(), reason: e.to_string() }
+fn cert_err(path: &Path, e: impl fmt::Display) -> NetError {
+    NetError::Cert { path: path.display().to_string(), reason: e.to_string() }
 }
 
 /// The crypto provider of every config here (ring), TLS 1.3 suites only, AES-128-GCM first:
@@ -77,7 +77,7 @@ pub fn validate_node_name(name: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(KvTransferError::Tls(format!("node name `{name}` is not a DNS name (letters, digits, '-', '.')")))
+        Err(NetError::Tls(format!("node name `{name}` is not a DNS name (letters, digits, '-', '.')")))
     }
 }
 

@@ -13,10 +13,12 @@
 //! and answers a 1-byte ack. Time runs from the first `open` to the last ack, so connection
 //! reuse (QUIC) and per-request connects (TCP) are both inside the number.
 //!
-//! Handoff rows ([`crate::bench_handoff`]) run the real protocol into a block pool.
+//! Handoff rows ([`crate::transfer::handoff`]) run the real protocol into a block pool.
 //!
 //! A row's time is the median of `repeats` requests after one warm-up request. Throughput is
 //! payload bytes over that time.
+
+pub mod handoff;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -28,9 +30,9 @@ use cleave_protocol::TransportKind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::net::{Connector, Listener, NetConfig, NetKind, QuicTuning};
-use crate::tls::NodeIdentity;
-use crate::{KvTransferError, Result};
+use crate::{BenchError, Result};
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Connector, Listener, NetConfig, NetKind, QuicTuning};
 
 /// Model shape and what to measure.
 #[derive(Debug, Clone)]
@@ -52,7 +54,7 @@ pub struct TransferBenchConfig {
     /// Runtime worker threads (default: available cores).
     pub threads: Option<usize>,
     /// Also run real handoffs (sender -> receiver into a block pool) over each transport and
-    /// in-process ([`crate::bench_handoff`]).
+    /// in-process ([`crate::transfer::handoff`]).
     pub handoffs: bool,
     /// Times the whole set of rows is run. On a shared machine a burst of other load slows
     /// whichever rows run during it; with several rounds each row's figure is the median of its
@@ -192,14 +194,14 @@ fn combine(rounds: Vec<Vec<Measurement>>) -> Vec<Measurement> {
 /// Runs every row, calling `progress` as each finishes. Builds its own tokio runtime.
 pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) -> Result<Vec<Measurement>> {
     if cfg.repeats == 0 || cfg.rounds == 0 || cfg.prompts.is_empty() || cfg.layers == 0 || cfg.streams.contains(&0) {
-        return Err(KvTransferError::Bench("repeats, rounds, prompts, layers and stream counts must be > 0".into()));
+        return Err(BenchError::InvalidArg("repeats, rounds, prompts, layers and stream counts must be > 0".into()));
     }
     let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .enable_all()
         .build()
-        .map_err(crate::net::io_err("tokio runtime"))?;
+        .map_err(cleave_net::io_err("tokio runtime"))?;
     let receiver_rt = if cfg.shared_runtime {
         None
     } else {
@@ -209,7 +211,7 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
                 .thread_name("bench-receiver")
                 .enable_all()
                 .build()
-                .map_err(crate::net::io_err("tokio runtime"))?,
+                .map_err(cleave_net::io_err("tokio runtime"))?,
         )
     };
     let receiver = receiver_rt.as_ref().map_or_else(|| rt.handle().clone(), |r| r.handle().clone());
@@ -230,7 +232,7 @@ pub fn run(cfg: &TransferBenchConfig, mut progress: impl FnMut(&Measurement)) ->
         while let Some(m) = rx.recv().await {
             progress(&m);
         }
-        job.await.map_err(|e| KvTransferError::Bench(e.to_string()))?
+        job.await.map_err(|e| BenchError::Task(e.to_string()))?
     });
     if let Some(r) = receiver_rt {
         r.shutdown_background();
@@ -243,7 +245,7 @@ pub(crate) async fn on<T: Send + 'static>(
     rt: &tokio::runtime::Handle,
     fut: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Result<T> {
-    rt.spawn(fut).await.map_err(|e| KvTransferError::Bench(format!("receiver task: {e}")))
+    rt.spawn(fut).await.map_err(|e| BenchError::Task(format!("receiver task: {e}")))
 }
 
 async fn run_all(
@@ -293,12 +295,15 @@ async fn run_all(
                 }));
                 for kind in kinds {
                     for &streams in &cfg.streams {
-                        push(&mut rows, crate::bench_handoff::measure(cfg, rx, kind, streams, tokens, &ids).await?);
+                        push(&mut rows, crate::transfer::handoff::measure(cfg, rx, kind, streams, tokens, &ids).await?);
                     }
                 }
                 // One control stream whatever `streams` says: the payload goes through the link.
                 #[cfg(feature = "rdma")]
-                push(&mut rows, crate::bench_handoff::measure(cfg, rx, TransportKind::Rdma, 1, tokens, &ids).await?);
+                push(
+                    &mut rows,
+                    crate::transfer::handoff::measure(cfg, rx, TransportKind::Rdma, 1, tokens, &ids).await?,
+                );
             }
         }
         Ok(rows)
@@ -344,7 +349,7 @@ fn memcpy(tokens: usize, src: &[u8], repeats: usize) -> Measurement {
 fn aead(tokens: usize, src: &[u8], repeats: usize) -> Result<Measurement> {
     use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
     const RECORD: usize = 64 << 10;
-    let key = UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| KvTransferError::Bench("aead key".into()))?;
+    let key = UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| BenchError::Crypto("aead key"))?;
     let key = LessSafeKey::new(key);
     let nonce = |i: usize| {
         let mut n = [0u8; 12];
@@ -364,12 +369,12 @@ fn aead(tokens: usize, src: &[u8], repeats: usize) -> Result<Measurement> {
         for (i, rec) in buf.chunks_mut(RECORD).enumerate() {
             let tag = key
                 .seal_in_place_separate_tag(nonce(i), Aad::empty(), rec)
-                .map_err(|_| KvTransferError::Bench("aead seal".into()))?;
+                .map_err(|_| BenchError::Crypto("aead seal"))?;
             tags.push(tag);
         }
         for (i, rec) in buf.chunks_mut(RECORD).enumerate() {
             key.open_in_place_separate_tag(nonce(i), Aad::empty(), tags[i], rec, 0..)
-                .map_err(|_| KvTransferError::Bench("aead open".into()))?;
+                .map_err(|_| BenchError::Crypto("aead open"))?;
         }
         if r > 0 {
             times.push(t.elapsed().as_secs_f64());
@@ -390,7 +395,7 @@ async fn raw_tcp(
     repeats: usize,
     fresh: bool,
 ) -> Result<Measurement> {
-    let io = |what: &'static str| crate::net::io_err(format!("raw tcp {what}"));
+    let io = |what: &'static str| cleave_net::io_err(format!("raw tcp {what}"));
     // Bound on the receiver's runtime, so its socket is driven by that runtime's reactor.
     let listener = on(rx, async { tokio::net::TcpListener::bind("127.0.0.1:0").await }).await?.map_err(io("bind"))?;
     let addr = listener.local_addr().map_err(io("addr"))?;
@@ -431,7 +436,7 @@ async fn raw_tcp(
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    server.await.map_err(|e| KvTransferError::Bench(e.to_string()))?.map_err(io("server"))?;
+    server.await.map_err(|e| BenchError::Task(e.to_string()))?.map_err(io("server"))?;
     let label = if fresh { "raw tcp, conn/request" } else { "raw tcp, one conn" };
     Ok(Measurement::from_times(label.into(), tokens, len as u64, times).with_cpu(cpu0, repeats))
 }
@@ -487,7 +492,7 @@ impl StreamRun<'_> {
                 tasks.push(tokio::spawn(async move { send_layers(&connector, addr, layers).await }));
             }
             for task in tasks {
-                task.await.map_err(|e| KvTransferError::Bench(e.to_string()))??;
+                task.await.map_err(|e| BenchError::Task(e.to_string()))??;
             }
             if i > 0 {
                 times.push(t.elapsed().as_secs_f64());
@@ -501,7 +506,7 @@ impl StreamRun<'_> {
 
 async fn send_layers(connector: &Connector, addr: SocketAddr, layers: Vec<Bytes>) -> Result<()> {
     let mut s = connector.open(addr).await?;
-    let io = |what: &'static str| crate::net::io_err(format!("bench stream {what} to {addr}"));
+    let io = |what: &'static str| cleave_net::io_err(format!("bench stream {what} to {addr}"));
     for layer in layers {
         s.send.write_bytes(layer).await.map_err(io("write"))?;
     }

@@ -29,7 +29,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use super::{io_err, DuplexStream, NetConfig, PeerInfo};
 use crate::tls::{self, NodeIdentity};
-use crate::{KvTransferError, Result};
+use crate::{NetError, Result};
 
 /// Congestion controller of a QUIC connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,7 +140,7 @@ impl QuicTuning {
             t.ack_frequency_config(Some(a));
         }
         let idle = quinn::IdleTimeout::try_from(self.idle_timeout)
-            .map_err(|e| KvTransferError::Tls(format!("quic idle timeout: {e}")))?;
+            .map_err(|e| NetError::Tls(format!("quic idle timeout: {e}")))?;
         t.max_idle_timeout(Some(idle));
         match self.mtu_discovery_upper_bound {
             Some(ub) => {
@@ -190,7 +190,7 @@ impl QuicTuning {
         cfg.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
         let max = self.mtu_discovery_upper_bound.unwrap_or(self.initial_mtu).max(self.initial_mtu);
         cfg.max_udp_payload_size(max.clamp(1200, 65_527))
-            .map_err(|e| KvTransferError::Tls(format!("quic max udp payload: {e}")))?;
+            .map_err(|e| NetError::Tls(format!("quic max udp payload: {e}")))?;
         Ok(cfg)
     }
 
@@ -211,8 +211,8 @@ impl QuicTuning {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<Endpoint> {
-        let runtime = quinn::default_runtime()
-            .ok_or_else(|| KvTransferError::Tls("quic endpoint needs a tokio runtime".into()))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| NetError::Tls("quic endpoint needs a tokio runtime".into()))?;
         Endpoint::new(self.endpoint_config(identity)?, server, self.socket(addr)?, runtime)
             .map_err(io_err(format!("quic endpoint {addr}")))
     }
@@ -307,7 +307,7 @@ impl QuicConnector {
     pub(super) fn new(cfg: &NetConfig, tuning: &QuicTuning) -> Result<Self> {
         let identity = cfg.identity()?.clone();
         let crypto = QuicClientConfig::try_from(identity.client_config()?)
-            .map_err(|e| KvTransferError::Tls(format!("quic client config: {e}")))?;
+            .map_err(|e| NetError::Tls(format!("quic client config: {e}")))?;
         let mut client = quinn::ClientConfig::new(Arc::new(crypto));
         client.transport_config(tuning.transport()?);
         Ok(Self {
@@ -340,12 +340,12 @@ impl QuicConnector {
         let ep = self.endpoint_for(addr)?;
         let connecting = ep
             .connect_with(self.client.clone(), addr, "cleave-node")
-            .map_err(|e| KvTransferError::Connect { addr, reason: e.to_string() })?;
+            .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
         let ms = self.connect_timeout.as_millis() as u64;
         match tokio::time::timeout(self.connect_timeout, connecting).await {
             Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(KvTransferError::Connect { addr, reason: e.to_string() }),
-            Err(_) => Err(KvTransferError::Timeout { what: format!("quic connect to {addr}"), ms }),
+            Ok(Err(e)) => Err(NetError::Connect { addr, reason: e.to_string() }),
+            Err(_) => Err(NetError::Timeout { what: format!("quic connect to {addr}"), ms }),
         }
     }
 
@@ -366,7 +366,7 @@ impl QuicConnector {
             }
             SlotState::Failed { at, reason } if *at >= asked => {
                 // It failed while this caller waited for the slot: the same answer, now.
-                return Err(KvTransferError::Connect { addr, reason: format!("{reason} (a concurrent attempt)") });
+                return Err(NetError::Connect { addr, reason: format!("{reason} (a concurrent attempt)") });
             }
             SlotState::Failed { .. } | SlotState::Empty => {}
         }
@@ -394,8 +394,8 @@ impl QuicConnector {
                     let peer = PeerInfo { addr, name: peer_name(&conn) };
                     return Ok((duplex(send, recv), peer));
                 }
-                Ok(Err(e)) => last = Some(KvTransferError::ConnectionLost { addr, reason: e.to_string() }),
-                Err(_) => return Err(KvTransferError::Timeout { what: format!("quic stream credit from {addr}"), ms }),
+                Ok(Err(e)) => last = Some(NetError::ConnectionLost { addr, reason: e.to_string() }),
+                Err(_) => return Err(NetError::Timeout { what: format!("quic stream credit from {addr}"), ms }),
             }
         }
         Err(last.expect("loop ran"))
@@ -429,7 +429,7 @@ impl QuicListener {
     pub(super) fn bind(cfg: &NetConfig, addr: SocketAddr, tuning: &QuicTuning) -> Result<Self> {
         let identity = cfg.identity()?;
         let crypto = QuicServerConfig::try_from(identity.server_config()?)
-            .map_err(|e| KvTransferError::Tls(format!("quic server config: {e}")))?;
+            .map_err(|e| NetError::Tls(format!("quic server config: {e}")))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(tuning.transport()?);
         let endpoint = tuning.endpoint(identity, addr, Some(server))?;

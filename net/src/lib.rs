@@ -1,5 +1,15 @@
-//! Authenticated, ordered byte streams to peers: the one thing every transport of this crate and
-//! the cluster's control plane need from the network.
+//! net: authenticated, ordered byte streams between the coordinator and the nodes: the one
+//! thing the KV handoff, the request streams and the control links need from the network.
+//!
+//! Modules: this root ([`Connector`], [`Listener`], [`DuplexStream`]: streams over QUIC, TLS-TCP
+//! or plain TCP, chosen by [`NetKind`]); [`tls`] (the cluster CA, node certificates and the
+//! rustls configs every link uses); `quic` and `tcp` (the two connection kinds behind the root's
+//! types); [`error`] (this crate's one error enum). What travels on a stream is someone else's:
+//! the control link's messages and their framing are `cleave_protocol::control`, the handoff's
+//! frames are `cleave_kv_transfer::frame`.
+//!
+//! Allowed dependencies: tokio, quinn, rustls and the certificate crates; no other crate of
+//! cleave (everything else depends on this one, not the other way round).
 //!
 //! A [`DuplexStream`] is one reliable ordered stream in each direction. Over QUIC it is one
 //! bidirectional QUIC stream of a connection that is reused across requests (so opening a stream
@@ -24,8 +34,10 @@
 //!   the stream in flight on such a connection fails quickly instead of waiting for the idle
 //!   timeout.
 
+pub mod error;
 mod quic;
 mod tcp;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -34,7 +46,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::tls::NodeIdentity;
-use crate::{KvTransferError, Result};
+pub use error::{io_err, NetError, Result};
 
 pub use quic::{Congestion, QuicTuning};
 
@@ -191,12 +203,9 @@ impl NetKind {
 }
 
 impl std::str::FromStr for NetKind {
-    type Err = KvTransferError;
+    type Err = NetError;
     fn from_str(s: &str) -> Result<Self> {
-        NetKind::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| KvTransferError::Tls(format!("unknown transport `{s}` (quic, tcp-tls, tcp-plain)")))
+        NetKind::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| NetError::UnknownKind(s.to_string()))
     }
 }
 
@@ -220,7 +229,7 @@ impl NetConfig {
     fn identity(&self) -> Result<&NodeIdentity> {
         self.identity
             .as_ref()
-            .ok_or_else(|| KvTransferError::Tls(format!("transport {} needs a node identity", self.kind.name())))
+            .ok_or_else(|| NetError::Tls(format!("transport {} needs a node identity", self.kind.name())))
     }
 }
 
@@ -360,10 +369,4 @@ impl Listener {
             ListenerImpl::Tcp(l) => drop(l),
         }
     }
-}
-
-/// Maps an I/O error of `what` into this crate's error.
-pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KvTransferError {
-    let what = what.into();
-    move |source| KvTransferError::Io { what, source }
 }

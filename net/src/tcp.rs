@@ -17,7 +17,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::{io_err, DuplexStream, NetConfig, NetKind, PeerInfo};
 use crate::tls;
-use crate::{KvTransferError, Result};
+use crate::{NetError, Result};
 
 fn plain(stream: TcpStream) -> DuplexStream {
     let (recv, send) = stream.into_split();
@@ -54,13 +54,12 @@ impl TcpConnector {
         let ms = self.connect_timeout.as_millis() as u64;
         match tokio::time::timeout(self.connect_timeout, self.open_unbounded(addr)).await {
             Ok(r) => r,
-            Err(_) => Err(KvTransferError::Timeout { what: format!("tcp connect to {addr}"), ms }),
+            Err(_) => Err(NetError::Timeout { what: format!("tcp connect to {addr}"), ms }),
         }
     }
 
     async fn open_unbounded(&self, addr: SocketAddr) -> Result<(DuplexStream, PeerInfo)> {
-        let tcp =
-            TcpStream::connect(addr).await.map_err(|e| KvTransferError::Connect { addr, reason: e.to_string() })?;
+        let tcp = TcpStream::connect(addr).await.map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
         tcp.set_nodelay(true).map_err(io_err(format!("TCP_NODELAY to {addr}")))?;
         let Some(tls) = &self.tls else {
             return Ok((plain(tcp), PeerInfo { addr, name: None }));
@@ -68,7 +67,7 @@ impl TcpConnector {
         let stream = tls
             .connect(tls::placeholder_name(), tcp)
             .await
-            .map_err(|e| KvTransferError::Connect { addr, reason: format!("tls: {e}") })?;
+            .map_err(|e| NetError::Connect { addr, reason: format!("tls: {e}") })?;
         let name = name_of(stream.get_ref().1.peer_certificates());
         Ok((tls_duplex(stream), PeerInfo { addr, name }))
     }

@@ -4,7 +4,7 @@
 //! `Completed`; throughput is payload bytes over that latency. Chunks are built before the clock
 //! starts (slices of one payload, no copies), so the number is the transfer layer's alone.
 //!
-//! With the `rdma` feature one more row runs the RDMA handoff over [`crate::rdma::sim`]'s
+//! With the `rdma` feature one more row runs the RDMA handoff over [`cleave_kv_transfer::rdma::sim`]'s
 //! in-memory fabric: what it measures is this side of the NIC (staging copy, CRC on both ends,
 //! completion handling, control stream), since a device's DMA replaces the fabric's copy.
 
@@ -15,12 +15,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cleave_protocol::{KvDtype, KvLayout, RequestId, TransportKind};
 
-use crate::bench::{Measurement, TransferBenchConfig};
-use crate::frame::run_bytes;
-use crate::net::{Listener, NetConfig, NetKind};
-use crate::tls::NodeIdentity;
-use crate::{KvSender, KvTransferError, LayerChunk, MemoryPool, NetTransport, ReceiverConfig, ReceiverService};
-use crate::{Result, SendConfig, Transport};
+use crate::transfer::{Measurement, TransferBenchConfig};
+use cleave_kv_transfer::frame::run_bytes;
+use cleave_kv_transfer::{
+    KvSender, KvTransferError, LayerChunk, MemoryPool, NetTransport, ReceiverConfig, ReceiverService,
+};
+use cleave_kv_transfer::{SendConfig, Transport};
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Listener, NetConfig, NetKind};
+
+use crate::{BenchError, Result};
 
 /// Tokens per prefill chunk: each layer of each chunk goes out as one [`LayerChunk`].
 pub const PREFILL_STEP: u32 = 512;
@@ -31,7 +35,7 @@ pub(crate) fn layout(cfg: &TransferBenchConfig) -> Result<KvLayout> {
     let dtype = match cfg.dtype_bytes {
         2 => KvDtype::Bf16,
         4 => KvDtype::F32,
-        n => return Err(KvTransferError::Bench(format!("handoff rows need 2- or 4-byte elements, not {n}"))),
+        n => return Err(BenchError::InvalidArg(format!("handoff rows need 2- or 4-byte elements, not {n}"))),
     };
     Ok(KvLayout {
         model_fingerprint: 0xBE4C_0000,
@@ -93,7 +97,7 @@ pub(crate) async fn measure(
     let (receiver, transport): (ReceiverService, Arc<dyn Transport>) = match net_kind(kind) {
         None if kind == TransportKind::InProcess => {
             let pool = pool.clone();
-            let receiver = crate::bench::on(rx, async move { ReceiverService::spawn(rcfg, pool, None) }).await?;
+            let receiver = crate::transfer::on(rx, async move { ReceiverService::spawn(rcfg, pool, None) }).await?;
             let t = Arc::new(receiver.handle().in_process());
             (receiver, t)
         }
@@ -101,14 +105,14 @@ pub(crate) async fn measure(
         None if kind == TransportKind::Rdma => {
             // The payload lands in `pool` through the in-memory fabric (no device here); the
             // control streams are real QUIC.
-            use crate::rdma::{sim::SimFabric, DriverConfig, RdmaReceive, RdmaSendConfig, RdmaTransport};
-            use crate::rdma::{SendLinkConfig, SignalPolicy};
+            use cleave_kv_transfer::rdma::{sim::SimFabric, DriverConfig, RdmaReceive, RdmaSendConfig, RdmaTransport};
+            use cleave_kv_transfer::rdma::{SendLinkConfig, SignalPolicy};
             let slot = 2 * run_bytes(&layout, PREFILL_STEP.min(tokens)) as u64;
             let fabric = SimFabric::over_pool(pool.clone(), &layout, 4 * slot as usize)?;
             let net = |id: &NodeIdentity| NetConfig::new(NetKind::Quic, Some(id.clone()));
             let local: SocketAddr = "127.0.0.1:0".parse().expect("literal");
             let (rnet, pool, rf) = (net(&ids[0]), pool.clone(), fabric.clone());
-            let receiver = crate::bench::on(rx, async move {
+            let receiver = crate::transfer::on(rx, async move {
                 let listener = Listener::bind(&rnet, local).await?;
                 rcfg.advertise_addr = listener.local_addr();
                 let rdma = RdmaReceive::new(Arc::new(rf));
@@ -131,7 +135,7 @@ pub(crate) async fn measure(
             };
             let local: SocketAddr = "127.0.0.1:0".parse().expect("literal");
             let (rnet, pool) = (net(&ids[0]), pool.clone());
-            let receiver = crate::bench::on(rx, async move {
+            let receiver = crate::transfer::on(rx, async move {
                 let listener = Listener::bind(&rnet, local).await?;
                 rcfg.advertise_addr = listener.local_addr();
                 Ok::<_, KvTransferError>(ReceiverService::spawn(rcfg, pool, Some(listener)))
@@ -139,16 +143,16 @@ pub(crate) async fn measure(
             .await??;
             (receiver, Arc::new(NetTransport::new(&net(&ids[1]))?))
         }
-        None => return Err(KvTransferError::Bench(format!("no handoff rows over {kind:?} in this build"))),
+        None => return Err(BenchError::InvalidArg(format!("no handoff rows over {kind:?} in this build"))),
     };
-    let payload = crate::bench::payload(2 * run_bytes(&layout, PREFILL_STEP.min(tokens)));
+    let payload = crate::transfer::payload(2 * run_bytes(&layout, PREFILL_STEP.min(tokens)));
     let scfg = SendConfig { streams, ..SendConfig::default() };
     let mut times = Vec::new();
     let mut bytes = 0;
     let mut cpu0 = 0.0;
     for i in 0..=cfg.repeats {
         if i == 1 {
-            cpu0 = crate::bench::process_cpu_s();
+            cpu0 = crate::transfer::process_cpu_s();
         }
         let todo = chunks(&layout, tokens, &payload);
         let t = Instant::now();

@@ -4,8 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use cleave_kv_transfer::net::{Connector, DuplexStream, Listener, NetConfig, NetKind, PeerInfo};
-use cleave_kv_transfer::tls::NodeIdentity;
+use cleave_net::tls::NodeIdentity;
+use cleave_net::{Connector, DuplexStream, Listener, NetConfig, NetKind, PeerInfo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LOCAL: &str = "127.0.0.1:0";
@@ -366,7 +366,7 @@ async fn quic_peer_crash_and_restart_is_noticed_through_stateless_reset() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_bytes_and_read_chunk_keep_order_on_every_transport() {
     for (kind, ids) in kinds_with_ids() {
-        let tuning = cleave_kv_transfer::net::QuicTuning { connections_per_peer: 2, ..Default::default() };
+        let tuning = cleave_net::QuicTuning { connections_per_peer: 2, ..Default::default() };
         let mut l = Listener::bind_with_tuning(&cfg(kind, Some(&ids[0])), local(), &tuning).await.unwrap();
         let addr = l.local_addr();
         let server = tokio::spawn(async move {
