@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
-use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService};
+use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reserved};
 use cleave_net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
 use cleave_protocol::{RequestId, TokenEvent, TransportKind};
@@ -102,14 +102,15 @@ impl LandingSink {
 }
 
 impl KvSink for LandingSink {
-    fn reserve(
-        &mut self,
-        request_id: RequestId,
-        num_tokens: u32,
-        num_blocks: usize,
-    ) -> cleave_kv_transfer::Result<Vec<u32>> {
-        self.engine.reserve(request_id, num_tokens, num_blocks)?;
-        self.landing.reserve(request_id, num_tokens, num_blocks).inspect_err(|_| self.engine.release(request_id, &[]))
+    /// The engine's reservation first (its answer comes later), then the landing blocks the
+    /// ticket names; landing blocks short: the engine's reservation is released again.
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Reserved {
+        let engine = self.engine.reserve(request_id, num_tokens, num_blocks);
+        let (handle, landing) = (self.engine.engine.clone(), self.landing.clone());
+        Reserved::Later(Box::pin(async move {
+            engine.wait().await?;
+            landing.take_blocks(num_blocks).inspect_err(|_| release_import(&handle, request_id))
+        }))
     }
 
     fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
@@ -151,30 +152,28 @@ pub fn land_into_engine(
     r.map_err(NodeError::from)
 }
 
-/// The node's [`KvSink`]: reservations and writes go to the engine thread in order.
-///
-/// `reserve` waits for the engine's answer (at most one engine step) inside
-/// [`tokio::task::block_in_place`], so the node must run on a multi-threaded runtime.
+/// The node's [`KvSink`]: reservations and writes go to the engine thread in order. A
+/// reservation's answer comes back between engine steps ([`Reserved::Later`]); the receiver's
+/// actor does not wait for it.
 pub struct EngineSink {
     engine: EngineHandle,
 }
 
 impl KvSink for EngineSink {
-    fn reserve(
-        &mut self,
-        request_id: RequestId,
-        num_tokens: u32,
-        _num_blocks: usize,
-    ) -> cleave_kv_transfer::Result<Vec<u32>> {
-        let rx = self.engine.reserve_import(request_id, num_tokens as usize).map_err(sink_err)?;
-        let got = tokio::task::block_in_place(|| rx.blocking_recv());
-        match got {
-            Ok(Ok(blocks)) => Ok(blocks),
-            Ok(Err(e)) => {
-                Err(KvTransferError::InvalidRequest { reason: format!("engine refused the reservation: {e}") })
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, _num_blocks: usize) -> Reserved {
+        let rx = match self.engine.reserve_import(request_id, num_tokens as usize) {
+            Ok(rx) => rx,
+            Err(e) => return Reserved::Now(Err(sink_err(e))),
+        };
+        Reserved::Later(Box::pin(async move {
+            match rx.await {
+                Ok(Ok(blocks)) => Ok(blocks),
+                Ok(Err(e)) => {
+                    Err(KvTransferError::InvalidRequest { reason: format!("engine refused the reservation: {e}") })
+                }
+                Err(_) => Err(KvTransferError::Closed { what: "engine" }),
             }
-            Err(_) => Err(KvTransferError::Closed { what: "engine" }),
-        }
+        }))
     }
 
     fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
@@ -187,9 +186,13 @@ impl KvSink for EngineSink {
     }
 
     fn release(&mut self, request_id: RequestId, _blocks: &[u32]) {
-        if let Err(e) = self.engine.release_import(request_id) {
-            tracing::warn!(%request_id, error = %e, "releasing a reservation failed (engine stopped?)");
-        }
+        release_import(&self.engine, request_id);
+    }
+}
+
+fn release_import(engine: &EngineHandle, request_id: RequestId) {
+    if let Err(e) = engine.release_import(request_id) {
+        tracing::warn!(%request_id, error = %e, "releasing a reservation failed (engine stopped?)");
     }
 }
 

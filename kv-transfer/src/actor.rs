@@ -28,7 +28,7 @@ use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 use crate::frame::{read_frame_recycling, write_control, Control, Frame, Limits};
 use crate::metrics as m;
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
-use crate::sink::KvSink;
+use crate::sink::{KvSink, Reserved};
 use crate::transport::{BoxFuture, FramePipe, Transport};
 use crate::{KvTransferError, Result};
 use cleave_net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
@@ -119,6 +119,14 @@ enum Cmd {
         request_id: RequestId,
         num_tokens: u32,
         ttl: Option<Duration>,
+        reply: oneshot::Sender<Result<Reservation>>,
+    },
+    /// The pool's later answer to a `Reserve` ([`crate::sink::Reserved::Later`]).
+    Reserved {
+        request_id: RequestId,
+        num_tokens: u32,
+        ttl: Option<Duration>,
+        blocks: Result<Vec<u32>>,
         reply: oneshot::Sender<Result<Reservation>>,
     },
     Cancel {
@@ -425,8 +433,9 @@ impl<S: KvSink> Actor<S> {
 
     fn command(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Reserve { request_id, num_tokens, ttl, reply } => {
-                let r = self.reserve(request_id, num_tokens, ttl);
+            Cmd::Reserve { request_id, num_tokens, ttl, reply } => self.reserve(request_id, num_tokens, ttl, reply),
+            Cmd::Reserved { request_id, num_tokens, ttl, blocks, reply } => {
+                let r = blocks.and_then(|blocks| self.open_lease(request_id, num_tokens, ttl, blocks));
                 let _ = reply.send(r);
             }
             Cmd::Cancel { lease, reply } => {
@@ -477,12 +486,46 @@ impl<S: KvSink> Actor<S> {
         n
     }
 
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
+    /// Asks the pool for blocks; an answer now opens the lease at once, a later one comes back
+    /// as [`Cmd::Reserved`] while the actor goes on (the pool's thread may be mid-step).
+    ///
+    /// Should the actor be gone when a later answer arrives, its blocks are not released here:
+    /// the receiver and its pool stop together (a node's shutdown).
+    fn reserve(
+        &mut self,
+        request_id: RequestId,
+        num_tokens: u32,
+        ttl: Option<Duration>,
+        reply: oneshot::Sender<Result<Reservation>>,
+    ) {
         if num_tokens == 0 {
-            return Err(KvTransferError::InvalidRequest { reason: "a handoff of zero tokens".into() });
+            let _ = reply.send(Err(KvTransferError::InvalidRequest { reason: "a handoff of zero tokens".into() }));
+            return;
         }
         let need = HandoffTicket::blocks_for(num_tokens, self.cfg.layout.block_size);
-        let blocks = self.sink.reserve(request_id, num_tokens, need)?;
+        match self.sink.reserve(request_id, num_tokens, need) {
+            Reserved::Now(blocks) => {
+                let r = blocks.and_then(|blocks| self.open_lease(request_id, num_tokens, ttl, blocks));
+                let _ = reply.send(r);
+            }
+            Reserved::Later(answer) => {
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let blocks = answer.await;
+                    let _ = tx.send(Cmd::Reserved { request_id, num_tokens, ttl, blocks, reply }).await;
+                });
+            }
+        }
+    }
+
+    /// A lease over blocks the pool granted; the blocks go back to the pool if it cannot open.
+    fn open_lease(
+        &mut self,
+        request_id: RequestId,
+        num_tokens: u32,
+        ttl: Option<Duration>,
+        blocks: Vec<u32>,
+    ) -> Result<Reservation> {
         let ttl = ttl.unwrap_or(self.cfg.lease_ttl);
         let spec = LeaseSpec { request_id, blocks: blocks.clone(), num_tokens, ttl };
         let lease = match self.sm.open_lease(now(), spec) {

@@ -19,7 +19,9 @@
 //!
 //! 1. The decode node reserves blocks ([`actor::ReceiverHandle::reserve`]) and gets a
 //!    [`cleave_protocol::HandoffTicket`] plus a [`actor::LeaseWaiter`]. Out of blocks: refused
-//!    here, before any prefill work is done.
+//!    here, before any prefill work is done. The pool may answer later ([`sink::Reserved`]: the
+//!    engine answers between its steps); the actor does not wait for it, and opens the lease
+//!    when the answer comes back to it as a message.
 //! 2. The prefill node starts a [`sender::KvSender`] from the ticket: layout checked locally,
 //!    streams opened, `Open` sent on each; the receiver checks version, lease, request and layout
 //!    and answers `Accept` (or `Abort`) before any KV byte moves.
@@ -105,5 +107,5 @@ pub use actor::{
 pub use error::{KvTransferError, Result};
 pub use receiver::{KvWrite, ReceiverStats};
 pub use sender::{ChunkSender, KvSender, LayerChunk, SendConfig, TransferReport};
-pub use sink::{KvSink, MemoryPool};
+pub use sink::{KvSink, MemoryPool, Reserved};
 pub use transport::{NetTransport, Transport, TransportSet};

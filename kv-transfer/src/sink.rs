@@ -3,16 +3,22 @@
 //! implementation for tests and benchmarks.
 //!
 //! Contract of an implementation:
-//! - `reserve(request, tokens, n)` either returns exactly `n` distinct free blocks (for `tokens`
-//!   tokens of `request`; a pool keyed by request, like the engine's, uses those), which stay out of the free
-//!   pool until `release`d or adopted by a request, or fails with
-//!   [`KvTransferError::OutOfBlocks`] without reserving anything;
+//! - `reserve(request, tokens, n)` answers, at once or later ([`Reserved`]), either exactly `n`
+//!   distinct free blocks (for `tokens` tokens of `request`; a pool keyed by request, like the
+//!   engine's, uses those), which stay out of the free pool until `release`d or adopted by a
+//!   request, or [`KvTransferError::OutOfBlocks`] without reserving anything. It never blocks:
+//!   a pool owned by another thread (the engine's, which answers between its steps) answers
+//!   [`Reserved::Later`], and the receiver's actor goes on with every other lease's frames
+//!   meanwhile. Writes for a request come only after its reservation was answered (they follow
+//!   the ticket), so a pool that applies commands in order needs no more than that;
 //! - `write` copies `w.k`/`w.v` (token-major `[token_count, num_kv_heads, head_dim]`, layout
 //!   dtype, little-endian) into layer `w.layer` of the blocks holding tokens
 //!   `w.token_start..w.token_start + w.token_count`; tokens that share a block are one copy;
 //! - `release(blocks)` returns blocks to the free pool; it is called exactly once per failed
 //!   lease and never for a completed one (those blocks belong to the decode request).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use cleave_protocol::{KvLayout, RequestId};
@@ -20,9 +26,35 @@ use cleave_protocol::{KvLayout, RequestId};
 use crate::receiver::KvWrite;
 use crate::{KvTransferError, Result};
 
+/// A reservation's answer: now (a pool in this thread's reach), or a future the receiver's actor
+/// does not wait for (a pool owned by another thread).
+pub enum Reserved {
+    Now(Result<Vec<u32>>),
+    Later(Pin<Box<dyn Future<Output = Result<Vec<u32>>> + Send>>),
+}
+
+impl Reserved {
+    /// The answer, waited for.
+    pub async fn wait(self) -> Result<Vec<u32>> {
+        match self {
+            Reserved::Now(r) => r,
+            Reserved::Later(f) => f.await,
+        }
+    }
+}
+
+impl std::fmt::Debug for Reserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reserved::Now(r) => f.debug_tuple("Now").field(r).finish(),
+            Reserved::Later(_) => f.write_str("Later(..)"),
+        }
+    }
+}
+
 /// Where a receiver reserves blocks and writes the KV it receives.
 pub trait KvSink: Send + 'static {
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Result<Vec<u32>>;
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Reserved;
     fn write(&mut self, w: &KvWrite) -> Result<()>;
     fn release(&mut self, request_id: RequestId, blocks: &[u32]);
 
@@ -160,14 +192,26 @@ impl PoolInner {
     }
 }
 
-impl KvSink for MemoryPool {
-    fn reserve(&mut self, _request_id: RequestId, _num_tokens: u32, num_blocks: usize) -> Result<Vec<u32>> {
+impl MemoryPool {
+    /// Takes `num_blocks` free blocks, or none ([`KvTransferError::OutOfBlocks`]).
+    pub fn take_blocks(&self, num_blocks: usize) -> Result<Vec<u32>> {
         let mut p = self.lock();
         if p.free.len() < num_blocks {
             return Err(KvTransferError::OutOfBlocks { need: num_blocks, free: p.free.len() });
         }
         let at = p.free.len() - num_blocks;
         Ok(p.free.split_off(at))
+    }
+
+    /// Returns blocks to the free list.
+    pub fn put_blocks(&self, blocks: &[u32]) {
+        self.lock().free.extend_from_slice(blocks);
+    }
+}
+
+impl KvSink for MemoryPool {
+    fn reserve(&mut self, _request_id: RequestId, _num_tokens: u32, num_blocks: usize) -> Reserved {
+        Reserved::Now(self.take_blocks(num_blocks))
     }
 
     fn write(&mut self, w: &KvWrite) -> Result<()> {
@@ -199,7 +243,7 @@ impl KvSink for MemoryPool {
     }
 
     fn release(&mut self, _request_id: RequestId, blocks: &[u32]) {
-        self.lock().free.extend_from_slice(blocks);
+        self.put_blocks(blocks);
     }
 
     fn landed_checksum(&self, blocks: &[u32], layer: u32, tokens: std::ops::Range<u32>) -> Result<u32> {

@@ -122,3 +122,76 @@ async fn transport_is_chosen_per_ticket_without_fallback() {
     pair.receiver.handle().cancel(res.ticket.lease_id).await.unwrap();
     pair.assert_nothing_leased().await;
 }
+
+/// A pool owned by "another thread": request 1's reservation is answered only when the test
+/// opens the gate; every other request's at once.
+struct GatedPool {
+    pool: cleave_kv_transfer::MemoryPool,
+    gate: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl cleave_kv_transfer::KvSink for GatedPool {
+    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> cleave_kv_transfer::Reserved {
+        let pool = self.pool.clone();
+        match (request_id, self.gate.take()) {
+            (RequestId(1), Some(gate)) => cleave_kv_transfer::Reserved::Later(Box::pin(async move {
+                let _ = gate.await;
+                pool.take_blocks(num_blocks)
+            })),
+            (_, gate) => {
+                self.gate = gate;
+                self.pool.reserve(request_id, num_tokens, num_blocks)
+            }
+        }
+    }
+    fn write(&mut self, w: &cleave_kv_transfer::KvWrite) -> cleave_kv_transfer::Result<()> {
+        self.pool.write(w)
+    }
+    fn release(&mut self, request_id: RequestId, blocks: &[u32]) {
+        self.pool.release(request_id, blocks)
+    }
+}
+
+/// A reservation the pool answers later (the engine's, mid-step) holds up nothing: another
+/// request reserves, transfers and completes meanwhile; then the held one is granted and
+/// completes too, and nothing stays leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_answered_later_does_not_block_other_leases() {
+    use cleave_kv_transfer::{KvSink, MemoryPool, ReceiverConfig, ReceiverService};
+    let l = layout();
+    let pool = MemoryPool::new(l.clone(), 64);
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let mut cfg = ReceiverConfig::new(l.clone(), "127.0.0.1:1".parse().unwrap(), TransportKind::InProcess);
+    cfg.command_timeout = common::WAIT;
+    let receiver = ReceiverService::spawn(cfg, GatedPool { pool: pool.clone(), gate: Some(gate) }, None);
+    let transport = receiver.handle().in_process();
+    let h = receiver.handle().clone();
+    let held = tokio::spawn(async move { h.reserve(RequestId(1), 16, None).await });
+    // Request 2 goes all the way through while request 1 waits for its blocks.
+    let res = bounded("reserve 2", receiver.handle().reserve(RequestId(2), 20, None)).await.unwrap();
+    let sender =
+        bounded("start 2", KvSender::start(&transport, &res.ticket, &l, &SendConfig::default())).await.unwrap();
+    for c in prefill_chunks(&l, 20, 7) {
+        bounded("send 2", sender.send(c)).await.unwrap();
+    }
+    bounded("finish 2", sender.finish(2)).await.unwrap();
+    let done2 = res.done.wait(common::WAIT).await.unwrap();
+    assert!(!held.is_finished(), "request 1's reservation was answered before the gate opened");
+    open.send(()).unwrap();
+    let res1 = bounded("reserve 1", held).await.unwrap().unwrap();
+    assert_eq!(res1.ticket.block_ids.len(), 4);
+    let sender =
+        bounded("start 1", KvSender::start(&transport, &res1.ticket, &l, &SendConfig::default())).await.unwrap();
+    for c in prefill_chunks(&l, 16, 16) {
+        bounded("send 1", sender.send(c)).await.unwrap();
+    }
+    bounded("finish 1", sender.finish(1)).await.unwrap();
+    let done1 = res1.done.wait(common::WAIT).await.unwrap();
+    assert_eq!(done1.first_token, 1);
+    for blocks in [&done1.blocks, &done2.blocks] {
+        pool.free_request(blocks);
+    }
+    let st = receiver.handle().stats().await.unwrap();
+    assert_eq!((st.completed, st.reserved_blocks), (2, 0));
+    assert_eq!(pool.free_blocks(), 64);
+}
