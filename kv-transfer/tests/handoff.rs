@@ -157,7 +157,7 @@ impl cleave_kv_transfer::KvSink for GatedPool {
 /// completes too, and nothing stays leased.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_answered_later_does_not_block_other_leases() {
-    use cleave_kv_transfer::{KvSink, MemoryPool, ReceiverConfig, ReceiverService};
+    use cleave_kv_transfer::{MemoryPool, ReceiverConfig, ReceiverService};
     let l = layout();
     let pool = MemoryPool::new(l.clone(), 64);
     let (open, gate) = tokio::sync::oneshot::channel();
