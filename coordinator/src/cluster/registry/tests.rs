@@ -1,0 +1,291 @@
+//! The registry's routing and lifecycle, deterministically (time passed in).
+
+use super::*;
+use cleave_protocol::KvDtype;
+
+fn layout(fp: u64) -> KvLayout {
+    KvLayout { model_fingerprint: fp, dtype: KvDtype::F32, num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4 }
+}
+
+fn reg(name: &str, role: NodeRole, fp: u64, port: u16) -> Register {
+    Register {
+        role,
+        name: name.into(),
+        model_name: "m".into(),
+        layout: layout(fp),
+        kv_capacity_blocks: 100,
+        max_model_len: 1024,
+        rpc_addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        kv_addr: None,
+        step_budget: None,
+        metrics_addr: None,
+    }
+}
+
+fn q(len: usize) -> RouteQuery {
+    RouteQuery { tokens: vec![7; len], max_tokens: 8, ..Default::default() }
+}
+
+#[test]
+fn refuses_another_model_loudly() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), Some(1));
+    let err = r.register(reg("p", NodeRole::Prefill, 2, 1), t).unwrap_err();
+    assert!(err.0.contains("fingerprint"), "{err}");
+    assert!(r.is_empty());
+    // Without a coordinator layout the first node pins it.
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    r.register(reg("a", NodeRole::Decode, 5, 1), t).unwrap();
+    assert!(r.register(reg("b", NodeRole::Decode, 6, 2), t).is_err());
+}
+
+#[test]
+fn long_prompts_go_remote_short_ones_local() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    let (plan, _) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Remote { ref prefill, ref decode } if prefill.id == p && decode.id == d), "{plan:?}");
+    let (plan, _) = r.plan(&q(10)).unwrap();
+    assert!(matches!(plan, Plan::Local { reason: LocalReason::ShortPrompt, .. }), "{plan:?}");
+}
+
+#[test]
+fn colocated_nodes_prefill_locally_and_dead_nodes_are_not_routed() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let a = r.register(reg("a", NodeRole::Both, 1, 1), t).unwrap();
+    let (plan, _) = r.plan(&q(200)).unwrap();
+    assert_eq!(plan, Plan::Local { decode: r.nodes()[0].clone(), reason: LocalReason::Colocated });
+    let later = t + Duration::from_secs(4);
+    let dead = r.expire(later);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, a);
+    assert!(r.plan(&q(200)).is_err());
+}
+
+#[test]
+fn no_prefill_node_and_saturation_fall_back_to_local() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    let (plan, _) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Local { reason: LocalReason::NoPrefillNode, .. }));
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    r.report(p, LoadReport { queued_prefill_tokens: 1 << 20, ..Default::default() }, t);
+    let (plan, _) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Local { reason: LocalReason::PrefillSaturated, .. }), "{plan:?}");
+    // Excluding the failed prefill node also falls back.
+    let mut qq = q(200);
+    qq.exclude = vec![p];
+    let (plan, _) = r.plan(&qq).unwrap();
+    assert!(matches!(plan, Plan::Local { reason: LocalReason::NoPrefillNode, .. }));
+}
+
+#[test]
+fn bursts_spread_over_the_pool_and_prefix_overlap_attracts() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p1 = r.register(reg("p1", NodeRole::Prefill, 1, 1), t).unwrap();
+    let p2 = r.register(reg("p2", NodeRole::Prefill, 1, 2), t).unwrap();
+    let d1 = r.register(reg("d1", NodeRole::Decode, 1, 3), t).unwrap();
+    let d2 = r.register(reg("d2", NodeRole::Decode, 1, 4), t).unwrap();
+    let mut seen_p = HashSet::new();
+    let mut seen_d = HashSet::new();
+    for _ in 0..4 {
+        let (plan, _) = r.plan(&q(200)).unwrap();
+        let Plan::Remote { prefill, decode } = plan else { panic!("{plan:?}") };
+        seen_p.insert(prefill.id);
+        seen_d.insert(decode.id);
+    }
+    assert_eq!(seen_p, HashSet::from([p1, p2]));
+    assert_eq!(seen_d, HashSet::from([d1, d2]));
+    // After fresh (equal) reports, the prefill node holding the prompt's prefix wins.
+    let hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q(200).tokens, 4).collect();
+    r.report(p1, LoadReport { queued_prefill_tokens: 50, ..Default::default() }, t);
+    r.report(p2, LoadReport { queued_prefill_tokens: 50, prefix_hashes: hashes, ..Default::default() }, t);
+    let (plan, a) = r.plan(&q(200)).unwrap();
+    let Plan::Remote { prefill, .. } = plan else { panic!() };
+    assert_eq!(prefill.id, p2);
+    r.release(&a, t);
+}
+
+fn busy(running: u32) -> LoadReport {
+    LoadReport { running_seqs: running, total_blocks: 100, free_blocks: 100, ..Default::default() }
+}
+
+#[test]
+fn a_drained_decode_node_takes_no_work_and_parks_once_its_streams_end() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let d1 = r.register(reg("d1", NodeRole::Decode, 1, 1), t).unwrap();
+    let d2 = r.register(reg("d2", NodeRole::Decode, 1, 2), t).unwrap();
+    // A stream runs on d1.
+    let mut qq = q(10);
+    qq.exclude = vec![d2];
+    let (plan, a) = r.plan(&qq).unwrap();
+    assert!(matches!(plan, Plan::Local { ref decode, .. } if decode.id == d1));
+    r.drain(d1, AfterDrain::Stay, t).unwrap();
+    // New work goes elsewhere only.
+    for _ in 0..5 {
+        let (plan, b) = r.plan(&q(10)).unwrap();
+        assert!(matches!(plan, Plan::Local { ref decode, .. } if decode.id == d2), "{plan:?}");
+        r.release(&b, t);
+    }
+    // Still streaming: nothing happens, however many reports.
+    r.report(d1, busy(1), t + Duration::from_millis(200));
+    assert!(r.lifecycle().is_empty());
+    assert!(matches!(r.node_states(t)[0].lifecycle, Lifecycle::Draining { .. }));
+    // The stream ends; the engine must confirm it let go (a report after the release).
+    r.release(&a, t + Duration::from_millis(300));
+    r.lifecycle();
+    assert!(matches!(r.node_states(t)[0].lifecycle, Lifecycle::Draining { .. }), "not confirmed yet");
+    r.report(d1, busy(0), t + Duration::from_millis(400));
+    assert!(r.lifecycle().is_empty(), "parking tells the node nothing");
+    assert_eq!(r.node_states(t)[0].lifecycle, Lifecycle::Drained);
+    // Nothing routes to a parked node; giving it a role again brings it back.
+    let mut only = q(10);
+    only.exclude = vec![d2];
+    assert!(r.plan(&only).is_err());
+    r.set_role(d1, NodeRole::Decode, None, t + Duration::from_millis(500)).unwrap();
+    assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: d1, role: NodeRole::Decode, step_budget: None }]);
+    assert!(r.plan(&only).is_ok());
+}
+
+#[test]
+fn a_role_switch_drains_only_what_the_new_role_does_not_do() {
+    let t = Instant::now();
+    let ms = |n: u64| t + Duration::from_millis(n);
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    let (plan, mut a) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Remote { .. }));
+    // Decode -> both: nothing to drain (its streams are colocated work too): at once.
+    r.set_role(d, NodeRole::Both, Some(128), ms(1)).unwrap();
+    assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: d, role: NodeRole::Both, step_budget: Some(128) }]);
+    assert_eq!(r.node_states(t)[1].step_budget, Some(128));
+    // Prefill -> decode waits for its prefill, not for the stream's decode.
+    r.set_role(p, NodeRole::Decode, None, ms(2)).unwrap();
+    r.report(p, busy(1), ms(3));
+    assert!(r.lifecycle().is_empty());
+    r.release_prefill(&mut a, ms(4));
+    assert!(a.prefill.is_none(), "the booking forgets its prefill part");
+    r.report(p, busy(0), ms(5));
+    assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: p, role: NodeRole::Decode, step_budget: None }]);
+    // Releasing the whole attempt later does not count the prefill twice.
+    r.release(&a, ms(6));
+    let s = r.node_states(t);
+    assert_eq!((s[0].active_prefill, s[0].active_decode, s[1].active_decode), (0, 0, 0));
+    // Both -> prefill must drain the colocated node's streams.
+    let (_, b) = r.plan(&q(10)).unwrap();
+    let holder = if b.decode.unwrap().0 == d { d } else { p };
+    r.set_role(holder, NodeRole::Prefill, None, ms(7)).unwrap();
+    r.report(holder, busy(0), ms(8));
+    assert!(r.lifecycle().is_empty(), "a routed stream is still running there");
+    r.release(&b, ms(9));
+    r.report(holder, busy(0), ms(10));
+    assert_eq!(r.lifecycle().len(), 1);
+}
+
+/// Switching 1 prefill + 1 decode to 2 colocated under load (what the planner does when the
+/// load turns decode-heavy) and back: at no moment may a request find no node, and a node
+/// keeps the work its old and new roles share while it switches.
+#[test]
+fn a_switching_node_keeps_the_work_both_roles_do() {
+    let t = Instant::now();
+    let ms = |n: u64| t + Duration::from_millis(n);
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    // Both switches start before the registry's next lifecycle pass.
+    r.set_role(p, NodeRole::Both, None, ms(1)).unwrap();
+    r.set_role(d, NodeRole::Both, None, ms(1)).unwrap();
+    let (plan, a) = r.plan(&q(200)).expect("a request routes mid-switch");
+    assert!(matches!(plan, Plan::Remote { .. }), "p keeps prefilling, d keeps decoding: {plan:?}");
+    r.lifecycle();
+    r.release(&a, ms(2));
+    // Colocated now; one stream on each node.
+    let (_, a) = r.plan(&q(200)).unwrap();
+    let (_, b) = r.plan(&q(200)).unwrap();
+    assert_ne!(a.decode.unwrap().0, b.decode.unwrap().0);
+    // Back: both -> decode keeps decoding, both -> prefill keeps prefilling, while p drains
+    // its stream.
+    r.set_role(p, NodeRole::Prefill, None, ms(3)).unwrap();
+    r.set_role(d, NodeRole::Decode, None, ms(3)).unwrap();
+    let (plan, c) = r.plan(&q(200)).expect("a request routes mid-switch");
+    match plan {
+        Plan::Remote { prefill, decode } => assert_eq!((prefill.id, decode.id), (p, d)),
+        other => panic!("want p -> d, got {other:?}"),
+    }
+    // d's switch waits only for its queued prefill, not its running streams (it keeps them,
+    // and takes new ones).
+    r.report(d, LoadReport { running_seqs: 2, total_blocks: 100, free_blocks: 90, ..Default::default() }, ms(4));
+    let done = r.lifecycle();
+    assert_eq!(done, vec![Effect::SetRole { node: d, role: NodeRole::Decode, step_budget: None }]);
+    // p drains its colocated stream before it is a prefill node.
+    let p_stream = if a.decode.unwrap().0 == p { &a } else { &b };
+    r.report(p, busy(1), ms(5));
+    assert!(r.lifecycle().is_empty());
+    r.release(p_stream, ms(6));
+    r.report(p, busy(0), ms(7));
+    assert_eq!(r.lifecycle(), vec![Effect::SetRole { node: p, role: NodeRole::Prefill, step_budget: None }]);
+    r.release(&c, ms(8));
+}
+
+/// A decode -> prefill switch of the only decode node leaves no node to decode until another
+/// switches in: the refusal says so (transient), so the request is held, not failed.
+#[test]
+fn no_route_during_a_switch_is_transient() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    r.set_role(d, NodeRole::Prefill, None, t).unwrap();
+    r.set_role(p, NodeRole::Decode, None, t).unwrap();
+    let e = r.plan(&q(200)).unwrap_err();
+    assert!(e.transient, "{e}");
+    r.report(p, busy(0), t + Duration::from_millis(1));
+    r.report(d, busy(0), t + Duration::from_millis(1));
+    assert_eq!(r.lifecycle().len(), 2);
+    assert!(r.plan(&q(200)).is_ok());
+    // With nothing switching, no route is final.
+    let mut only = q(200);
+    only.exclude = vec![p];
+    let e = r.plan(&only).unwrap_err();
+    assert!(!e.transient, "{e}");
+}
+
+#[test]
+fn leaving_nodes_are_told_once_and_refuse_further_operations() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let d = r.register(reg("d", NodeRole::Decode, 1, 1), t).unwrap();
+    r.drain(d, AfterDrain::Leave, t).unwrap();
+    r.report(d, busy(0), t + Duration::from_millis(1));
+    assert!(matches!(r.lifecycle()[..], [Effect::Leave { node, .. }] if node == d));
+    assert!(r.lifecycle().is_empty());
+    assert_eq!(r.drain(d, AfterDrain::Stay, t), Err(NodeOpError::Leaving { id: d }));
+    assert_eq!(r.set_role(99, NodeRole::Decode, None, t), Err(NodeOpError::UnknownNode(99)));
+    assert_eq!(r.pools().decode.nodes, 0, "a leaving node is not counted as routable");
+}
+
+#[test]
+fn the_planner_s_saturation_line_replaces_the_configured_one_and_restores_it() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    r.report(p, LoadReport { queued_prefill_tokens: 5_000, ..Default::default() }, t);
+    let (plan, a) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Remote { .. }), "5000 queued tokens are under the configured 65536: {plan:?}");
+    r.release(&a, t);
+    r.set_bridge(Some(4_000));
+    let (plan, a) = r.plan(&q(200)).unwrap();
+    assert!(matches!(plan, Plan::Local { reason: LocalReason::PrefillSaturated, .. }), "{plan:?}");
+    r.release(&a, t);
+    r.set_bridge(None);
+    assert_eq!(r.saturation_tokens(), 65_536);
+    assert!(matches!(r.plan(&q(200)).unwrap().0, Plan::Remote { .. }));
+}
