@@ -2,7 +2,9 @@
 //! data; validation lives in [`crate::validate`], shaping in [`crate::respond`].
 //!
 //! Unknown request fields are ignored (third-party clients send many), but a known field of
-//! the wrong type is a 400.
+//! the wrong type is a 400, and so is an OpenAI or vLLM field that asks for something cleave
+//! does not do ([`Unimplemented`]): a client that sends `tools` or `response_format` must not
+//! get free text with status 200.
 
 use std::collections::BTreeMap;
 
@@ -53,7 +55,88 @@ pub struct CommonParams {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    #[serde(flatten)]
+    pub unimplemented: Unimplemented,
 }
+
+/// Request fields of the OpenAI API (and vLLM's extensions) that change what the answer must
+/// be and that cleave does not implement. Taken as any JSON so that the answer names the field
+/// whatever its type; `null` and the values that ask for nothing (an empty `tools` list,
+/// `tool_choice: "none"`, `response_format: {"type": "text"}`, an empty `logit_bias`,
+/// `best_of: 1`, an empty `suffix`) are accepted.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Unimplemented {
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub functions: Option<serde_json::Value>,
+    pub function_call: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<serde_json::Value>,
+    pub response_format: Option<serde_json::Value>,
+    pub logit_bias: Option<serde_json::Value>,
+    pub suffix: Option<serde_json::Value>,
+    pub best_of: Option<serde_json::Value>,
+    pub audio: Option<serde_json::Value>,
+    pub modalities: Option<serde_json::Value>,
+    pub prediction: Option<serde_json::Value>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
+    pub structured_outputs: Option<serde_json::Value>,
+}
+
+impl Unimplemented {
+    /// The first field that asks for something cleave does not do, with why.
+    pub fn first(&self) -> Option<(&'static str, String)> {
+        use serde_json::Value as V;
+        fn empty(v: &V) -> bool {
+            match v {
+                V::Array(a) => a.is_empty(),
+                V::Object(o) => o.is_empty(),
+                V::String(s) => s.is_empty(),
+                _ => false,
+            }
+        }
+        fn none_or_auto(v: &V) -> bool {
+            v.as_str().is_some_and(|s| s == "none" || s == "auto")
+        }
+        fn never(_: &V) -> bool {
+            false
+        }
+        let checks: [(&'static str, &Option<V>, fn(&V) -> bool); 17] = [
+            ("tools", &self.tools, empty),
+            ("tool_choice", &self.tool_choice, none_or_auto),
+            ("functions", &self.functions, empty),
+            ("function_call", &self.function_call, none_or_auto),
+            ("parallel_tool_calls", &self.parallel_tool_calls, |v| v.is_boolean()),
+            ("response_format", &self.response_format, |v| v.get("type").is_some_and(|t| t == "text")),
+            ("logit_bias", &self.logit_bias, empty),
+            ("suffix", &self.suffix, empty),
+            ("best_of", &self.best_of, |v| v.as_u64() == Some(1)),
+            ("audio", &self.audio, never),
+            ("modalities", &self.modalities, |v| v.as_array().is_some_and(|a| a.iter().all(|m| m == "text"))),
+            ("prediction", &self.prediction, never),
+            ("guided_json", &self.guided_json, never),
+            ("guided_regex", &self.guided_regex, never),
+            ("guided_choice", &self.guided_choice, never),
+            ("guided_grammar", &self.guided_grammar, never),
+            ("structured_outputs", &self.structured_outputs, never),
+        ];
+        checks.into_iter().find_map(|(name, value, harmless)| match value {
+            Some(v) if !harmless(v) => {
+                let mut got = v.to_string();
+                if got.len() > 80 {
+                    got = format!("{}...", &got[..got.floor_char_boundary(80)]);
+                }
+                Some((name, format!("`{name}` is not supported by this server (got {got})")))
+            }
+            _ => None,
+        })
+    }
+}
+
+/// The roles a chat message may have.
+pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// Body of `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]

@@ -118,6 +118,12 @@ pub fn chat_prompt_ids(
 
 /// A message with text content; text parts are joined with newlines.
 fn flatten_message(m: &InputMessage) -> Result<ChatMessage, CoordinatorError> {
+    if !crate::api::CHAT_ROLES.contains(&m.role.as_str()) {
+        return Err(invalid(
+            "messages",
+            format!("role {:?} is not one of {}", m.role, crate::api::CHAT_ROLES.join(", ")),
+        ));
+    }
     let content = match &m.content {
         None => String::new(),
         Some(MessageContent::Text(t)) => t.clone(),
@@ -146,6 +152,9 @@ fn validate_common(
     model: &ModelInfo,
     limits: Limits,
 ) -> Result<ValidRequest, CoordinatorError> {
+    if let Some((param, message)) = c.unimplemented.first() {
+        return Err(invalid(param, message));
+    }
     if let Some(requested) = c.model {
         if requested != model.name {
             return Err(CoordinatorError::UnknownModel { requested, served: model.name.clone() });

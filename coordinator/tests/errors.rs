@@ -76,6 +76,53 @@ async fn bad_requests_are_400_in_openai_shape() {
     .await;
     assert_eq!(e["param"], "top_logprobs");
     expect_error(h.post("/v1/completions", json!({"max_tokens": 3})).await, 400).await;
+    // Fields that ask for what cleave does not do are refused by name, never ignored; the values
+    // that ask for nothing pass.
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    for (field, value) in [
+        ("tools", tool.clone()),
+        ("tool_choice", json!("required")),
+        ("tool_choice", json!({"type": "function", "function": {"name": "f"}})),
+        ("functions", tool.clone()),
+        ("response_format", json!({"type": "json_object"})),
+        ("logit_bias", json!({"50256": -100})),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("a+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+    ] {
+        let e = expect_error(h.post("/v1/chat/completions", chat(json!({ field: value.clone() }))).await, 400).await;
+        assert_eq!(e["param"], field, "{field}={value}: {e}");
+        assert!(e["message"].as_str().unwrap().contains(field), "{e}");
+    }
+    for (field, value) in [("suffix", json!("end")), ("best_of", json!(3)), ("logit_bias", json!({"1": 5}))] {
+        let e = expect_error(h.post("/v1/completions", json!({"prompt": "x", field: value.clone()})).await, 400).await;
+        assert_eq!(e["param"], field, "{field}={value}: {e}");
+    }
+    for harmless in [
+        json!({"tools": [], "tool_choice": "none"}),
+        json!({"tool_choice": "auto", "parallel_tool_calls": false}),
+        json!({"response_format": {"type": "text"}, "logit_bias": {}, "tools": null}),
+        json!({"modalities": ["text"], "user": "u-1", "metadata": {"a": "b"}}),
+    ] {
+        let r = h.post("/v1/chat/completions", chat(harmless.clone())).await;
+        assert_eq!(r.status(), 200, "{harmless}");
+    }
+    let r = h.post("/v1/completions", json!({"prompt": "x", "max_tokens": 1, "best_of": 1, "suffix": ""})).await;
+    assert_eq!(r.status(), 200);
+    // A role the API does not have is refused, naming it.
+    let wizard = json!({"messages": [{"role": "wizard", "content": "x"}]});
+    let e = expect_error(h.post("/v1/chat/completions", wizard).await, 400).await;
+    assert_eq!(e["param"], "messages");
+    assert!(e["message"].as_str().unwrap().contains("wizard"), "{e}");
     let e = expect_error(h.client.get(h.url("/v1/nothing")).send().await.unwrap(), 404).await;
     assert_eq!(e["type"], "invalid_request_error");
 }
