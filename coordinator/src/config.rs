@@ -32,9 +32,20 @@ pub struct CoordinatorArgs {
     #[arg(long, env = "CLEAVE_MAX_MODEL_LEN")]
     pub max_model_len: Option<u32>,
 
-    /// Require `Authorization: Bearer KEY` on the API routes (not /health, /metrics).
+    /// Require `Authorization: Bearer KEY` on the API routes (not /health, /metrics); the key is
+    /// named `default` in logs and metrics.
     #[arg(long, env = "CLEAVE_API_KEY")]
     pub api_key: Option<String>,
+
+    /// A file of API keys, one per line: `NAME KEY [MAX_CONCURRENT]` (`#` comments). Each key's
+    /// name labels its requests in logs and in `cleave_api_key_*` metrics; a key past its
+    /// concurrent-request limit is answered 429.
+    #[arg(long, env = "CLEAVE_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+
+    /// Concurrent-request limit of a key that names none (0: no limit).
+    #[arg(long, env = "CLEAVE_API_KEY_MAX_CONCURRENT", default_value_t = 0)]
+    pub api_key_max_concurrent: u32,
 
     /// Dispatches waiting for the router at once; one more is refused with 429.
     #[arg(long, env = "CLEAVE_MAX_QUEUED", default_value_t = 1024)]

@@ -51,6 +51,12 @@ pub enum CoordinatorError {
     /// Missing or wrong `Authorization: Bearer` key.
     #[error("invalid or missing API key")]
     Unauthorized,
+    /// The API key already has its most requests in flight.
+    #[error("API key {key:?} has {limit} requests in flight, its limit; retry when one ends")]
+    KeyLimit { key: String, limit: u32 },
+    /// `--api-keys-file` cannot be used.
+    #[error("api keys file {path}: {reason}")]
+    KeysFile { path: String, reason: String },
     /// The admission queue is full.
     #[error("the server is at capacity ({capacity} queued requests); retry after {retry_after_secs} s")]
     QueueFull { capacity: usize, retry_after_secs: u32 },
@@ -131,12 +137,13 @@ impl CoordinatorError {
             }
             E::NodeOp(crate::cluster::registry::NodeOpError::ShuttingDown) => StatusCode::SERVICE_UNAVAILABLE,
             E::NotFound { .. } => StatusCode::NOT_FOUND,
-            E::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            E::QueueFull { .. } | E::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             E::RouterGone | E::Unavailable { .. } | E::NotReady { .. } => StatusCode::SERVICE_UNAVAILABLE,
             E::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             E::NoModel
             | E::Internal { .. }
             | E::Bind { .. }
+            | E::KeysFile { .. }
             | E::ModelConfig { .. }
             | E::Tokenizer(_)
             | E::Serve(_)
@@ -163,7 +170,7 @@ impl CoordinatorError {
             E::ContextLength { .. } => (Some("max_tokens".to_owned()), Some("context_length_exceeded")),
             E::ChatTemplate { .. } => (Some("messages".to_owned()), None),
             E::Unauthorized => (None, Some("invalid_api_key")),
-            E::QueueFull { .. } => (None, Some("rate_limit_exceeded")),
+            E::QueueFull { .. } | E::KeyLimit { .. } => (None, Some("rate_limit_exceeded")),
             E::Timeout { .. } => (None, Some("timeout")),
             _ => (None, None),
         };
@@ -186,6 +193,9 @@ impl IntoResponse for CoordinatorError {
         match &self {
             CoordinatorError::QueueFull { retry_after_secs, .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+            }
+            CoordinatorError::KeyLimit { .. } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
             CoordinatorError::Unauthorized | CoordinatorError::AdminUnauthorized { .. } => {
                 headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

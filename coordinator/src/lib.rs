@@ -21,6 +21,7 @@ pub mod dispatch;
 pub mod error;
 pub mod generate;
 mod handlers;
+pub mod keys;
 pub mod metrics;
 pub mod model;
 pub mod respond;

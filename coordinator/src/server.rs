@@ -24,6 +24,7 @@ use crate::dispatch::DispatchSender;
 use crate::error::CoordinatorError;
 use crate::generate::{AdmitConfig, IdSource};
 use crate::handlers;
+use crate::keys::{ApiKeys, KeyGuard};
 use crate::metrics as m;
 use crate::model::ModelInfo;
 use crate::validate::{chat_prompt_ids, Limits};
@@ -47,7 +48,7 @@ pub(crate) struct Inner {
     pub dispatch: DispatchSender,
     pub admit: AdmitConfig,
     pub limits: Limits,
-    pub api_key: Option<String>,
+    pub keys: Arc<ApiKeys>,
     pub max_body_bytes: usize,
     pub ids: IdSource,
     pub metrics: Option<PrometheusHandle>,
@@ -63,10 +64,20 @@ pub(crate) fn unix_now() -> u64 {
 
 impl AppState {
     /// State for a server of `model` whose requests go to `dispatch` (a channel made with
-    /// [`crate::dispatch_channel`] of capacity `args.max_queued_requests`).
-    pub fn new(args: &CoordinatorArgs, model: ModelInfo, dispatch: DispatchSender) -> Self {
+    /// [`crate::dispatch_channel`] of capacity `args.max_queued_requests`). Fails only on an
+    /// unusable `--api-keys-file`.
+    pub fn new(args: &CoordinatorArgs, model: ModelInfo, dispatch: DispatchSender) -> Result<Self, CoordinatorError> {
+        let text = match &args.api_keys_file {
+            Some(p) => Some(
+                std::fs::read_to_string(p)
+                    .map_err(|e| CoordinatorError::KeysFile { path: p.display().to_string(), reason: e.to_string() })?,
+            ),
+            None => None,
+        };
+        let file = args.api_keys_file.as_deref().zip(text.as_deref());
+        let keys = Arc::new(ApiKeys::new(args.api_key.as_deref(), file, args.api_key_max_concurrent)?);
         let micros = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(1);
-        AppState {
+        Ok(AppState {
             inner: Arc::new(Inner {
                 model,
                 dispatch,
@@ -77,14 +88,14 @@ impl AppState {
                     timeouts: args.timeouts(),
                 },
                 limits: Limits { max_choices: args.max_choices.max(1) },
-                api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+                keys,
                 max_body_bytes: args.max_body_bytes,
                 ids: IdSource::new(micros),
                 metrics: m::prometheus_handle(),
                 started_unix: unix_now(),
             }),
             ready: None,
-        }
+        })
     }
 
     /// The same state whose /health follows `ready` (e.g. the router's "at least one
@@ -153,19 +164,62 @@ pub async fn serve_with_shutdown(
         .map_err(CoordinatorError::Serve)
 }
 
+/// Admits an API request under its key (when keys are required): 401 without a known key, 429
+/// past the key's concurrent-request limit. The key's place is held until the response body
+/// is done (a stream until its end) and given back when it is dropped (a client that left).
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.inner.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if given != Some(key.as_str()) {
-            return CoordinatorError::Unauthorized.into_response();
-        }
+    let keys = &state.inner.keys;
+    if !keys.required() {
+        return next.run(req).await;
     }
-    next.run(req).await
+    let bearer = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let guard = match keys.admit(bearer) {
+        Ok(g) => g,
+        Err(e) => {
+            if let CoordinatorError::KeyLimit { key, .. } = &e {
+                tracing::Span::current().record("key", key.as_str());
+                ::metrics::counter!(crate::keys::metric::REQUESTS_TOTAL, "key" => key.clone(), "status" => "429")
+                    .increment(1);
+            }
+            return e.into_response();
+        }
+    };
+    tracing::Span::current().record("key", guard.name());
+    let response = next.run(req).await;
+    let labels = [("key", guard.name().to_owned()), ("status", response.status().as_str().to_owned())];
+    ::metrics::counter!(crate::keys::metric::REQUESTS_TOTAL, &labels).increment(1);
+    response.map(|body| axum::body::Body::new(Held { body, _guard: guard }))
+}
+
+/// A response body that holds its request's place under its API key until it ends or drops.
+struct Held {
+    body: axum::body::Body,
+    _guard: KeyGuard,
+}
+
+impl axum::body::HttpBody for Held {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// Echoes `x-request-id`, counts responses by endpoint and status, and opens the request's
@@ -173,7 +227,12 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
 async fn request_id_and_metrics(req: Request, next: Next) -> Response {
     let request_id = req.headers().get(&X_REQUEST_ID).cloned();
     let endpoint = endpoint_label(req.uri().path());
-    let span = tracing::debug_span!("http", endpoint, request_id = ?request_id.as_ref().and_then(|v| v.to_str().ok()));
+    let span = tracing::debug_span!(
+        "http",
+        endpoint,
+        request_id = ?request_id.as_ref().and_then(|v| v.to_str().ok()),
+        key = tracing::field::Empty
+    );
     let mut response = tracing::Instrument::instrument(next.run(req), span).await;
     if let Some(id) = request_id {
         response.headers_mut().insert(X_REQUEST_ID.clone(), id);

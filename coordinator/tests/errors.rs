@@ -148,6 +148,67 @@ async fn api_key_is_required_on_api_routes_only() {
     assert_eq!(h.client.get(h.url("/metrics")).send().await.unwrap().status(), 200);
 }
 
+/// Several named keys from a file: each admits up to its concurrent-request limit (a stream
+/// counts until it ends), one key's limit holds up no other key, and requests are counted by
+/// key name in the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_keys_each_hold_their_own_concurrency_limit() {
+    let dir = std::env::temp_dir().join(format!("cleave-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("keys.txt");
+    std::fs::write(&file, "# name key limit\nalpha sk-alpha 1\nbeta sk-beta\n").unwrap();
+    let keyed = cleave_coordinator::CoordinatorArgs { api_keys_file: Some(file.clone()), ..args() };
+    let h = start(keyed, Mode::Endless(vec![22557])).await;
+    let stream = |key: &'static str| {
+        let req = h.client.post(h.url("/v1/completions")).bearer_auth(key);
+        async move {
+            let body = json!({"prompt": "x", "max_tokens": 1000, "stream": true});
+            tokio::time::timeout(WAIT, req.json(&body).send()).await.unwrap().unwrap()
+        }
+    };
+    let mut first = stream("sk-alpha").await;
+    assert_eq!(first.status(), 200);
+    tokio::time::timeout(WAIT, first.chunk()).await.unwrap().unwrap().expect("a first chunk");
+    // alpha is at its limit of 1 while its stream runs; beta is not held up by it.
+    let e = expect_error(stream("sk-alpha").await, 429).await;
+    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("rate_limit_error"), Some("rate_limit_exceeded")));
+    assert!(e["message"].as_str().unwrap().contains("alpha"), "{e}");
+    let mut beta = stream("sk-beta").await;
+    assert_eq!(beta.status(), 200);
+    tokio::time::timeout(WAIT, beta.chunk()).await.unwrap().unwrap().expect("a first chunk");
+    expect_error(stream("sk-gamma").await, 401).await;
+    // The client leaves: alpha's place comes back.
+    drop(first);
+    let admitted = tokio::time::timeout(WAIT, async {
+        loop {
+            let r = stream("sk-alpha").await;
+            if r.status() == 200 {
+                return r;
+            }
+            assert_eq!(r.status(), 429);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("alpha's place came back after its stream was dropped");
+    drop((admitted, beta));
+    let text = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    for want in [
+        "cleave_api_key_requests_total{key=\"alpha\",status=\"429\"}",
+        "cleave_api_key_requests_total{key=\"beta\",status=\"200\"}",
+    ] {
+        assert!(text.contains(want), "{want} missing from /metrics");
+    }
+    // A file that cannot be used stops the server at start, naming the line.
+    std::fs::write(&file, "alpha sk-a\nalpha sk-b\n").unwrap();
+    let bad = cleave_coordinator::CoordinatorArgs { api_keys_file: Some(file), ..args() };
+    let model = cleave_coordinator::model::ModelInfo::from_args(&bad).unwrap();
+    let (tx, _rx) = cleave_coordinator::dispatch_channel(4);
+    let e = cleave_coordinator::server::AppState::new(&bad, model, tx).unwrap_err().to_string();
+    assert!(e.contains("line 2") && e.contains("twice"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn x_request_id_is_echoed_on_success_and_error() {
     let h = start(args(), Mode::Script(vec![22557])).await;
@@ -221,7 +282,7 @@ async fn health_follows_the_readiness_signal() {
     let model = ModelInfo::from_args(&args).unwrap();
     let (tx, _rx) = dispatch_channel(4);
     let (ready_tx, ready_rx) = tokio::sync::watch::channel(Err("no decode node registered".to_owned()));
-    let state = AppState::new(&args, model, tx).with_readiness(ready_rx);
+    let state = AppState::new(&args, model, tx).unwrap().with_readiness(ready_rx);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/health", listener.local_addr().unwrap());
     tokio::spawn(cleave_coordinator::serve(listener, state));

@@ -352,7 +352,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
                 Box::new(cleave_coordinator::cluster::RoleSwitch::new(h))
             }
         })?;
-        let state = AppState::new(&cmd.http, model, dispatch).with_readiness(cluster.readiness());
+        let state = AppState::new(&cmd.http, model, dispatch)?.with_readiness(cluster.readiness());
         let http_addr = http.local_addr()?;
         let admin_addr = admin_addr.map_or(String::new(), |a| format!(" admin={a}"));
         println!("READY coordinator http={http_addr} cluster={}{admin_addr}", cluster.control_addr());

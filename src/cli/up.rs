@@ -88,6 +88,12 @@ pub struct UpArgs {
     /// Require this API key (Bearer) on the API routes.
     #[arg(long, env = "CLEAVE_API_KEY")]
     pub api_key: Option<String>,
+    /// API keys with names and concurrent-request limits, one per line: `NAME KEY [MAX_CONCURRENT]`.
+    #[arg(long, env = "CLEAVE_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Concurrent-request limit of a key that names none (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub api_key_max_concurrent: u32,
     /// Internal transport between processes.
     #[arg(long, value_enum, default_value_t = TransportArg::Quic)]
     pub transport: TransportArg,
@@ -245,6 +251,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         if let Some(k) = &args.api_key {
             cargs.extend(["--api-key".to_string(), k.clone()]);
         }
+        if let Some(f) = &args.api_keys_file {
+            // The coordinator runs in another working directory only if told to; pass it whole.
+            let f = std::path::absolute(f).unwrap_or_else(|_| f.clone());
+            cargs.extend(["--api-keys-file".to_string(), f.display().to_string()]);
+        }
+        cargs.extend(["--api-key-max-concurrent".to_string(), args.api_key_max_concurrent.to_string()]);
         let mode = match args.planner {
             super::serve::PlannerModeArg::Off => "off",
             super::serve::PlannerModeArg::Advise => "advise",

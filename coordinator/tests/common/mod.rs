@@ -187,7 +187,7 @@ async fn start_inner(args: CoordinatorArgs, mode: Option<Mode>) -> Harness {
         }
         None => Some(rx),
     };
-    let state = AppState::new(&args, model.clone(), tx);
+    let state = AppState::new(&args, model.clone(), tx).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(cleave_coordinator::serve(listener, state));
