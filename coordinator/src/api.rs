@@ -103,7 +103,8 @@ impl Unimplemented {
         fn never(_: &V) -> bool {
             false
         }
-        let checks: [(&'static str, &Option<V>, fn(&V) -> bool); 17] = [
+        type Check<'a> = (&'static str, &'a Option<V>, fn(&V) -> bool);
+        let checks: [Check<'_>; 17] = [
             ("tools", &self.tools, empty),
             ("tool_choice", &self.tool_choice, none_or_auto),
             ("functions", &self.functions, empty),
