@@ -1,11 +1,16 @@
 """Drives a running cleave with the official `openai` Python client (argv[1]: base URL, e.g.
-http://127.0.0.1:8000/v1; argv[2]: model name). Exits non-zero on any mismatch."""
+http://127.0.0.1:8000/v1; argv[2]: model name; argv[3], optional: the CA bundle an https
+server's certificate is checked against). Exits non-zero on any mismatch."""
 import sys
 
 import openai
 
 base, model = sys.argv[1], sys.argv[2]
-client = openai.OpenAI(base_url=base, api_key="unused")
+if len(sys.argv) > 3:
+    assert base.startswith("https://"), base
+    client = openai.OpenAI(base_url=base, api_key="unused", http_client=openai.DefaultHttpxClient(verify=sys.argv[3]))
+else:
+    client = openai.OpenAI(base_url=base, api_key="unused")
 
 assert [m.id for m in client.models.list().data] == [model]
 

@@ -106,6 +106,12 @@ fn children(pid: u32, word: &str) -> Vec<u32> {
 /// Starts `cleave up` on the tiny model with `args` (after the common ones) and waits for the URL
 /// it prints; the process is killed on drop.
 fn start_up(args: &[&str]) -> (KillOnDrop, String) {
+    let (up, addr, _) = start_up_scheme(args);
+    (up, addr)
+}
+
+/// [`start_up`], also saying whether it serves `http` or `https`.
+fn start_up_scheme(args: &[&str]) -> (KillOnDrop, String, String) {
     let model = testdata_dir().join("tiny-llama");
     let mut up = Command::new(env!("CARGO_BIN_EXE_cleave"))
         .args(["up", "--model", model.to_str().unwrap(), "--port", "0", "--prefill", "1", "--decode", "1"])
@@ -119,13 +125,75 @@ fn start_up(args: &[&str]) -> (KillOnDrop, String) {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.split(" at http://").nth(1) {
-                let _ = tx.send(rest.split("/v1").next().unwrap().to_string());
+            for scheme in ["http", "https"] {
+                if let Some(rest) = line.split(&format!(" at {scheme}://")).nth(1) {
+                    let _ = tx.send((rest.split("/v1").next().unwrap().to_string(), scheme.to_string()));
+                }
             }
         }
     });
-    let addr = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
-    (up, addr)
+    let (addr, scheme) = rx.recv_timeout(Duration::from_secs(120)).expect("cleave up did not print its URL");
+    (up, addr, scheme)
+}
+
+/// `cleave up` with an edge certificate from `cleave certs --edge` serves HTTPS: a client that
+/// trusts the CA gets the same greedy text as over plain HTTP, the official `openai` client works
+/// against it, and plain HTTP on that port gets no answer.
+#[test]
+fn up_serves_https_with_an_edge_certificate() {
+    let dir = std::env::temp_dir().join(format!("cleave-edge-tls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave"))
+        .args(["certs", "--dir", dir.to_str().unwrap(), "--edge", "localhost,127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (cert, key, ca) = (dir.join("edge.crt"), dir.join("edge.key"), dir.join("ca.crt"));
+    let (_up, addr, scheme) = start_up_scheme(&[
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--coordinator-arg=--local-prefill-max-tokens=0",
+    ]);
+    assert_eq!(scheme, "https");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let ca_cert = reqwest::Certificate::from_pem(&std::fs::read(&ca).unwrap()).unwrap();
+    let client =
+        reqwest::Client::builder().add_root_certificate(ca_cert).timeout(Duration::from_secs(60)).build().unwrap();
+    let body = serde_json::json!({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, "temperature": 0});
+    let v: serde_json::Value = rt.block_on(async {
+        let r = client.post(format!("https://{addr}/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    });
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // Plain HTTP on the TLS port is not served; a client that does not trust the CA refuses.
+    let plain = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+    let r = rt.block_on(async { plain.get(format!("http://{addr}/health")).send().await });
+    assert!(r.as_ref().map_or(true, |r| !r.status().is_success()), "plain HTTP answered: {r:?}");
+    let r = rt.block_on(async { plain.get(format!("https://{addr}/health")).send().await });
+    assert!(r.is_err(), "a client without the CA connected: {r:?}");
+    let has_openai = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if has_openai || std::env::var_os("CLEAVE_REQUIRE_OPENAI").is_some() {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+        let out = Command::new("python3")
+            .arg(script)
+            .arg(format!("https://{addr}/v1"))
+            .arg("tiny-llama")
+            .arg(&ca)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openai client over https failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    } else {
+        eprintln!("skipping the openai client over https: python3 cannot import openai (pip install openai)");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -43,6 +43,14 @@ pub struct CoordinatorArgs {
     #[arg(long, env = "CLEAVE_API_KEYS_FILE")]
     pub api_keys_file: Option<std::path::PathBuf>,
 
+    /// Serve HTTPS with this certificate chain (PEM, leaf first); needs `--tls-key`.
+    #[arg(long, env = "CLEAVE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The private key of `--tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "CLEAVE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
     /// Concurrent-request limit of a key that names none (0: no limit).
     #[arg(long, env = "CLEAVE_API_KEY_MAX_CONCURRENT", default_value_t = 0)]
     pub api_key_max_concurrent: u32,

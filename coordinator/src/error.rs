@@ -54,6 +54,9 @@ pub enum CoordinatorError {
     /// The API key already has its most requests in flight.
     #[error("API key {key:?} has {limit} requests in flight, its limit; retry when one ends")]
     KeyLimit { key: String, limit: u32 },
+    /// `--tls-cert` / `--tls-key` cannot be used.
+    #[error("edge TLS: {reason}")]
+    EdgeTls { reason: String },
     /// `--api-keys-file` cannot be used.
     #[error("api keys file {path}: {reason}")]
     KeysFile { path: String, reason: String },
@@ -144,6 +147,7 @@ impl CoordinatorError {
             | E::Internal { .. }
             | E::Bind { .. }
             | E::KeysFile { .. }
+            | E::EdgeTls { .. }
             | E::ModelConfig { .. }
             | E::Tokenizer(_)
             | E::Serve(_)

@@ -18,6 +18,7 @@ pub mod api;
 pub mod cluster;
 pub mod config;
 pub mod dispatch;
+pub mod edge;
 pub mod error;
 pub mod generate;
 mod handlers;

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use crate::api::{DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse};
 use crate::config::CoordinatorArgs;
 use crate::dispatch::DispatchSender;
+use crate::edge::EdgeListener;
 use crate::error::CoordinatorError;
 use crate::generate::{AdmitConfig, IdSource};
 use crate::handlers;
@@ -135,33 +136,18 @@ pub async fn bind(args: &CoordinatorArgs) -> Result<TcpListener, CoordinatorErro
 }
 
 /// Serves `router(state)` on an already-bound listener until the listener fails.
-pub async fn serve(listener: TcpListener, state: AppState) -> Result<(), CoordinatorError> {
-    tracing::info!(addr = ?listener.local_addr().ok(), model = %state.inner.model.name, "coordinator HTTP edge listening");
-    axum::serve(no_delay(listener), router(state)).await.map_err(CoordinatorError::Serve)
-}
-
-/// Sets TCP_NODELAY on every accepted connection. Without it, Nagle's algorithm holds each small
-/// SSE chunk (one token) until the client acknowledges the previous segment, and the client's
-/// delayed ACK turns that into added milliseconds on time to first token and between tokens.
-fn no_delay(listener: TcpListener) -> impl axum::serve::Listener<Addr = std::net::SocketAddr> {
-    use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "could not set TCP_NODELAY on an accepted connection");
-        }
-    })
+pub async fn serve(listener: EdgeListener, state: AppState) -> Result<(), CoordinatorError> {
+    tracing::info!(addr = %listener.local_addr_or_unspecified(), tls = listener.is_tls(), model = %state.inner.model.name, "coordinator HTTP edge listening");
+    axum::serve(listener, router(state)).await.map_err(CoordinatorError::Serve)
 }
 
 /// Like [`serve`], stopping gracefully (in-flight requests finish) when `shutdown` resolves.
 pub async fn serve_with_shutdown(
-    listener: TcpListener,
+    listener: EdgeListener,
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CoordinatorError> {
-    axum::serve(no_delay(listener), router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(CoordinatorError::Serve)
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(CoordinatorError::Serve)
 }
 
 /// Admits an API request under its key (when keys are required): 401 without a known key, 429

@@ -285,7 +285,7 @@ async fn health_follows_the_readiness_signal() {
     let state = AppState::new(&args, model, tx).unwrap().with_readiness(ready_rx);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/health", listener.local_addr().unwrap());
-    tokio::spawn(cleave_coordinator::serve(listener, state));
+    tokio::spawn(cleave_coordinator::serve(cleave_coordinator::edge::EdgeListener::plain(listener).unwrap(), state));
     let client = reqwest::Client::new();
     let e = expect_error(client.get(&url).send().await.unwrap(), 503).await;
     assert!(e["message"].as_str().unwrap().contains("no decode node"), "{e}");

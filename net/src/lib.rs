@@ -3,7 +3,7 @@
 //!
 //! Modules: this root ([`Connector`], [`Listener`], [`DuplexStream`]: streams over QUIC, TLS-TCP
 //! or plain TCP, chosen by [`NetKind`]); [`tls`] (the cluster CA, node certificates and the
-//! rustls configs every link uses); `quic` and `tcp` (the two connection kinds behind the root's
+//! rustls configs every link uses); [`edge`] (TLS for the HTTP edge's clients); `quic` and `tcp` (the two connection kinds behind the root's
 //! types); [`error`] (this crate's one error enum). What travels on a stream is someone else's:
 //! the control link's messages and their framing are `cleave_protocol::control`, the handoff's
 //! frames are `cleave_kv_transfer::frame`.
@@ -34,6 +34,7 @@
 //!   the stream in flight on such a connection fails quickly instead of waiting for the idle
 //!   timeout.
 
+pub mod edge;
 pub mod error;
 mod quic;
 mod tcp;

@@ -46,7 +46,7 @@ fn tls_err(e: impl fmt::Display) -> NetError {
     NetError::Tls(e.to_string())
 }
 
-fn cert_err(path: &Path, e: impl fmt::Display) -> NetError {
+pub(crate) fn cert_err(path: &Path, e: impl fmt::Display) -> NetError {
     NetError::Cert { path: path.display().to_string(), reason: e.to_string() }
 }
 
@@ -173,6 +173,38 @@ impl ClusterCa {
             key: Arc::new(PrivatePkcs8KeyDer::from(key.serialize_der())),
             ca: self.cert_der.clone(),
         })
+    }
+}
+
+impl ClusterCa {
+    /// A server certificate for the HTTP edge, naming `hosts` (an IP address becomes an IP
+    /// subject alternative name, anything else a DNS one), valid for server authentication
+    /// only. Returns the chain (leaf, then this CA) and the PKCS#8 key, both PEM. For internal
+    /// deployments and tests; a public edge takes its certificate from a public CA.
+    pub fn issue_edge(&self, hosts: &[String]) -> Result<(String, String)> {
+        if hosts.is_empty() {
+            return Err(tls_err("an edge certificate needs at least one host name or address"));
+        }
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_err)?;
+        for h in hosts {
+            params.subject_alt_names.push(match h.parse::<std::net::IpAddr>() {
+                Ok(ip) => rcgen::SanType::IpAddress(ip),
+                Err(_) => {
+                    validate_node_name(h)?;
+                    rcgen::SanType::DnsName(h.clone().try_into().map_err(tls_err)?)
+                }
+            });
+        }
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, hosts[0].as_str());
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::NoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.use_authority_key_identifier_extension = true;
+        let key = KeyPair::generate().map_err(tls_err)?;
+        let cert = params.signed_by(&key, &self.signer, &self.key).map_err(tls_err)?;
+        Ok((format!("{}{}", cert.pem(), self.cert_pem), key.serialize_pem()))
     }
 }
 
@@ -394,7 +426,7 @@ impl ServerCertVerifier for ClusterServerVerifier {
     }
 }
 
-fn parse_certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>> {
+pub(crate) fn parse_certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>> {
     let mut rd = pem;
     rustls_pemfile::certs(&mut rd).collect::<std::result::Result<Vec<_>, _>>().map_err(|e| cert_err(path, e))
 }
@@ -433,7 +465,7 @@ fn pem_encode(label: &str, der: &[u8]) -> String {
     out
 }
 
-fn read_string(path: &Path) -> Result<String> {
+pub(crate) fn read_string(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| cert_err(path, e))
 }
 
@@ -464,21 +496,38 @@ pub struct CertFiles {
 }
 
 impl CertFiles {
+    /// The CA in `dir`, created (and written) if there is none; `written` gets the new files.
+    fn ca(&self, written: &mut Vec<PathBuf>) -> Result<ClusterCa> {
+        if self.dir.join("ca.key").exists() {
+            return ClusterCa::load_dir(&self.dir);
+        }
+        let ca = ClusterCa::generate()?;
+        ca.write_dir(&self.dir)?;
+        written.push(self.dir.join("ca.crt"));
+        written.push(self.dir.join("ca.key"));
+        Ok(ca)
+    }
+
+    /// Issues `edge.crt` (chain) and `edge.key` for the HTTP edge naming `hosts`
+    /// ([`ClusterCa::issue_edge`]), with the CA of `dir` (created if missing). Returns the paths
+    /// written.
+    pub fn generate_edge(&self, hosts: &[String]) -> Result<Vec<PathBuf>> {
+        let mut written = Vec::new();
+        let ca = self.ca(&mut written)?;
+        let (chain, key) = ca.issue_edge(hosts)?;
+        write_file(&self.dir.join("edge.crt"), chain.as_bytes(), false)?;
+        write_file(&self.dir.join("edge.key"), key.as_bytes(), true)?;
+        written.extend([self.dir.join("edge.crt"), self.dir.join("edge.key")]);
+        Ok(written)
+    }
+
     /// Creates the CA in `dir` if it has none (else reuses it), then issues a certificate for
     /// each name, replacing an existing one. Returns the paths written.
     pub fn generate(&self, names: &[String]) -> Result<Vec<PathBuf>> {
         // Every name is checked before anything is written.
         names.iter().try_for_each(|n| validate_node_name(n))?;
         let mut written = Vec::new();
-        let ca = if self.dir.join("ca.key").exists() {
-            ClusterCa::load_dir(&self.dir)?
-        } else {
-            let ca = ClusterCa::generate()?;
-            ca.write_dir(&self.dir)?;
-            written.push(self.dir.join("ca.crt"));
-            written.push(self.dir.join("ca.key"));
-            ca
-        };
+        let ca = self.ca(&mut written)?;
         for name in names {
             ca.issue(name)?.write_dir(&self.dir)?;
             written.push(self.dir.join(format!("{name}.crt")));

@@ -12,12 +12,20 @@ pub struct CertsArgs {
     #[arg(long, default_value = "certs")]
     dir: PathBuf,
     /// Node names (DNS-name syntax), one certificate each, valid as server and client.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "edge")]
     nodes: Vec<String>,
+    /// Also edge.crt / edge.key for the HTTPS edge (`--tls-cert`, `--tls-key`), naming these
+    /// host names and IP addresses, signed by the same CA (clients then trust ca.crt).
+    #[arg(long, value_delimiter = ',')]
+    edge: Vec<String>,
 }
 
 pub fn run(args: CertsArgs) -> anyhow::Result<()> {
-    let written = CertFiles { dir: args.dir }.generate(&args.nodes)?;
+    let files = CertFiles { dir: args.dir };
+    let mut written = if args.nodes.is_empty() { Vec::new() } else { files.generate(&args.nodes)? };
+    if !args.edge.is_empty() {
+        written.extend(files.generate_edge(&args.edge)?);
+    }
     for path in written {
         println!("{}", path.display());
     }

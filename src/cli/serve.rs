@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use cleave_coordinator::cluster::registry::RoutingConfig;
 use cleave_coordinator::cluster::{Cluster, ClusterConfig};
+use cleave_coordinator::edge::EdgeListener;
 use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, ModelInfo};
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineCore, EngineThread};
@@ -331,11 +332,13 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         cfg.planner_profile = planner_profile;
         let admin = match cmd.admin_listen {
             Some(a) => {
-                Some(tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?)
+                let l =
+                    tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding the admin API on {a}"))?;
+                Some(EdgeListener::from_args(l, &cmd.http)?)
             }
             None => None,
         };
-        let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        let admin_addr = admin.as_ref().map(|l| l.local_addr_or_unspecified());
         let launch = cmd.launch_nodes_via_stdout;
         #[cfg(feature = "kubernetes")]
         let k8s = cleave_coordinator::cluster::k8s::client_from_args(&cmd.k8s)
@@ -354,6 +357,8 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         })?;
         let state = AppState::new(&cmd.http, model, dispatch)?.with_readiness(cluster.readiness());
         let http_addr = http.local_addr()?;
+        let http = EdgeListener::from_args(http, &cmd.http)?;
+        tracing::info!(addr = %http_addr, tls = http.is_tls(), "HTTP edge listening");
         let admin_addr = admin_addr.map_or(String::new(), |a| format!(" admin={a}"));
         println!("READY coordinator http={http_addr} cluster={}{admin_addr}", cluster.control_addr());
         cleave_coordinator::cluster::serve_with_cluster(

@@ -94,6 +94,13 @@ pub struct UpArgs {
     /// Concurrent-request limit of a key that names none (0: no limit).
     #[arg(long, default_value_t = 0)]
     pub api_key_max_concurrent: u32,
+    /// Serve HTTPS with this certificate chain (PEM); needs `--tls-key` (`cleave certs --edge
+    /// HOST` makes one signed by a local CA).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// Internal transport between processes.
     #[arg(long, value_enum, default_value_t = TransportArg::Quic)]
     pub transport: TransportArg,
@@ -257,6 +264,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             cargs.extend(["--api-keys-file".to_string(), f.display().to_string()]);
         }
         cargs.extend(["--api-key-max-concurrent".to_string(), args.api_key_max_concurrent.to_string()]);
+        for (flag, path) in [("--tls-cert", &args.tls_cert), ("--tls-key", &args.tls_key)] {
+            if let Some(p) = path {
+                let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+                cargs.extend([flag.to_string(), p.display().to_string()]);
+            }
+        }
         let mode = match args.planner {
             super::serve::PlannerModeArg::Off => "off",
             super::serve::PlannerModeArg::Advise => "advise",
@@ -326,8 +339,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         if args.admin_token.is_none() {
             println!("admin token (for `cleave admin` and /admin/...): {admin_token}");
         }
-        println!("dashboard: http://{http}/dashboard (sign in with the admin token)");
-        println!("cleave is serving {} at http://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
+        let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
+        println!("dashboard: {scheme}://{http}/dashboard (sign in with the admin token)");
+        println!("cleave is serving {} at {scheme}://{http}/v1 ({shape} nodes; Ctrl-C stops)", model.display());
         anyhow::Ok(template)
     }
     .await;

@@ -34,7 +34,6 @@ use axum::{Json, Router};
 use cleave_protocol::control::NodeRole;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 
 use super::dashboard;
 use super::planning::PlannerHandle;
@@ -300,8 +299,8 @@ async fn decisions(State(s): State<AdminState>) -> Result<Json<Value>, Coordinat
 /// Serves the OpenAI API and the admin API (on the same listener, or the admin API on
 /// `admin_listener`) until `shutdown` resolves.
 pub async fn serve_with_cluster(
-    listener: TcpListener,
-    admin_listener: Option<TcpListener>,
+    listener: crate::edge::EdgeListener,
+    admin_listener: Option<crate::edge::EdgeListener>,
     state: AppState,
     cluster: &Cluster,
     admin_token: Option<String>,

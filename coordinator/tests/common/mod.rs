@@ -190,7 +190,7 @@ async fn start_inner(args: CoordinatorArgs, mode: Option<Mode>) -> Harness {
     let state = AppState::new(&args, model.clone(), tx).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(cleave_coordinator::serve(listener, state));
+    tokio::spawn(cleave_coordinator::serve(cleave_coordinator::edge::EdgeListener::plain(listener).unwrap(), state));
     Harness { base, client: reqwest::Client::new(), seen, cancelled, model, parked }
 }
 
