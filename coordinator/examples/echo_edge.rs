@@ -49,6 +49,7 @@ async fn main() -> anyhow::Result<()> {
     });
     let listener = cleave_coordinator::bind(&args).await?;
     println!("listening on http://{}", listener.local_addr()?);
-    cleave_coordinator::serve(listener, AppState::new(&args, model, tx)).await?;
+    let listener = cleave_coordinator::edge::EdgeListener::from_args(listener, &args)?;
+    cleave_coordinator::serve(listener, AppState::new(&args, model, tx)?).await?;
     Ok(())
 }
