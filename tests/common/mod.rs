@@ -403,3 +403,8 @@ pub fn three_pool_cluster() -> TestCluster {
         &[&args[..], &["--tpot-target-ms", "100"]].concat(),
     )
 }
+
+/// A multi-threaded runtime for a test's async parts.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
