@@ -317,3 +317,74 @@ fn the_official_openai_client_streams_completions_and_chat() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Node identities mean something: a certificate names the roles its holder may take, and the
+/// coordinator refuses a registration outside them (and a switch to a role outside them); a
+/// revoked certificate is refused at its next registration without a restart; a node takes
+/// requests only from the coordinator's certificate, not from another member of the cluster.
+#[test]
+fn certificates_bind_roles_and_revocation_takes_effect_without_a_restart() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let revoked = std::env::temp_dir().join(format!("cleave-revoked-{}", std::process::id()));
+    std::fs::write(&revoked, "# revoked node certificates\n").unwrap();
+    let c = TestCluster::start(&tiny_llama(), &["both"], &["--revoked-certs", revoked.to_str().unwrap()]);
+    let rt = runtime();
+    rt.block_on(c.wait_nodes(1));
+    let certs = |name: &str, roles: &str| {
+        let dir = c.certs.to_str().unwrap();
+        let out =
+            Command::new(exe()).args(["certs", "--dir", dir, "--nodes", name, "--roles", roles]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    // A prefill-only certificate may not register as a decode node, but may as a prefill node.
+    certs("pin-0", "prefill");
+    let e = c.node("pin-0", "decode", None).err().expect("a prefill-only certificate registered as decode");
+    assert!(e.contains("certificate allows prefill"), "{e}");
+    let pinned = c.node("pin-0", "prefill", None).unwrap();
+    rt.block_on(c.wait_nodes(2));
+    let id = rt.block_on(c.nodes_state()).iter().find(|n| n["name"] == "pin-0").unwrap()["id"].as_u64().unwrap();
+    let r = rt.block_on(async {
+        c.client
+            .post(format!("{}/admin/nodes/{id}/role", c.http))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&json!({"role": "decode"}))
+            .send()
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.status(), 409, "a switch outside the certificate's roles was accepted");
+    // Another member of the cluster (a node's certificate) cannot make a node work for it.
+    let rpc: std::net::SocketAddr = pinned.ready["rpc"].parse().unwrap();
+    rt.block_on(async {
+        use cleave_protocol::control::{read_msg, write_msg, ControlMsg, PrefillRequest, Work};
+        let id = cleave_net::tls::NodeIdentity::load(&c.certs, "pin-0").unwrap();
+        let connector =
+            cleave_net::Connector::new(&cleave_net::NetConfig::new(cleave_net::NetKind::Quic, Some(id))).unwrap();
+        let mut s = connector.open(rpc).await.unwrap();
+        let work = Work {
+            id: cleave_protocol::RequestId(7),
+            prompt: vec![1, 2, 3],
+            params: Default::default(),
+            stop: cleave_protocol::StopConditions { max_tokens: 2, ..Default::default() },
+        };
+        write_msg(&mut s.send, &ControlMsg::PrefillRequest(PrefillRequest { work, ticket: None })).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(20), read_msg(&mut s.recv)).await.expect("no answer");
+        assert!(!matches!(answer, Ok(Some(ControlMsg::Token(_)))), "a node served a non-coordinator: {answer:?}");
+    });
+    // Revocation: listed by fingerprint, refused at the next registration, no restart.
+    certs("rev-0", "node");
+    let out = Command::new(exe())
+        .args(["certs", "--dir", c.certs.to_str().unwrap(), "--fingerprint", "rev-0"])
+        .output()
+        .unwrap();
+    let line = String::from_utf8(out.stdout).unwrap();
+    let fp = line.split_whitespace().next().unwrap().to_string();
+    assert_eq!(fp.len(), 64, "{line}");
+    std::fs::write(&revoked, format!("# revoked node certificates\n{fp}  # rev-0, lost laptop\n")).unwrap();
+    let e = c.node("rev-0", "decode", None).err().expect("a revoked certificate registered");
+    assert!(e.contains("revoked"), "{e}");
+    // The cluster still serves.
+    let v = rt.block_on(c.complete(greedy("Still serving", 4)));
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let _ = std::fs::remove_file(&revoked);
+}

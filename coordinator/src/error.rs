@@ -134,7 +134,10 @@ impl CoordinatorError {
             E::BodyRejected { too_large: false, .. } => StatusCode::BAD_REQUEST,
             E::Unauthorized | E::AdminUnauthorized { .. } => StatusCode::UNAUTHORIZED,
             E::NodeOp(crate::cluster::registry::NodeOpError::UnknownNode(_)) => StatusCode::NOT_FOUND,
-            E::NodeOp(crate::cluster::registry::NodeOpError::Leaving { .. }) => StatusCode::CONFLICT,
+            E::NodeOp(
+                crate::cluster::registry::NodeOpError::Leaving { .. }
+                | crate::cluster::registry::NodeOpError::RoleNotAllowed { .. },
+            ) => StatusCode::CONFLICT,
             E::NodeOp(crate::cluster::registry::NodeOpError::BadStepBudget { .. }) | E::Planner(_) => {
                 StatusCode::BAD_REQUEST
             }

@@ -234,12 +234,36 @@ impl NetConfig {
     }
 }
 
-/// Who is on the other end of an accepted stream.
+/// Who is on the other end of a stream.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
     pub addr: SocketAddr,
     /// The node name from the peer's certificate (None over plain TCP).
     pub name: Option<String>,
+    /// What the peer's certificate allows it to be ([`tls::cert_roles`]; None over plain TCP).
+    pub roles: Option<tls::Roles>,
+    /// SHA-256 of the peer's certificate (DER), what a revocation list names (None over plain
+    /// TCP).
+    pub fingerprint: Option<[u8; 32]>,
+}
+
+impl PeerInfo {
+    /// A peer at `addr` that presented `certs` (leaf first), or none (plain TCP).
+    pub(crate) fn new(addr: SocketAddr, certs: Option<&[rustls_pki_types::CertificateDer<'_>]>) -> Self {
+        let leaf = certs.and_then(|c| c.first());
+        PeerInfo {
+            addr,
+            name: leaf.and_then(tls::cert_name),
+            roles: leaf.map(tls::cert_roles),
+            fingerprint: leaf.map(tls::fingerprint),
+        }
+    }
+
+    /// Whether the peer may act as `role` here: always over plain TCP (the operator declared the
+    /// network trusted), else when its certificate allows it.
+    pub fn allows(&self, role: tls::Roles) -> bool {
+        self.roles.is_none_or(|r| r.contains(role))
+    }
 }
 
 enum ConnectorImpl {

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::{io_err, DuplexStream, NetConfig, PeerInfo};
-use crate::tls::{self, NodeIdentity};
+use crate::tls::NodeIdentity;
 use crate::{NetError, Result};
 
 /// Congestion controller of a QUIC connection.
@@ -261,10 +261,10 @@ fn set_buffers(sock: &socket2::Socket, size: usize) {
     }
 }
 
-fn peer_name(conn: &quinn::Connection) -> Option<String> {
-    let any = conn.peer_identity()?;
-    let certs = any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok()?;
-    certs.first().and_then(tls::cert_name)
+fn peer_info(addr: SocketAddr, conn: &quinn::Connection) -> PeerInfo {
+    let certs =
+        conn.peer_identity().and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok());
+    PeerInfo::new(addr, certs.as_deref().map(Vec::as_slice))
 }
 
 fn duplex(send: quinn::SendStream, recv: quinn::RecvStream) -> DuplexStream {
@@ -391,7 +391,7 @@ impl QuicConnector {
             let ms = self.connect_timeout.as_millis() as u64;
             match tokio::time::timeout(self.connect_timeout, conn.open_bi()).await {
                 Ok(Ok((send, recv))) => {
-                    let peer = PeerInfo { addr, name: peer_name(&conn) };
+                    let peer = peer_info(addr, &conn);
                     return Ok((duplex(send, recv), peer));
                 }
                 Ok(Err(e)) => last = Some(NetError::ConnectionLost { addr, reason: e.to_string() }),
@@ -490,11 +490,11 @@ async fn serve_connection(incoming: quinn::Incoming, tx: mpsc::Sender<Accepted>,
             return;
         }
     };
-    let name = peer_name(&conn);
+    let info = peer_info(addr, &conn);
     loop {
         match conn.accept_bi().await {
             Ok((send, recv)) => {
-                let peer = PeerInfo { addr, name: name.clone() };
+                let peer = info.clone();
                 if tx.send(Ok((duplex(send, recv), peer))).await.is_err() {
                     return;
                 }

@@ -32,10 +32,6 @@ where
     DuplexStream::from_io(send, recv)
 }
 
-fn name_of(certs: Option<&[rustls_pki_types::CertificateDer<'static>]>) -> Option<String> {
-    certs.and_then(|c| c.first()).and_then(tls::cert_name)
-}
-
 pub(super) struct TcpConnector {
     tls: Option<TlsConnector>,
     connect_timeout: Duration,
@@ -62,14 +58,14 @@ impl TcpConnector {
         let tcp = TcpStream::connect(addr).await.map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
         tcp.set_nodelay(true).map_err(io_err(format!("TCP_NODELAY to {addr}")))?;
         let Some(tls) = &self.tls else {
-            return Ok((plain(tcp), PeerInfo { addr, name: None }));
+            return Ok((plain(tcp), PeerInfo::new(addr, None)));
         };
         let stream = tls
             .connect(tls::placeholder_name(), tcp)
             .await
             .map_err(|e| NetError::Connect { addr, reason: format!("tls: {e}") })?;
-        let name = name_of(stream.get_ref().1.peer_certificates());
-        Ok((tls_duplex(stream), PeerInfo { addr, name }))
+        let peer = PeerInfo::new(addr, stream.get_ref().1.peer_certificates());
+        Ok((tls_duplex(stream), peer))
     }
 }
 
@@ -135,7 +131,7 @@ async fn accept_loop(
                 }
                 match &tls {
                     None => {
-                        if tx.send(Ok((plain(tcp), PeerInfo { addr, name: None }))).await.is_err() {
+                        if tx.send(Ok((plain(tcp), PeerInfo::new(addr, None)))).await.is_err() {
                             return;
                         }
                     }
@@ -145,8 +141,8 @@ async fn accept_loop(
                         handshakes.spawn(async move {
                             match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
                                 Ok(Ok(stream)) => {
-                                    let name = name_of(stream.get_ref().1.peer_certificates());
-                                    let _ = tx.send(Ok((tls_duplex(stream), PeerInfo { addr, name }))).await;
+                                    let peer = PeerInfo::new(addr, stream.get_ref().1.peer_certificates());
+                                    let _ = tx.send(Ok((tls_duplex(stream), peer))).await;
                                 }
                                 Ok(Err(e)) => tracing::warn!(%addr, error = %e, "tls handshake refused"),
                                 Err(_) => tracing::warn!(%addr, "tls handshake timed out"),

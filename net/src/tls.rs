@@ -11,9 +11,18 @@
 //! - On disk (see [`ClusterCa::write_dir`] and [`NodeIdentity::load`]): `ca.crt`, `ca.key`,
 //!   `<name>.crt` (node certificate then CA), `<name>.key` (PKCS#8), all PEM.
 //!
-//! Authorization is membership: any holder of a certificate from the cluster CA is a peer. A
+//! Authentication is membership: any holder of a certificate from the cluster CA is a peer. A
 //! client dials by address, not by name, so it accepts any cluster member at that address and
-//! reports the member's name ([`PeerInfo::name`](crate::PeerInfo)) for the caller to check.
+//! reports the member's name, roles and certificate fingerprint ([`crate::PeerInfo`]) for the
+//! caller to check.
+//!
+//! Authorization is by role ([`Roles`]): a certificate names what its holder may be (prefill,
+//! decode, coordinator) as extra DNS names `ROLE.role.cleave.internal` beside the node's own
+//! name (DNS names, so the standard verifiers carry them; nobody dials them). The coordinator
+//! refuses a registration whose certificate does not allow the role it claims (or names
+//! another node), or that is revoked; a node takes requests only from a coordinator's
+//! certificate. A certificate that names no role (issued before roles existed) allows the node
+//! roles, never the coordinator's.
 //!
 //! Allowed dependencies: rustls (ring provider, chosen explicitly so that a second provider
 //! linked into the binary never makes config building ambiguous), rcgen, rustls-webpki.
@@ -34,6 +43,67 @@ use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 
 use crate::{NetError, Result};
+
+/// What a certificate allows its holder to be. A colocated node (`both`) needs prefill and
+/// decode; a node whose roles the planner may switch needs both as well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Roles(u8);
+
+impl Roles {
+    pub const PREFILL: Roles = Roles(1);
+    pub const DECODE: Roles = Roles(2);
+    pub const COORDINATOR: Roles = Roles(4);
+    /// Every node role (what `cleave certs` issues by default, and what a certificate without
+    /// roles allows).
+    pub const NODE: Roles = Roles(1 | 2);
+    const NAMES: [(&'static str, Roles); 3] =
+        [("prefill", Roles::PREFILL), ("decode", Roles::DECODE), ("coordinator", Roles::COORDINATOR)];
+
+    /// Whether every role of `other` is allowed here.
+    pub fn contains(self, other: Roles) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    pub fn union(self, other: Roles) -> Roles {
+        Roles(self.0 | other.0)
+    }
+
+    /// The roles' names, in a fixed order.
+    pub fn names(self) -> Vec<&'static str> {
+        Self::NAMES.iter().filter(|(_, r)| self.contains(*r)).map(|(n, _)| *n).collect()
+    }
+
+    /// Roles from names (`prefill`, `decode`, `coordinator`, and `node` for the first two).
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Roles> {
+        let mut roles = Roles(0);
+        for n in names {
+            roles =
+                roles.union(match n.trim() {
+                    "node" => Roles::NODE,
+                    n => Self::NAMES.iter().find(|(name, _)| *name == n).map(|(_, r)| *r).ok_or_else(|| {
+                        NetError::Tls(format!("unknown role `{n}` (prefill, decode, coordinator, node)"))
+                    })?,
+                });
+        }
+        if roles.0 == 0 {
+            return Err(NetError::Tls("a certificate needs at least one role".into()));
+        }
+        Ok(roles)
+    }
+
+    fn san(name: &str) -> String {
+        format!("{name}{ROLE_SUFFIX}")
+    }
+}
+
+impl fmt::Display for Roles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.names().join(","))
+    }
+}
+
+/// The DNS-name suffix of the role names in a certificate.
+const ROLE_SUFFIX: &str = ".role.cleave.internal";
 
 /// ALPN protocol of every cleave link; a peer speaking anything else is refused in the handshake.
 pub const ALPN: &[u8] = b"cleave/1";
@@ -154,10 +224,21 @@ impl ClusterCa {
         &self.cert_pem
     }
 
-    /// Issues a certificate for node `name` (new P-256 key), valid for server and client auth.
+    /// Issues a certificate for node `name` with every node role ([`ClusterCa::issue_with`]).
     pub fn issue(&self, name: &str) -> Result<NodeIdentity> {
+        self.issue_with(name, Roles::NODE)
+    }
+
+    /// Issues a certificate for `name` (new P-256 key), valid for server and client auth,
+    /// allowing `roles`.
+    pub fn issue_with(&self, name: &str, roles: Roles) -> Result<NodeIdentity> {
         validate_node_name(name)?;
-        let mut params = CertificateParams::new(vec![name.to_string()]).map_err(tls_err)?;
+        if name.ends_with(ROLE_SUFFIX) {
+            return Err(NetError::Tls(format!("node name `{name}` ends with the reserved `{ROLE_SUFFIX}`")));
+        }
+        let mut sans = vec![name.to_string()];
+        sans.extend(roles.names().into_iter().map(Roles::san));
+        let mut params = CertificateParams::new(sans).map_err(tls_err)?;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, name);
         params.distinguished_name = dn;
@@ -236,6 +317,16 @@ impl NodeIdentity {
     /// The node name of this identity's certificate.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// What this identity's certificate allows ([`cert_roles`]).
+    pub fn roles(&self) -> Roles {
+        cert_roles(&self.chain[0])
+    }
+
+    /// SHA-256 of this identity's certificate ([`fingerprint`]).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        fingerprint(&self.chain[0])
     }
 
     /// Reads `<name>.crt`, `<name>.key` and `ca.crt` from `dir`, checking that the certificate
@@ -368,8 +459,32 @@ fn now() -> UnixTime {
 /// The node name (first DNS subject alternative name) of a DER certificate.
 pub fn cert_name(cert: &CertificateDer<'_>) -> Option<String> {
     let ee = webpki::EndEntityCert::try_from(cert).ok()?;
-    let name = ee.valid_dns_names().next().map(str::to_string);
+    let name = ee.valid_dns_names().find(|n| !n.ends_with(ROLE_SUFFIX)).map(str::to_string);
     name
+}
+
+/// The roles a certificate allows: those it names, or [`Roles::NODE`] when it names none.
+pub fn cert_roles(cert: &CertificateDer<'_>) -> Roles {
+    let Ok(ee) = webpki::EndEntityCert::try_from(cert) else { return Roles::NODE };
+    let named: Vec<&str> = ee.valid_dns_names().filter_map(|n| n.strip_suffix(ROLE_SUFFIX)).collect();
+    if named.is_empty() {
+        return Roles::NODE;
+    }
+    // An unknown role name (from a newer release) allows nothing more.
+    named.into_iter().filter_map(|n| Roles::parse([n]).ok()).fold(Roles(0), Roles::union)
+}
+
+/// SHA-256 of a certificate's DER: what a revocation list names, in hex.
+pub fn fingerprint(cert: &CertificateDer<'_>) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, cert.as_ref());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// A fingerprint as lowercase hex.
+pub fn fingerprint_hex(f: &[u8; 32]) -> String {
+    f.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Verifies a server's chain against the cluster CA with rustls' own WebPKI verifier, using as
@@ -522,14 +637,19 @@ impl CertFiles {
     }
 
     /// Creates the CA in `dir` if it has none (else reuses it), then issues a certificate for
-    /// each name, replacing an existing one. Returns the paths written.
+    /// each name with every node role, replacing an existing one. Returns the paths written.
     pub fn generate(&self, names: &[String]) -> Result<Vec<PathBuf>> {
+        self.generate_with(names, Roles::NODE)
+    }
+
+    /// [`CertFiles::generate`] with `roles` for every name.
+    pub fn generate_with(&self, names: &[String], roles: Roles) -> Result<Vec<PathBuf>> {
         // Every name is checked before anything is written.
         names.iter().try_for_each(|n| validate_node_name(n))?;
         let mut written = Vec::new();
         let ca = self.ca(&mut written)?;
         for name in names {
-            ca.issue(name)?.write_dir(&self.dir)?;
+            ca.issue_with(name, roles)?.write_dir(&self.dir)?;
             written.push(self.dir.join(format!("{name}.crt")));
             written.push(self.dir.join(format!("{name}.key")));
         }
@@ -596,5 +716,36 @@ mod tests {
         std::fs::copy(dir.join("ca.crt"), odir.join("ca.crt")).unwrap();
         assert!(NodeIdentity::load(&odir, "x").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_certificate_names_its_roles_beside_its_name() {
+        let ca = ClusterCa::generate().unwrap();
+        for (roles, want) in [
+            (Roles::PREFILL, "prefill"),
+            (Roles::NODE, "prefill,decode"),
+            (Roles::COORDINATOR, "coordinator"),
+            (Roles::parse(["decode", "coordinator"]).unwrap(), "decode,coordinator"),
+        ] {
+            let id = ca.issue_with("n-1", roles).unwrap();
+            assert_eq!(cert_name(&id.chain[0]).as_deref(), Some("n-1"));
+            assert_eq!(cert_roles(&id.chain[0]), roles);
+            assert_eq!(roles.to_string(), want);
+            // The chain still verifies as the node's own name.
+            id.client_verifier_check().unwrap();
+        }
+        assert!(Roles::NODE.contains(Roles::PREFILL) && !Roles::NODE.contains(Roles::COORDINATOR));
+        assert!(Roles::parse(["wizard"]).is_err() && Roles::parse([]).is_err());
+        assert!(ca.issue_with("x.role.cleave.internal", Roles::NODE).is_err());
+        // A certificate without role names (issued before roles) allows the node roles only.
+        let mut params = CertificateParams::new(vec!["old".to_string()]).unwrap();
+        params.is_ca = IsCa::NoCa;
+        let key = KeyPair::generate().unwrap();
+        let old = params.signed_by(&key, &ca.signer, &ca.key).unwrap();
+        assert_eq!(cert_roles(old.der()), Roles::NODE);
+        assert_eq!(cert_name(old.der()).as_deref(), Some("old"));
+        let (a, b) = (fingerprint(old.der()), fingerprint(&ca.issue("old").unwrap().chain[0]));
+        assert_ne!(a, b);
+        assert_eq!(fingerprint_hex(&a).len(), 64);
     }
 }

@@ -24,6 +24,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use cleave_net::tls::Roles;
 use cleave_net::{Connector, DuplexStream};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply, SetRole};
 use tokio::sync::{mpsc, oneshot};
@@ -69,7 +70,18 @@ pub async fn register(
 ) -> Result<(DuplexStream, u64), NodeError> {
     let ms = cfg.register_timeout.as_millis() as u64;
     let attempt = async {
-        let mut s = connector.open(cfg.coordinator).await?;
+        let (mut s, peer) = connector.open_with_peer(cfg.coordinator).await?;
+        if !peer.allows(Roles::COORDINATOR) {
+            // Registering would hand our reports and requests' routing to an impostor.
+            return Err(NodeError::Refused {
+                reason: format!(
+                    "the peer at {} ({}) is not a coordinator: its certificate allows {}",
+                    cfg.coordinator,
+                    peer.name.as_deref().unwrap_or("?"),
+                    peer.roles.map(|r| r.to_string()).unwrap_or_default()
+                ),
+            });
+        }
         write_msg(&mut s.send, &ControlMsg::Register(reg.clone())).await?;
         match read_msg(&mut s.recv).await? {
             Some(ControlMsg::RegisterReply(RegisterReply::Accepted { node_id })) => Ok((s, node_id)),

@@ -196,7 +196,20 @@ impl Node {
         let (reg_tx, reg_rx) = oneshot::channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
         let task = tokio::spawn(async move {
-            let accept = tokio::spawn(rpc.serve(move |s, _peer| serve_stream(s, sides.clone())));
+            let accept = tokio::spawn(rpc.serve(move |s, peer| {
+                // Requests come from the coordinator alone: another member of the cluster (a
+                // node's certificate) may not make this node prefill or decode for it.
+                let allowed = peer.allows(cleave_net::tls::Roles::COORDINATOR);
+                if !allowed {
+                    tracing::warn!(peer = %peer.addr, name = ?peer.name, roles = ?peer.roles, "request stream from a non-coordinator refused");
+                }
+                let sides = sides.clone();
+                async move {
+                    if allowed {
+                        serve_stream(s, sides).await
+                    }
+                }
+            }));
             let (left_tx, mut left) = watch::channel(None::<String>);
             let commands = tokio::spawn(apply_commands(cmd_rx, engine.clone(), role_tx, budget_tx, left_tx));
             let load_engine = engine.clone();

@@ -76,6 +76,11 @@ impl ClusterNetArgs {
 pub struct CoordinatorCmd {
     #[command(flatten)]
     pub http: CoordinatorArgs,
+    /// Revoked node certificates: one SHA-256 fingerprint (hex, of the certificate's DER; e.g.
+    /// `openssl x509 -in n.crt -outform der | sha256sum`) per line, `#` comments. Read at each
+    /// registration, so revoking takes no restart; a node already registered is not dropped.
+    #[arg(long)]
+    pub revoked_certs: Option<PathBuf>,
     /// Where nodes register (QUIC or TCP per --transport).
     #[arg(long, default_value = "127.0.0.1:7000")]
     pub cluster_listen: SocketAddr,
@@ -328,6 +333,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
             dead_after: Duration::from_secs_f64(cmd.dead_after_secs.clamp(0.1, 3600.0)),
         };
         cfg.max_migrations = cmd.max_migrations;
+        cfg.revoked_certs = cmd.revoked_certs.clone();
         cfg.planner = planner;
         cfg.planner_profile = planner_profile;
         let admin = match cmd.admin_listen {

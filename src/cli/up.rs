@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cleave_engine::model::synth::{self, SynthDtype};
-use cleave_net::tls::CertFiles;
+use cleave_net::tls::{CertFiles, Roles};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -217,7 +217,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         (0..max_nodes - nodes.len()).map(|i| format!("extra-{i}")).collect();
     names.extend(spare.iter().cloned());
     if args.transport != TransportArg::TcpPlain {
-        CertFiles { dir: certs.clone() }.generate(&names).context("generating the cluster CA and certificates")?;
+        // The coordinator's certificate allows the coordinator's role alone; the nodes' every
+        // node role (the planner switches them).
+        let files = CertFiles { dir: certs.clone() };
+        files.generate_with(&names[..1], Roles::COORDINATOR).context("generating the cluster CA and certificates")?;
+        files.generate(&names[1..]).context("generating the node certificates")?;
     }
     let transport = match args.transport {
         TransportArg::Quic => "quic",

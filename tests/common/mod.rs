@@ -123,11 +123,20 @@ pub fn certs_dir(names: &[String]) -> PathBuf {
         std::process::id(),
         N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
-    let out = Command::new(exe())
-        .args(["certs", "--dir", dir.to_str().unwrap(), "--nodes", &names.join(",")])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The coordinator's certificate allows the coordinator's role (nodes take requests from
+    // it alone); every other name gets the node roles.
+    let (coordinator, nodes): (Vec<&String>, Vec<&String>) = names.iter().partition(|n| *n == "coordinator");
+    for (list, roles) in [(coordinator, "coordinator"), (nodes, "node")] {
+        if list.is_empty() {
+            continue;
+        }
+        let list: Vec<&str> = list.iter().map(|n| n.as_str()).collect();
+        let out = Command::new(exe())
+            .args(["certs", "--dir", dir.to_str().unwrap(), "--nodes", &list.join(","), "--roles", roles])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
     dir
 }
 

@@ -30,6 +30,8 @@ pub use planning::PlannerHandle;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cleave_net::tls::Roles;
+use cleave_net::PeerInfo;
 use cleave_net::{Connector, DuplexStream, Listener, NetConfig};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -51,6 +53,9 @@ pub mod metric {
     pub const MIGRATIONS_TOTAL: &str = "cleave_migrations_total";
     /// Requests held at the edge because no node could take them while nodes switched roles.
     pub const HELD_FOR_SWITCH_TOTAL: &str = "cleave_requests_held_for_switch_total";
+    /// Registrations refused before they reach the registry, by `cause` (`identity`: the
+    /// certificate names another node, does not allow the role, or is revoked).
+    pub const REGISTRATIONS_REFUSED_TOTAL: &str = "cleave_node_registrations_refused_total";
     /// Nodes alive, labelled `pool`.
     pub const POOL_NODES: &str = "cleave_pool_nodes";
     /// Prompt tokens queued for prefill, labelled `pool`.
@@ -134,6 +139,9 @@ pub struct ClusterConfig {
     /// re-levelled live by the nodes' step timings; `None`: a linear model levelled by those
     /// timings alone (its shape, how a step grows with batch and context, is then a guess).
     pub planner_profile: Option<cleave_planner::Profile>,
+    /// A file of revoked node certificates, one SHA-256 fingerprint (hex, of the DER) per line;
+    /// read at each registration.
+    pub revoked_certs: Option<std::path::PathBuf>,
 }
 
 impl ClusterConfig {
@@ -146,6 +154,7 @@ impl ClusterConfig {
             node_silence_timeout: Duration::from_secs(120),
             register_timeout: Duration::from_secs(10),
             planner: cleave_planner::PlannerConfig::default(),
+            revoked_certs: None,
             planner_profile: None,
         }
     }
@@ -153,7 +162,7 @@ impl ClusterConfig {
 
 enum Cmd {
     /// A node registered; the sender is its control stream's outbox.
-    Register(Box<Register>, mpsc::Sender<ControlMsg>, oneshot::Sender<Result<u64, Refusal>>),
+    Register(Box<Register>, Roles, mpsc::Sender<ControlMsg>, oneshot::Sender<Result<u64, Refusal>>),
     Report(u64, LoadReport),
     Gone(u64),
     Plan(Box<RouteQuery>, oneshot::Sender<Result<(Plan, Assignment), NoRoute>>),
@@ -190,8 +199,13 @@ impl ClusterHandle {
         rx.await.ok()
     }
 
-    pub async fn register(&self, reg: Register, outbox: mpsc::Sender<ControlMsg>) -> Result<u64, Refusal> {
-        self.call(|tx| Cmd::Register(Box::new(reg), outbox, tx))
+    pub async fn register(
+        &self,
+        reg: Register,
+        allowed: Roles,
+        outbox: mpsc::Sender<ControlMsg>,
+    ) -> Result<u64, Refusal> {
+        self.call(|tx| Cmd::Register(Box::new(reg), allowed, outbox, tx))
             .await
             .unwrap_or_else(|| Err(Refusal("coordinator shutting down".into())))
     }
@@ -361,9 +375,9 @@ async fn registry_actor(
                 let Some(cmd) = cmd else { return };
                 let now = Instant::now();
                 match cmd {
-                    Cmd::Register(r, outbox, reply) => {
+                    Cmd::Register(r, allowed, outbox, reply) => {
                         let (name, role) = (r.name.clone(), r.role);
-                        let res = reg.register(*r, now);
+                        let res = reg.register_with(*r, allowed, now);
                         match &res {
                             Ok(id) => {
                                 tracing::info!(node_id = id, %name, role = role.as_str(), "node registered");
@@ -476,15 +490,49 @@ fn record_pools(s: &PoolSummary) {
 
 async fn control_loop(l: Listener, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
     l.serve(move |s, peer| {
-        tracing::debug!(peer = %peer.addr, name = ?peer.name, "control stream");
-        control_stream(s, cluster.clone(), cfg.clone())
+        tracing::debug!(peer = %peer.addr, name = ?peer.name, roles = ?peer.roles, "control stream");
+        control_stream(s, peer, cluster.clone(), cfg.clone())
     })
     .await
 }
 
+/// Why the certificate of `peer` may not register `reg`: it names another node, does not allow
+/// the role claimed, or is on the revocation list (read at each registration, so a revocation
+/// takes effect without a restart; an unreadable list refuses everyone, loudly).
+fn identity_refusal(reg: &Register, peer: &PeerInfo, revoked: Option<&std::path::Path>) -> Option<String> {
+    if let Some(name) = peer.name.as_deref().filter(|n| *n != reg.name) {
+        return Some(format!("node registers as `{}` but its certificate names `{name}`", reg.name));
+    }
+    let needed = registry::roles_needed(reg.role);
+    if !peer.allows(needed) {
+        let allowed = peer.roles.map(|r| r.to_string()).unwrap_or_default();
+        return Some(format!(
+            "node `{}` registers as {} but its certificate allows {allowed}",
+            reg.name,
+            reg.role.as_str()
+        ));
+    }
+    if let (Some(path), Some(fp)) = (revoked, peer.fingerprint) {
+        let hex = cleave_net::tls::fingerprint_hex(&fp);
+        match std::fs::read_to_string(path) {
+            Ok(list) => {
+                let listed = list
+                    .lines()
+                    .map(|l| l.split('#').next().unwrap_or("").trim())
+                    .any(|l| l.eq_ignore_ascii_case(&hex) || l.replace(':', "").eq_ignore_ascii_case(&hex));
+                if listed {
+                    return Some(format!("the certificate of `{}` (sha256 {hex}) is revoked", reg.name));
+                }
+            }
+            Err(e) => return Some(format!("revocation list {} unreadable: {e}", path.display())),
+        }
+    }
+    None
+}
+
 /// One node's control stream: register, then reports until it ends; the coordinator's
 /// commands to the node (role changes, leave) are written by a task of their own.
-async fn control_stream(s: DuplexStream, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
+async fn control_stream(s: DuplexStream, peer: PeerInfo, cluster: ClusterHandle, cfg: Arc<ClusterConfig>) {
     let DuplexStream { mut send, mut recv } = s;
     let reg = match tokio::time::timeout(cfg.register_timeout, read_msg(&mut recv)).await {
         Ok(Ok(Some(ControlMsg::Register(r)))) => r,
@@ -498,8 +546,15 @@ async fn control_stream(s: DuplexStream, cluster: ClusterHandle, cfg: Arc<Cluste
         }
         Ok(Ok(None)) | Err(_) => return,
     };
+    if let Some(reason) = identity_refusal(&reg, &peer, cfg.revoked_certs.as_deref()) {
+        tracing::error!(peer = %peer.addr, %reason, "node refused");
+        metrics::counter!(metric::REGISTRATIONS_REFUSED_TOTAL, "cause" => "identity").increment(1);
+        let _ = write_msg(&mut send, &ControlMsg::RegisterReply(RegisterReply::Refused { reason })).await;
+        return;
+    }
     let (outbox, mut outgoing) = mpsc::channel::<ControlMsg>(16);
-    let id = match cluster.register(reg, outbox).await {
+    let allowed = peer.roles.unwrap_or(Roles::NODE);
+    let id = match cluster.register(reg, allowed, outbox).await {
         Ok(id) => id,
         Err(Refusal(reason)) => {
             let _ = write_msg(&mut send, &ControlMsg::RegisterReply(RegisterReply::Refused { reason })).await;
@@ -540,5 +595,64 @@ async fn router(
     while let Some(d) = dispatches.recv().await {
         cluster.observe(Observation::Arrival { prompt_tokens: d.prompt.len() as u32, max_tokens: d.stop.max_tokens });
         tokio::spawn(request::run(d, cluster.clone(), connector.clone(), cfg.clone()));
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    fn register(name: &str, role: cleave_protocol::control::NodeRole) -> Register {
+        Register {
+            role,
+            name: name.into(),
+            model_name: "m".into(),
+            layout: cleave_protocol::KvLayout {
+                model_fingerprint: 1,
+                dtype: cleave_protocol::KvDtype::F32,
+                num_layers: 1,
+                num_kv_heads: 1,
+                head_dim: 2,
+                block_size: 4,
+            },
+            kv_capacity_blocks: 1,
+            max_model_len: 16,
+            rpc_addr: ([127, 0, 0, 1], 1).into(),
+            kv_addr: None,
+            step_budget: None,
+            metrics_addr: None,
+        }
+    }
+
+    fn peer(name: Option<&str>, roles: Option<Roles>, fingerprint: Option<[u8; 32]>) -> PeerInfo {
+        PeerInfo { addr: ([127, 0, 0, 1], 2).into(), name: name.map(String::from), roles, fingerprint }
+    }
+
+    #[test]
+    fn a_registration_must_match_its_certificate_s_name_roles_and_standing() {
+        use cleave_protocol::control::NodeRole;
+        let ok = identity_refusal(&register("n1", NodeRole::Both), &peer(Some("n1"), Some(Roles::NODE), None), None);
+        assert_eq!(ok, None);
+        let other =
+            identity_refusal(&register("n2", NodeRole::Decode), &peer(Some("n1"), Some(Roles::NODE), None), None);
+        assert!(other.is_some_and(|r| r.contains("names `n1`")));
+        let role =
+            identity_refusal(&register("n1", NodeRole::Both), &peer(Some("n1"), Some(Roles::DECODE), None), None);
+        assert!(role.is_some_and(|r| r.contains("allows decode")));
+        // Plain TCP: the operator declared the network trusted; nothing to check.
+        assert_eq!(identity_refusal(&register("n1", NodeRole::Prefill), &peer(None, None, None), None), None);
+        let dir = std::env::temp_dir().join(format!("cleave-revoked-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let list = dir.join("revoked");
+        let fp = [0xabu8; 32];
+        std::fs::write(&list, format!("# list\n{}  # n1\n", "AB".repeat(32))).unwrap();
+        let p = peer(Some("n1"), Some(Roles::NODE), Some(fp));
+        let revoked = identity_refusal(&register("n1", NodeRole::Prefill), &p, Some(&list));
+        assert!(revoked.is_some_and(|r| r.contains("revoked")));
+        std::fs::write(&list, "").unwrap();
+        assert_eq!(identity_refusal(&register("n1", NodeRole::Prefill), &p, Some(&list)), None);
+        let missing = identity_refusal(&register("n1", NodeRole::Prefill), &p, Some(&dir.join("nope")));
+        assert!(missing.is_some_and(|r| r.contains("unreadable")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

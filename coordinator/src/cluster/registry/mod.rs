@@ -26,6 +26,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use cleave_net::tls::Roles;
 use cleave_protocol::control::{LoadReport, NodeRole, Register};
 use cleave_protocol::KvLayout;
 
@@ -161,6 +162,17 @@ pub enum NodeOpError {
     BadStepBudget { tokens: u32 },
     #[error("the coordinator is shutting down")]
     ShuttingDown,
+    #[error("node {id}'s certificate allows {allowed}, not the {role} role")]
+    RoleNotAllowed { id: u64, role: &'static str, allowed: Roles },
+}
+
+/// The certificate roles a node needs to take `role` (colocated: both node roles).
+pub fn roles_needed(role: NodeRole) -> Roles {
+    match role {
+        NodeRole::Prefill => Roles::PREFILL,
+        NodeRole::Decode => Roles::DECODE,
+        NodeRole::Both => Roles::NODE,
+    }
 }
 
 /// The kinds of work a node does, for drains: a prefill node's remote prefills, and streams
@@ -183,6 +195,8 @@ impl Kinds {
 
 struct Node {
     reg: Register,
+    /// The roles the node's certificate allows (all node roles over plain TCP).
+    allowed: Roles,
     lifecycle: Lifecycle,
     /// Attempts routed here that have not ended: remote prefills, and decoding streams.
     active_prefill: u32,
@@ -366,8 +380,21 @@ impl Registry {
         self.nodes.is_empty()
     }
 
-    /// Admits a node, or says loudly why not.
+    /// Admits a node whose certificate allows every node role ([`Registry::register_with`]).
     pub fn register(&mut self, reg: Register, now: Instant) -> Result<u64, Refusal> {
+        self.register_with(reg, Roles::NODE, now)
+    }
+
+    /// Admits a node whose certificate allows `allowed` (it is never switched to a role outside
+    /// them), or says loudly why not.
+    pub fn register_with(&mut self, reg: Register, allowed: Roles, now: Instant) -> Result<u64, Refusal> {
+        if !allowed.contains(roles_needed(reg.role)) {
+            return Err(Refusal(format!(
+                "node `{}` registers as {} but its certificate allows {allowed}",
+                reg.name,
+                reg.role.as_str()
+            )));
+        }
         let want = self.fingerprint.or(self.layout.as_ref().map(|l| l.model_fingerprint));
         if let Some(fp) = want {
             if fp != reg.layout.model_fingerprint {
@@ -399,6 +426,7 @@ impl Registry {
             id,
             Node {
                 reg,
+                allowed,
                 lifecycle: Lifecycle::Active,
                 active_prefill: 0,
                 active_decode: 0,
@@ -611,6 +639,9 @@ impl Registry {
         now: Instant,
     ) -> Result<(), NodeOpError> {
         let n = self.nodes.get(&id).ok_or(NodeOpError::UnknownNode(id))?;
+        if !n.allowed.contains(roles_needed(role)) {
+            return Err(NodeOpError::RoleNotAllowed { id, role: role.as_str(), allowed: n.allowed });
+        }
         if n.lifecycle == Lifecycle::Drained {
             let n = self.nodes.get_mut(&id).ok_or(NodeOpError::UnknownNode(id))?;
             n.lifecycle = Lifecycle::Draining { then: AfterDrain::Role { role, step_budget }, since: now };

@@ -1,6 +1,7 @@
 //! The registry's routing and lifecycle, deterministically (time passed in).
 
 use super::*;
+use cleave_net::tls::Roles;
 use cleave_protocol::KvDtype;
 
 fn layout(fp: u64) -> KvLayout {
@@ -288,4 +289,20 @@ fn the_planner_s_saturation_line_replaces_the_configured_one_and_restores_it() {
     r.set_bridge(None);
     assert_eq!(r.saturation_tokens(), 65_536);
     assert!(matches!(r.plan(&q(200)).unwrap().0, Plan::Remote { .. }));
+}
+
+#[test]
+fn a_node_is_never_given_a_role_its_certificate_does_not_allow() {
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let t = Instant::now();
+    let refused = r.register_with(reg("p", NodeRole::Decode, 1, 1), Roles::PREFILL, t).unwrap_err();
+    assert!(refused.0.contains("allows prefill"), "{}", refused.0);
+    let id = r.register_with(reg("p", NodeRole::Prefill, 1, 1), Roles::PREFILL, t).unwrap();
+    for role in [NodeRole::Decode, NodeRole::Both] {
+        let e = r.set_role(id, role, None, t).unwrap_err();
+        assert!(matches!(e, NodeOpError::RoleNotAllowed { id: i, .. } if i == id), "{e}");
+    }
+    r.set_role(id, NodeRole::Prefill, Some(64), t).unwrap();
+    let any = r.register(reg("a", NodeRole::Decode, 1, 2), t).unwrap();
+    r.set_role(any, NodeRole::Both, None, t).unwrap();
 }

@@ -134,7 +134,7 @@ container sees /certs with ca.crt, <name>.crt and <name>.key only. */}}
       set -eu
       umask 077
       cp /ca/ca.crt /ca/ca.key /certs/
-      {{ .root.Values.image.binary }} certs --dir /certs --nodes "$CLEAVE_NODE_NAME" >/dev/null
+      {{ .root.Values.image.binary }} certs --dir /certs --nodes "$CLEAVE_NODE_NAME" --roles {{ .roles | default "node" }} >/dev/null
       rm -f /certs/ca.key
       echo "issued the certificate of $CLEAVE_NODE_NAME"
   env:
