@@ -10,6 +10,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub mod netns;
+
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -48,8 +50,21 @@ impl Drop for Proc {
 
 impl Proc {
     pub fn start(name: &str, args: &[String]) -> Result<Proc, String> {
-        let mut child = Command::new(exe())
-            .args(args)
+        let mut cmd = Command::new(exe());
+        cmd.args(args);
+        Self::start_cmd(name, cmd)
+    }
+
+    /// [`Proc::start`] inside network namespace `netns` (`ip netns exec` execs the command, so
+    /// the child is cleave itself: killing it and `--exit-with-parent` work as outside).
+    pub fn start_in(netns: &str, name: &str, args: &[String]) -> Result<Proc, String> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", netns, exe()]).args(args);
+        Self::start_cmd(name, cmd)
+    }
+
+    fn start_cmd(name: &str, mut cmd: Command) -> Result<Proc, String> {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

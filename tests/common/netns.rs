@@ -1,0 +1,100 @@
+//! Several hosts on one machine: each process of a test cluster in a network namespace of its
+//! own, every namespace joined to one bridge (in a "switch" namespace) by a veth pair, and the
+//! test itself (the root namespace) on the bridge too, so that every internal link crosses a real
+//! interface. Faults act on a host's switch-side port: a partition is that port down (the host
+//! neither sends nor receives), healed by bringing it up.
+//!
+//! Needs root and iproute2. Names carry the test process's id, so a leftover from a killed run
+//! is recognisable (`ip netns list`); everything is deleted on drop (deleting a namespace
+//! deletes its end of each veth pair, and with it the pair).
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+
+/// One host: its namespace, its address, and its port on the switch.
+pub struct Host {
+    pub ns: String,
+    pub ip: Ipv4Addr,
+    port: String,
+}
+
+pub struct Net {
+    switch: String,
+    pub hosts: Vec<Host>,
+    /// The root namespace's interface on the bridge.
+    root_if: String,
+    /// The root namespace's address on the bridge (what the test's clients send from).
+    pub root_ip: Ipv4Addr,
+}
+
+/// Whether this process can make namespaces (root, iproute2 present).
+pub fn supported() -> bool {
+    let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
+    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip runs");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+}
+
+impl Net {
+    /// A switch and one namespace per name, addressed 10.231.X.(1..) (X from the process id).
+    pub fn new(names: &[&str]) -> Net {
+        let pid = std::process::id();
+        let tag = format!("cv{}", pid % 100_000);
+        let subnet = (pid % 200 + 20) as u8;
+        let switch = format!("{tag}-sw");
+        ip(&["netns", "add", &switch]);
+        let mut net = Net {
+            switch: switch.clone(),
+            hosts: Vec::new(),
+            root_if: format!("{tag}r"),
+            root_ip: Ipv4Addr::new(10, 231, subnet, 254),
+        };
+        ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]);
+        ip(&["-n", &switch, "link", "set", "br0", "up"]);
+        ip(&["-n", &switch, "link", "set", "lo", "up"]);
+        for (i, name) in names.iter().enumerate() {
+            let ns = format!("{tag}-{name}");
+            let (inner, port) = (format!("{tag}{i}h"), format!("{tag}{i}s"));
+            ip(&["netns", "add", &ns]);
+            ip(&["link", "add", &inner, "type", "veth", "peer", "name", &port]);
+            ip(&["link", "set", &inner, "netns", &ns]);
+            ip(&["link", "set", &port, "netns", &switch]);
+            ip(&["-n", &switch, "link", "set", &port, "master", "br0", "up"]);
+            let addr = Ipv4Addr::new(10, 231, subnet, i as u8 + 1);
+            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &inner]);
+            ip(&["-n", &ns, "link", "set", &inner, "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+            net.hosts.push(Host { ns, ip: addr, port });
+        }
+        let root_port = format!("{tag}rs");
+        ip(&["link", "add", &net.root_if, "type", "veth", "peer", "name", &root_port]);
+        ip(&["link", "set", &root_port, "netns", &switch]);
+        ip(&["-n", &switch, "link", "set", &root_port, "master", "br0", "up"]);
+        ip(&["addr", "add", &format!("{}/24", net.root_ip), "dev", &net.root_if]);
+        ip(&["link", "set", &net.root_if, "up"]);
+        net
+    }
+
+    pub fn host(&self, name: &str) -> &Host {
+        self.hosts.iter().find(|h| h.ns.ends_with(&format!("-{name}"))).expect("a host of that name")
+    }
+
+    /// Cuts `name` off the network (`true`) or heals it (`false`).
+    pub fn partition(&self, name: &str, cut: bool) {
+        let port = &self.host(name).port;
+        ip(&["-n", &self.switch, "link", "set", port, if cut { "down" } else { "up" }]);
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for h in &self.hosts {
+            let _ = Command::new("ip").args(["netns", "del", &h.ns]).status();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.root_if]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.switch]).status();
+    }
+}
