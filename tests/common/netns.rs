@@ -89,6 +89,43 @@ impl Net {
     }
 }
 
+impl Net {
+    /// Drops `percent`% of the packets `name` sends and of those it receives (nftables in its
+    /// namespace; 0 removes the rule). Every protocol: QUIC's datagrams and TCP's segments alike.
+    pub fn loss(&self, name: &str, percent: u32) {
+        let ns = &self.host(name).ns;
+        let nft = |script: &str| {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "nft", "-f", "-"])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    use std::io::Write;
+                    c.stdin.take().unwrap().write_all(script.as_bytes())?;
+                    c.wait_with_output()
+                })
+                .expect("nft runs");
+            assert!(out.status.success(), "nft: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        nft("table inet cleave_loss\ndelete table inet cleave_loss\n");
+        if percent > 0 {
+            nft(&format!(
+                "table inet cleave_loss {{\n\
+                   chain in {{ type filter hook input priority 0; iifname != \"lo\" numgen random mod 100 < {percent} drop; }}\n\
+                   chain out {{ type filter hook output priority 0; oifname != \"lo\" numgen random mod 100 < {percent} drop; }}\n\
+                 }}\n"
+            ));
+        }
+    }
+}
+
+/// Whether nftables (for [`Net::loss`]) is here.
+pub fn have_nft() -> bool {
+    Command::new("nft").arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
 impl Drop for Net {
     fn drop(&mut self) {
         for h in &self.hosts {
