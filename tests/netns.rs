@@ -233,3 +233,41 @@ fn greedy_text_survives_packet_loss_on_the_handoff_links() {
     net.loss("decode", 0);
     rt.block_on(c.wait_blocks_free());
 }
+
+/// The only decode node cut off: a request that nothing can serve fails with a clear error
+/// within a bounded time (the dead-after time and a retry), never hangs; healed, the cluster
+/// serves again.
+#[test]
+fn with_no_reachable_decode_node_requests_fail_clearly_and_in_bounded_time() {
+    if !available(
+        netns::supported(),
+        "CLEAVE_REQUIRE_NETNS",
+        "network namespaces need root and iproute2",
+        "run as root",
+    ) {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let net = Net::new(&["coordinator", "prefill", "decode"]);
+    let args = ["--local-prefill-max-tokens", "0", "--dead-after-secs", "3"];
+    let c = cluster_in(&net, &[("prefill", "prefill"), ("decode", "decode")], &args);
+    let rt = runtime();
+    rt.block_on(c.wait_nodes(2));
+    net.partition("decode", true);
+    let t0 = std::time::Instant::now();
+    let (status, body) = rt.block_on(async {
+        let body = json!({"model": "tiny-llama", "prompt": "Nobody can decode this", "max_tokens": 8});
+        let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    });
+    let took = t0.elapsed();
+    eprintln!("answered {status} after {:.1} s: {body}", took.as_secs_f64());
+    assert!(status >= 500, "{status}: {body}");
+    assert!(body.contains("\"error\""), "{body}");
+    assert!(took < Duration::from_secs(30), "the failure took {took:?}");
+    net.partition("decode", false);
+    rt.block_on(c.wait_nodes(2));
+    let v = rt.block_on(c.complete(greedy("Healed again", 4)));
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    rt.block_on(c.wait_blocks_free());
+}
