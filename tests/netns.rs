@@ -187,7 +187,7 @@ fn a_partitioned_decode_node_s_streams_migrate_and_it_rejoins_when_healed() {
 }
 
 /// Packet loss on the prefill and decode nodes' links (1%, then 5%, both directions, every
-/// protocol): every request still completes, prefilled on the prefill node and handed off over
+/// protocol), then a bandwidth cap on the prefill host: every request still completes, prefilled on the prefill node and handed off over
 /// QUIC, with the greedy text of the undisturbed run, and no block stays in use.
 #[test]
 fn greedy_text_survives_packet_loss_on_the_handoff_links() {
@@ -231,6 +231,12 @@ fn greedy_text_survives_packet_loss_on_the_handoff_links() {
     }
     net.loss("prefill", 0);
     net.loss("decode", 0);
+    // A bandwidth cap on the prefill host (what it sends: the KV): slower, same text.
+    net.cap("prefill", 20);
+    let t0 = std::time::Instant::now();
+    assert_eq!(run(48), want, "greedy text changed under a 20 Mbit/s cap");
+    eprintln!("20 Mbit/s cap: 4 requests in {:.2} s", t0.elapsed().as_secs_f64());
+    net.cap("prefill", 0);
     rt.block_on(c.wait_blocks_free());
 }
 

@@ -121,6 +121,30 @@ impl Net {
     }
 }
 
+impl Net {
+    /// Caps what `name` sends at `mbit` megabits a second (a token bucket on its interface;
+    /// 0 removes the cap).
+    pub fn cap(&self, name: &str, mbit: u32) {
+        let h = self.host(name);
+        let dev = self.inner_if(h);
+        let _ = Command::new("ip").args(["netns", "exec", &h.ns, "tc", "qdisc", "del", "dev", &dev, "root"]).output();
+        if mbit > 0 {
+            let rate = format!("{mbit}mbit");
+            let out = Command::new("ip")
+                .args(["netns", "exec", &h.ns, "tc", "qdisc", "add", "dev", &dev, "root", "tbf", "rate", &rate])
+                .args(["burst", "64kb", "latency", "400ms"])
+                .output()
+                .expect("tc runs");
+            assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+
+    /// The host's own end of its veth pair.
+    fn inner_if(&self, h: &Host) -> String {
+        h.port.trim_end_matches('s').to_string() + "h"
+    }
+}
+
 /// Whether nftables (for [`Net::loss`]) is here.
 pub fn have_nft() -> bool {
     Command::new("nft").arg("--version").output().is_ok_and(|o| o.status.success())
