@@ -45,16 +45,16 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use cleave_protocol::control::{ControlMsg, DecodeRequest, HandoffDone, PrefillRequest, WireError, Work};
-use cleave_protocol::{FinishReason, HandoffTicket, TokenEvent};
+use cleave_protocol::control::{ControlMsg, DecodeRequest, PrefillRequest, Work};
+use cleave_protocol::{FinishReason, TokenEvent};
 
 use super::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan, RouteQuery};
-use super::{ClusterConfig, Observation};
+use super::Observation;
 use crate::dispatch::{DispatchEvent, Route};
 
-/// What opening a stream to a node fails with ([`cleave_kv_transfer::net::Connector::open`]'s
-/// error).
-pub type ConnectError = cleave_kv_transfer::KvTransferError;
+mod vocab;
+
+pub use vocab::*;
 
 /// Pause before retrying on a decode node that failed an attempt but lives, times the retry's
 /// number.
@@ -64,179 +64,6 @@ pub const RETRY_BACKOFF: Duration = Duration::from_millis(100);
 pub const HOLD_FOR_SWITCH: Duration = Duration::from_secs(60);
 /// How often a held request asks again.
 pub const HOLD_POLL: Duration = Duration::from_millis(50);
-
-/// The cluster settings the machine decides with.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Times a stream may move to another decode node after its node failed.
-    pub max_migrations: u32,
-    /// Attempts after a node failed before the first token.
-    pub max_prefill_retries: u32,
-    /// A node that sends nothing on a request's stream for this long has failed it.
-    pub node_silence_timeout: Duration,
-}
-
-impl Limits {
-    pub fn of(cfg: &ClusterConfig) -> Self {
-        Self {
-            max_migrations: cfg.max_migrations,
-            max_prefill_retries: cfg.max_prefill_retries,
-            node_silence_timeout: cfg.node_silence_timeout,
-        }
-    }
-}
-
-/// Which node stream of an attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Prefill,
-    Decode,
-}
-
-impl std::fmt::Display for Side {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Side::Prefill => "prefill",
-            Side::Decode => "decode",
-        })
-    }
-}
-
-/// Why a node failed an attempt (the machine's vocabulary; the client reads it rendered, inside
-/// the request's final error event).
-#[derive(Debug, thiserror::Error)]
-pub enum AttemptError {
-    /// The registry removed the node (it stopped reporting, or its control stream ended).
-    #[error("the node died")]
-    NodeDied,
-    /// The node ended the request's stream.
-    #[error("the node closed the stream")]
-    StreamClosed,
-    /// The request's stream broke (i/o error, or a frame that is not a control message).
-    #[error(transparent)]
-    StreamBroken(WireError),
-    /// Nothing on the request's streams for the node silence timeout.
-    #[error("the node sent nothing for {} s", .silence.as_secs())]
-    Silent { silence: Duration },
-    /// The node ended the request with an error event.
-    #[error("{message}")]
-    NodeError { message: String },
-    /// No stream to the node could be opened.
-    #[error(transparent)]
-    Connect(ConnectError),
-    /// The request could not be written on a new stream.
-    #[error(transparent)]
-    Send(WireError),
-    /// The decode node's ticket could not be forwarded to the prefill node.
-    #[error("stream lost while sending the ticket")]
-    TicketNotSent,
-}
-
-/// The last node failure of a request, as the client reads it: `prefill node p0: the node died`.
-#[derive(Debug, thiserror::Error)]
-#[error("{side} node {node}: {cause}")]
-pub struct NodeFailure {
-    pub side: Side,
-    pub node: String,
-    pub cause: AttemptError,
-}
-
-/// Why a request ended with an error event (or was refused: [`RequestError::NoRoute`] before
-/// anything was sent or failed).
-#[derive(Debug, thiserror::Error)]
-pub enum RequestError {
-    #[error("gave up after {attempts} prefill attempts: {last}")]
-    PrefillAttempts { attempts: u32, last: NodeFailure },
-    /// A decode node failed before the first token once too often.
-    #[error("gave up after {attempts} attempts: {last}")]
-    Attempts { attempts: u32, last: NodeFailure },
-    #[error("gave up after {migrations} migrations: {last}")]
-    Migrations { migrations: u32, last: NodeFailure },
-    #[error("{last}; then {no_route}")]
-    NoRouteAfter { last: NodeFailure, no_route: NoRoute },
-    #[error("{0}")]
-    NoRoute(NoRoute),
-}
-
-/// An input to the machine.
-#[derive(Debug)]
-pub enum Event {
-    /// The registry's answer to [`Action::Plan`] (a plan comes with its booking).
-    Planned(Result<(Plan, Assignment), NoRoute>),
-    /// The answer to [`Action::Open`]: whether each stream opened and its request went out.
-    Opened { decode: Result<(), AttemptError>, prefill: Option<Result<(), AttemptError>> },
-    /// A message on a node stream.
-    Message { side: Side, msg: ControlMsg },
-    /// A node stream ended or broke ([`AttemptError::StreamClosed`] or
-    /// [`AttemptError::StreamBroken`]).
-    Lost { side: Side, cause: AttemptError },
-    /// [`Action::ForwardTicket`] could not be written (the shell says nothing when it could).
-    TicketNotSent,
-    /// [`Action::Emit`] reached the edge.
-    Delivered,
-    /// [`Action::Emit`] failed: the edge dropped the request.
-    ClientGone,
-    /// The registry removed this node.
-    NodeDied(u64),
-    /// The edge no longer wants the request (told once).
-    Cancelled,
-    /// [`Journey::deadline`] passed.
-    Timer,
-}
-
-/// An output of the machine, for the shell to carry out in order.
-#[derive(Debug)]
-pub enum Action {
-    /// Ask the registry for a plan; answer with [`Event::Planned`].
-    Plan(RouteQuery),
-    /// Send this to the edge; a closed channel is ignored (the machine hears of a client gone
-    /// from [`Action::Emit`]).
-    Tell(DispatchEvent),
-    /// Record a metric.
-    Record(Metric),
-    /// Open a stream to each node and write its message (concurrently); answer with
-    /// [`Event::Opened`]. Read the streams while [`Journey::reading`] says so.
-    Open { decode: (NodeRef, ControlMsg), prefill: Option<(NodeRef, ControlMsg)> },
-    /// Write the decode node's ticket on the prefill stream; on failure answer
-    /// [`Event::TicketNotSent`].
-    ForwardTicket(HandoffTicket),
-    /// Write `Cancel` on that stream (a failure is ignored: the stream's close cancels too).
-    Cancel(Side),
-    /// Send this token event to the edge; answer [`Event::Delivered`] or [`Event::ClientGone`].
-    Emit(TokenEvent),
-    /// Record the prefill node's handoff report (`dispatched`: opening the attempt's streams).
-    Handoff { report: HandoffDone, node: NodeRef, dispatched: Duration },
-    /// The request ended before the prefill node's handoff report: read it from the prefill
-    /// stream in the background (the stream goes with it) and record it as [`Action::Handoff`].
-    ReportLater { node: NodeRef, dispatched: Duration },
-    /// Return the prefill part of the attempt's booking (the stream goes on).
-    ReleasePrefill(Assignment),
-    /// Drop the attempt's streams (the nodes cancel whatever they still hold for it) and stop
-    /// listening for node deaths.
-    CloseStreams,
-    /// Return the attempt's booking.
-    Release(Assignment),
-    /// The request is over; feed nothing more.
-    Finish,
-}
-
-/// A metric the machine's decisions produce (names in [`super::metric`]).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Metric {
-    /// `cleave_route_decisions_total{path, reason}`.
-    RouteDecision { path: &'static str, reason: &'static str },
-    /// `cleave_prefill_retries_total{node}`: the prefill node failed before the first token.
-    PrefillRetry { node: String },
-    /// `cleave_migrations_total{node}`: the decode node failed after the first token.
-    Migration { node: String },
-    /// `cleave_requests_held_for_switch_total`.
-    HeldForSwitch,
-    /// `cleave_handoff_reservation_seconds{pool="decode", node}`: streams opened to ticket.
-    Reservation { node: String, waited: Duration },
-    /// `cleave_handoff_decode_first_step_seconds{pool="decode", node}`: first token to the
-    /// decode node's first event after it.
-    DecodeFirstStep { node: String, after: Duration },
-}
 
 /// What the shell does with an [`Action::Emit`]'s answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -515,10 +342,10 @@ impl Journey {
                 self.path = "remote";
                 let dmsg = DecodeRequest { work: work.clone(), local_prefill: false, generated: Vec::new() };
                 let pmsg = PrefillRequest { work, ticket: None };
-                out.push(Action::Open {
+                out.push(Action::Open(Box::new(Streams {
                     decode: (decode.clone(), ControlMsg::DecodeRequest(dmsg)),
                     prefill: Some((prefill.clone(), ControlMsg::PrefillRequest(pmsg))),
-                });
+                })));
                 let remote = Remote {
                     prefill,
                     dispatched: Duration::ZERO,
@@ -534,7 +361,8 @@ impl Journey {
                 tracing::debug!(decode = %decode.name, reason = reason.as_str(), "local prefill");
                 self.path = reason.as_str();
                 let dmsg = DecodeRequest { work, local_prefill: true, generated: self.generated.clone() };
-                out.push(Action::Open { decode: (decode.clone(), ControlMsg::DecodeRequest(dmsg)), prefill: None });
+                let decode_req = (decode.clone(), ControlMsg::DecodeRequest(dmsg));
+                out.push(Action::Open(Box::new(Streams { decode: decode_req, prefill: None })));
                 (decode, None)
             }
         };

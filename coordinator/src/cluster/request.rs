@@ -23,7 +23,7 @@ use futures::stream::{BoxStream, StreamExt};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
-use super::attempt::{Action, AttemptError, Event, Journey, Limits, Metric, Side};
+use super::attempt::{Action, AttemptError, Event, Journey, Limits, Metric, Side, Streams};
 use super::registry::NodeRef;
 use super::{metric, ClusterConfig, ClusterHandle};
 use crate::dispatch::{Dispatch, DispatchEvent};
@@ -145,7 +145,8 @@ impl Shell {
                 record(m);
                 None
             }
-            Action::Open { decode: (dnode, dmsg), prefill } => {
+            Action::Open(streams) => {
+                let Streams { decode: (dnode, dmsg), prefill } = *streams;
                 let connector = &self.connector;
                 let (ds, ps) = tokio::join!(open(connector, &dnode, &dmsg), async {
                     match &prefill {

@@ -113,7 +113,7 @@ fn kinds(out: &[Action]) -> Vec<String> {
             Action::Tell(DispatchEvent::Refused { .. }) => "Refused".into(),
             Action::Tell(DispatchEvent::Token(ev)) => format!("Final({:?})", ev.finish_reason.unwrap()),
             Action::Record(m) => format!("Record({})", format!("{m:?}").split([' ', '{']).next().unwrap()),
-            Action::Open { prefill, .. } => if prefill.is_some() { "Open(remote)" } else { "Open(local)" }.into(),
+            Action::Open(s) => if s.prefill.is_some() { "Open(remote)" } else { "Open(local)" }.into(),
             Action::ForwardTicket(_) => "ForwardTicket".into(),
             Action::Cancel(side) => format!("Cancel({side})"),
             Action::Emit(ev) => format!("Emit({})", ev.token_id.map_or("-".into(), |t| t.to_string())),
@@ -125,6 +125,13 @@ fn kinds(out: &[Action]) -> Vec<String> {
             Action::Finish => "Finish".into(),
         })
         .collect()
+}
+
+fn streams(a: &Action) -> &Streams {
+    match a {
+        Action::Open(s) => s,
+        _ => panic!("{a:?} opens nothing"),
+    }
 }
 
 fn the_query(out: &[Action]) -> &RouteQuery {
@@ -202,7 +209,7 @@ impl H {
         for (i, a) in out.iter().enumerate() {
             let last = i + 1 == out.len();
             match a {
-                Action::Plan(_) | Action::Open { .. } | Action::Emit(_) => {
+                Action::Plan(_) | Action::Open(_) | Action::Emit(_) => {
                     assert!(last, "{:?} must end its batch", kinds(out));
                     self.awaiting = true;
                     if let Action::Plan(_) = a {
@@ -362,7 +369,7 @@ impl Drop for H {
 fn remote_request_forwards_the_ticket_streams_and_ends_on_the_decode_nodes_last_token() {
     let mut h = H::new(3);
     let out = h.plan(Plan::Remote { prefill: p0(), decode: d0() });
-    let Some(Action::Open { decode: (dn, dm), prefill: Some((pn, pm)) }) = out.last() else { panic!() };
+    let Streams { decode: (dn, dm), prefill: Some((pn, pm)) } = streams(&out[2]) else { panic!() };
     assert_eq!((dn.name.as_str(), pn.name.as_str()), ("d0", "p0"));
     assert!(
         matches!(dm, ControlMsg::DecodeRequest(r) if !r.local_prefill && r.generated.is_empty() && r.work.prompt == PROMPT)
@@ -494,7 +501,7 @@ fn a_local_attempt_streams_from_the_decode_node_alone() {
     let out = h.plan(Plan::Local { decode: d0(), reason: LocalReason::ShortPrompt });
     assert_eq!(kinds(&out), ["Routed(local)", "Record(RouteDecision)", "Open(local)"]);
     assert!(matches!(&out[1], Action::Record(Metric::RouteDecision { path: "local", reason: "short_prompt" })));
-    assert!(matches!(&out[2], Action::Open { decode: (_, ControlMsg::DecodeRequest(r)), .. } if r.local_prefill));
+    assert!(matches!(&streams(&out[2]).decode.1, ControlMsg::DecodeRequest(r) if r.local_prefill));
     h.feed(Event::Opened { decode: Ok(()), prefill: None });
     assert!(h.feed(ticket_msg()).is_empty(), "a ticket means nothing on a local attempt");
     assert_eq!(kinds(&h.feed(dec(TokenEvent { cached_tokens: 3, ..tok(7) }))), ["Emit(7)"], "no buffering");
@@ -604,8 +611,9 @@ fn a_decode_error_after_the_first_token_migrates_at_once() {
 
     let out = h.plan(Plan::Local { decode: d0(), reason: LocalReason::Migration });
     assert_eq!(kinds(&out), ["Routed(migrated)", "Record(RouteDecision)", "Open(local)"]);
-    assert!(matches!(&out[2], Action::Open { decode: (_, ControlMsg::DecodeRequest(r)), .. }
-        if r.local_prefill && r.generated == [7, 8]));
+    assert!(
+        matches!(&streams(&out[2]).decode.1, ControlMsg::DecodeRequest(r) if r.local_prefill && r.generated == [7, 8])
+    );
     h.feed(Event::Opened { decode: Ok(()), prefill: None });
     h.token(dec(tok(9)));
     h.token(dec(fin(10, FinishReason::Length)));
