@@ -749,6 +749,20 @@ fn a_prefill_failure_after_the_first_token_only_returns_its_part() {
 }
 
 #[test]
+fn a_prefill_node_dying_after_the_first_token_is_no_failure() {
+    let mut h = H::new(4);
+    h.first_token();
+    assert!(h.feed(Event::NodeDied(p0().id)).is_empty());
+    assert!(h.m.reading(Side::Prefill), "its stream tells the rest");
+    assert_eq!(
+        kinds(&h.feed(Event::Lost { side: Side::Prefill, cause: AttemptError::StreamClosed })),
+        ["ReleasePrefill"]
+    );
+    h.token(dec(tok(8)));
+    assert_eq!(h.tokens(), [7, 8]);
+}
+
+#[test]
 fn a_prefill_stream_lost_after_the_first_token_leaves_the_decision_to_the_decode_node() {
     let mut h = H::new(4);
     h.first_token();
