@@ -13,7 +13,7 @@ use crate::cluster::ClusterConfig;
 use crate::dispatch::DispatchEvent;
 
 /// What opening a stream to a node fails with ([`cleave_kv_transfer::net::Connector::open`]'s
-/// error).
+/// error; the one line to follow the streams when they move to a crate of their own).
 pub type ConnectError = cleave_kv_transfer::KvTransferError;
 
 /// The cluster settings the machine decides with.
