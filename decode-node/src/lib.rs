@@ -33,11 +33,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
-use cleave_kv_transfer::{KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reserved};
+use cleave_kv_transfer::{
+    KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation, Reserved,
+};
 use cleave_net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
 use cleave_protocol::{RequestId, TokenEvent, TransportKind};
 use tracing::Instrument;
+use wait::{Action, Event, KvWait, Metric};
+
+mod wait;
 
 /// Metric names of a decode node (on its own /metrics).
 pub mod metric {
@@ -63,6 +68,12 @@ pub enum NodeError {
     Engine(#[from] cleave_engine::EngineError),
     #[error("node setup: {0}")]
     Setup(String),
+    /// A remote request's KV never completed (the coordinator reads this in the error event).
+    #[error("kv handoff failed: {0}")]
+    HandoffFailed(KvTransferError),
+    /// A completed RDMA lease's KV could not be moved into the engine.
+    #[error("moving the landed kv into the engine: {0}")]
+    Landing(Box<NodeError>),
 }
 
 /// Settings of the decode side of a node.
@@ -279,8 +290,8 @@ async fn serve_request(req: DecodeRequest, s: &mut DuplexStream, shared: &Shared
     match stream {
         Ok(Some(ts)) => forward(ts, s).await,
         Ok(None) => {}
-        Err(msg) => {
-            let ev = TokenEvent::failed(id, prompt_tokens, 0, msg);
+        Err(e) => {
+            let ev = TokenEvent::failed(id, prompt_tokens, 0, e.to_string());
             let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
         }
     }
@@ -293,7 +304,7 @@ fn engine_request(w: cleave_protocol::control::Work) -> EngineRequest {
 /// Prefills here. A migrated stream resumes: its tokens already sent extend the prompt, count
 /// toward `max_tokens` and are not sent again; with the request's seed, sampling continues the
 /// same random stream.
-fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, String> {
+fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, NodeError> {
     let generated = req.generated;
     let ereq = engine_request(req.work);
     let path = if generated.is_empty() { "local" } else { "resumed" };
@@ -303,68 +314,113 @@ fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, Str
     } else {
         shared.engine.submit_resumed(ereq, generated, None)
     };
-    ts.map(Some).map_err(|e| e.to_string())
+    Ok(Some(ts?))
 }
 
-/// Leases blocks, answers the ticket, waits for the KV (or a cancel), then starts decoding.
-async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Result<Option<TokenStream>, String> {
+/// Leases blocks, answers the ticket, waits for the KV (or a cancel), then starts decoding: the
+/// shell of [`wait::KvWait`], which decides what each outcome means.
+async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Result<Option<TokenStream>, NodeError> {
     let id = req.work.id;
     let started = Instant::now();
     let num_tokens = req.work.prompt.len() as u32;
-    let res = shared.receiver.reserve(id, num_tokens, Some(shared.cfg.lease_ttl)).await.map_err(|e| e.to_string())?;
-    metrics::counter!(metric::REQUESTS_TOTAL, "path" => "remote").increment(1);
-    metrics::histogram!(metric::RESERVATION_SECONDS).record(started.elapsed().as_secs_f64());
-    tracing::debug!(lease = %res.ticket.lease_id, reserve_us = started.elapsed().as_micros() as u64, "leased");
-    let ticket_sent = Instant::now();
-    let lease = res.ticket.lease_id;
-    if let Err(e) = write_msg(&mut s.send, &ControlMsg::Ticket(res.ticket)).await {
-        tracing::warn!(error = %e, "sending the ticket failed; releasing the lease");
-        let _ = shared.receiver.cancel(lease).await;
-        return Ok(None);
-    }
-    let wait = res.done.wait(shared.cfg.lease_ttl + Duration::from_secs(1));
-    tokio::pin!(wait);
-    let done = loop {
-        tokio::select! {
-            r = &mut wait => break r,
-            m = read_msg(&mut s.recv) => match m {
-                m @ (Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_)) => {
-                    // Cancelled or the coordinator went away: free the lease (a lease that
-                    // completed meanwhile is released below through its waiter).
-                    match m {
-                        Err(e) => tracing::warn!(error = %e, "rpc stream broke while waiting for kv"),
-                        _ => tracing::debug!("cancelled while waiting for kv"),
-                    }
-                    let _ = shared.receiver.cancel(lease).await;
-                    if let Ok(c) = wait.await {
-                        shared.free_landing(&c.blocks);
-                        let _ = shared.engine.release_import(c.request_id);
-                    }
-                    return Ok(None);
-                }
-                Ok(Some(other)) => tracing::debug!(message = other.name(), "ignored while waiting for kv"),
-            },
+    let mut m = KvWait::new(started);
+    let (mut ticket, done, mut actions) =
+        match shared.receiver.reserve(id, num_tokens, Some(shared.cfg.lease_ttl)).await {
+            Ok(Reservation { ticket, done }) => {
+                let reserve_us = started.elapsed().as_micros() as u64;
+                tracing::debug!(lease = %ticket.lease_id, reserve_us, "leased");
+                (Some(ticket), Some(done), m.handle(Instant::now(), Event::Reserved(Ok(()))))
+            }
+            Err(e) => (None, None, m.handle(Instant::now(), Event::Reserved(Err(e)))),
+        };
+    let lease = ticket.as_ref().map(|t| t.lease_id);
+    let limit = shared.cfg.lease_ttl + Duration::from_secs(1);
+    let wait = async move {
+        match done {
+            Some(done) => done.wait(limit).await,
+            None => std::future::pending().await,
         }
     };
-    let completed = done.map_err(|e| {
-        metrics::counter!(metric::HANDOFF_FAILURES_TOTAL).increment(1);
-        format!("kv handoff failed: {e}")
-    })?;
-    metrics::histogram!(metric::KV_WAIT_SECONDS).record(ticket_sent.elapsed().as_secs_f64());
+    tokio::pin!(wait);
+    loop {
+        let mut answer = None;
+        for a in actions {
+            match a {
+                Action::SendTicket => {
+                    let Some(t) = ticket.take() else { continue };
+                    answer = Some(match write_msg(&mut s.send, &ControlMsg::Ticket(t)).await {
+                        Ok(()) => Event::TicketSent,
+                        Err(error) => {
+                            tracing::warn!(%error, "sending the ticket failed");
+                            Event::TicketNotSent
+                        }
+                    });
+                }
+                Action::CancelLease { release_completed } => {
+                    if let Some(lease) = lease {
+                        let _ = shared.receiver.cancel(lease).await;
+                    }
+                    // A lease that completed meanwhile comes back through its waiter.
+                    if release_completed {
+                        if let Ok(c) = (&mut wait).await {
+                            shared.free_landing(&c.blocks);
+                            let _ = shared.engine.release_import(c.request_id);
+                        }
+                    }
+                }
+                Action::Fail(e) => return Err(e),
+                Action::Start(c) => return start(shared, req.work, c, started),
+                Action::Record(metric) => record(metric),
+                Action::Finish => return Ok(None),
+            }
+        }
+        let event = match answer {
+            Some(ev) => ev,
+            None => tokio::select! {
+                r = &mut wait => Event::Landed(r),
+                msg = read_msg(&mut s.recv) => match msg {
+                    Ok(Some(msg)) => Event::Message(Box::new(msg)),
+                    Ok(None) => Event::Lost(None),
+                    Err(e) => Event::Lost(Some(e)),
+                },
+            },
+        };
+        actions = m.handle(Instant::now(), event);
+    }
+}
+
+/// Submits a request whose KV landed (over RDMA, after moving it into the engine). On an error
+/// the command never reached the engine: the blocks are given back here.
+fn start(
+    shared: &Shared,
+    work: cleave_protocol::control::Work,
+    completed: cleave_kv_transfer::Completed,
+    started: Instant,
+) -> Result<Option<TokenStream>, NodeError> {
+    let id = work.id;
     #[cfg(feature = "rdma")]
     if let Some(r) = &shared.cfg.rdma {
+        let num_tokens = work.prompt.len() as u32;
         if let Err(e) = land_into_engine(&shared.engine, &r.pool, id, &completed.blocks, num_tokens) {
             let _ = shared.engine.release_import(id);
-            return Err(format!("moving the landed kv into the engine: {e}"));
+            return Err(NodeError::Landing(Box::new(e)));
         }
     }
     tracing::debug!(wait_us = started.elapsed().as_micros() as u64, "kv complete");
     let start = ImportStart { first_token: completed.first_token, sampler_seed: None, cached_tokens: 0 };
-    // On Err the command never reached the engine: give the blocks back ourselves.
-    shared.engine.submit_imported(engine_request(req.work), start).map(Some).map_err(|e| {
+    shared.engine.submit_imported(engine_request(work), start).map(Some).map_err(|e| {
         let _ = shared.engine.release_import(id);
-        e.to_string()
+        e.into()
     })
+}
+
+fn record(m: Metric) {
+    match m {
+        Metric::RemoteRequest => metrics::counter!(metric::REQUESTS_TOTAL, "path" => "remote").increment(1),
+        Metric::Reservation(d) => metrics::histogram!(metric::RESERVATION_SECONDS).record(d.as_secs_f64()),
+        Metric::KvWait(d) => metrics::histogram!(metric::KV_WAIT_SECONDS).record(d.as_secs_f64()),
+        Metric::HandoffFailure => metrics::counter!(metric::HANDOFF_FAILURES_TOTAL).increment(1),
+    }
 }
 
 /// Streams a request's events to the coordinator until the final one, a Cancel, or the stream

@@ -16,6 +16,10 @@
 //! Cancellation: a `Cancel`, or the rpc stream closing, drops the engine's token stream (which
 //! cancels the request) and the shipper (whose sender aborts the transfer, so the decode node
 //! frees the lease).
+//!
+//! The decisions of a request (which ticket goes to the shipper, what the first event means,
+//! when the handoff report goes out) are the sans-IO [`request::Request`]; `prefill()` here is
+//! its shell.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,10 +27,13 @@ use std::time::{Duration, Instant};
 use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent, SinkError};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
 use cleave_net::{DuplexStream, NetConfig};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, PrefillRequest};
-use cleave_protocol::{HandoffTicket, KvLayout, TokenEvent};
+use cleave_protocol::control::{read_msg, write_msg, ControlMsg, PrefillRequest};
+use cleave_protocol::{HandoffTicket, KvLayout};
+use request::{Action, Event, Metric, Request, Shipped};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
+
+mod request;
 
 /// Metric names of a prefill node (on its own /metrics).
 pub mod metric {
@@ -47,7 +54,8 @@ pub mod metric {
     pub const HANDOFFS_TOTAL: &str = "cleave_node_handoffs_total";
 }
 
-/// Errors of a prefill node.
+/// Errors of a prefill node, and why a request's prefill or handoff failed (the coordinator
+/// reads those rendered, in a failed token event or a `HandoffDone`).
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
     #[error(transparent)]
@@ -56,6 +64,26 @@ pub enum NodeError {
     Net(#[from] cleave_net::NetError),
     #[error(transparent)]
     Engine(#[from] cleave_engine::EngineError),
+    /// The engine's stream ended before the request's first event.
+    #[error("engine stopped")]
+    EngineStopped,
+    /// The decode node's ticket did not come within the request timeout.
+    #[error("no handoff ticket arrived in time")]
+    NoTicket,
+    /// The request ended (cancelled, failed) before its ticket came.
+    #[error("request ended before its ticket arrived")]
+    EndedBeforeTicket,
+    #[error("opening the transfer to {addr}: {error}")]
+    OpenTransfer { addr: std::net::SocketAddr, error: KvTransferError },
+    #[error("sending kv: {0}")]
+    SendKv(KvTransferError),
+    #[error("completing the handoff: {0}")]
+    CompleteHandoff(KvTransferError),
+    /// The first token ended the request: there is nothing to hand off.
+    #[error("the request ended at its first token")]
+    EndedAtFirstToken,
+    #[error("the engine dropped the request before its kv was out")]
+    EngineDropped,
 }
 
 /// Settings of the prefill side of a node.
@@ -98,19 +126,10 @@ impl Prefiller {
     }
 }
 
-/// What the shipper reports when the KV has landed (or not).
-struct Shipped {
-    ticket_wait: Duration,
-    bytes: u64,
-    transfer: Duration,
-    /// First token sampled (every chunk computed) to the receiver's Ack.
-    tail: Duration,
-}
-
 async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) {
     let id = req.work.id;
-    let prompt_tokens = req.work.prompt.len() as u32;
     let submitted = Instant::now();
+    let mut m = Request::new(id, req.work.prompt.len() as u32, submitted);
     let (xtx, xrx) = mpsc::unbounded_channel();
     let w = req.work;
     let ereq = EngineRequest { id, prompt: w.prompt, params: w.params, stop: w.stop };
@@ -127,85 +146,71 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
     let mut ts = match shared.engine.submit_prefill_only(ereq, export) {
         Ok(ts) => ts,
         Err(e) => {
-            let _ = write_msg(&mut s.send, &ControlMsg::Token(TokenEvent::failed(id, prompt_tokens, 0, e.to_string())))
-                .await;
+            for a in m.refused(e.into()) {
+                if let Action::Send(msg) = a {
+                    let _ = write_msg(&mut s.send, &msg).await;
+                }
+            }
             return;
         }
     };
     let (ticket_tx, ticket_rx) = oneshot::channel();
     let mut ticket_tx = Some(ticket_tx);
-    if let Some(t) = req.ticket {
-        let _ = ticket_tx.take().map(|tx| tx.send(t));
-    }
     let shipper = ship(shared, ticket_rx, xrx);
     tokio::pin!(shipper);
-    let mut first_at = None;
-    let mut handed_off = None::<bool>;
-    let mut shipped = None;
+    let mut actions = match req.ticket {
+        Some(t) => m.handle(Instant::now(), Event::Ticket(t)),
+        None => Vec::new(),
+    };
     loop {
-        tokio::select! {
-            ev = ts.next(), if handed_off.is_none() => {
-                let Some(ev) = ev else {
-                    let ev = TokenEvent::failed(id, prompt_tokens, 0, "engine stopped".into());
-                    let _ = write_msg(&mut s.send, &ControlMsg::Token(ev)).await;
-                    return;
-                };
-                let computing = computing_rx.try_recv().map_or(Duration::ZERO, |t| t.saturating_duration_since(submitted));
-                first_at = Some((computing, submitted.elapsed()));
-                let ends = ev.finish_reason.is_some();
-                if write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_err() {
-                    return;
-                }
-                if ends {
-                    // Nothing to hand off (the first token ended it, or it failed).
-                    metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => "not_needed").increment(1);
-                    return;
-                }
-                handed_off = Some(true);
-            }
-            r = &mut shipper, if shipped.is_none() => {
-                shipped = Some(r);
-            }
-            m = read_msg(&mut s.recv) => match m {
-                Ok(Some(ControlMsg::Ticket(t))) => {
+        let mut answer = None;
+        for a in actions {
+            match a {
+                Action::GiveTicket(t) => {
                     if let Some(tx) = ticket_tx.take() {
                         let _ = tx.send(t);
                     }
                 }
-                Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => return,
-                Ok(Some(other)) => tracing::debug!(message = other.name(), "ignored"),
-            },
-        }
-        if handed_off == Some(true) && shipped.is_some() {
-            let Some(r) = shipped.take() else { return };
-            let (queued, first) = first_at.unwrap_or_default();
-            let prefill = first.saturating_sub(queued);
-            metrics::histogram!(metric::PREFILL_QUEUE_SECONDS).record(queued.as_secs_f64());
-            metrics::histogram!(metric::PREFILL_SECONDS).record(prefill.as_secs_f64());
-            let outcome = if r.is_ok() { "ok" } else { "failed" };
-            metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => outcome).increment(1);
-            if let Ok(sh) = &r {
-                metrics::histogram!(metric::TICKET_WAIT_SECONDS).record(sh.ticket_wait.as_secs_f64());
-                metrics::histogram!(metric::TRANSFER_SECONDS).record(sh.transfer.as_secs_f64());
-                metrics::histogram!(metric::TRANSFER_TAIL_SECONDS).record(sh.tail.as_secs_f64());
-                metrics::counter!(metric::TRANSFER_BYTES_TOTAL).increment(sh.bytes);
+                Action::SendFirst(ev) => {
+                    let sent = write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_ok();
+                    answer = Some(if sent { Event::Sent } else { Event::Lost });
+                }
+                Action::Send(msg) => {
+                    let _ = write_msg(&mut s.send, &msg).await;
+                }
+                Action::Record(metric) => record(metric),
+                Action::Finish => {}
             }
-            let done = match r {
-                Ok(sh) => HandoffDone {
-                    request_id: id,
-                    error: None,
-                    queue_us: queued.as_micros() as u64,
-                    prefill_us: prefill.as_micros() as u64,
-                    ticket_wait_us: sh.ticket_wait.as_micros() as u64,
-                    transfer_bytes: sh.bytes,
-                    transfer_us: sh.transfer.as_micros() as u64,
-                    tail_us: sh.tail.as_micros() as u64,
-                },
-                Err(e) => HandoffDone { request_id: id, error: Some(e), ..Default::default() },
-            };
-            let _ = write_msg(&mut s.send, &ControlMsg::HandoffDone(done)).await;
+        }
+        if m.is_done() {
             return;
         }
+        let event = match answer {
+            Some(ev) => ev,
+            None => tokio::select! {
+                ev = ts.next(), if m.reading_engine() => {
+                    Event::Engine { event: ev, computing: computing_rx.try_recv().ok() }
+                }
+                r = &mut shipper, if m.shipping() => Event::Shipped(r),
+                msg = read_msg(&mut s.recv) => match msg {
+                    Ok(Some(msg)) => Event::Message(msg),
+                    Ok(None) | Err(_) => Event::Lost,
+                },
+            },
+        };
+        actions = m.handle(Instant::now(), event);
+    }
+}
+
+fn record(m: Metric) {
+    match m {
+        Metric::Handoff { outcome } => metrics::counter!(metric::HANDOFFS_TOTAL, "outcome" => outcome).increment(1),
+        Metric::PrefillQueue(d) => metrics::histogram!(metric::PREFILL_QUEUE_SECONDS).record(d.as_secs_f64()),
+        Metric::Prefill(d) => metrics::histogram!(metric::PREFILL_SECONDS).record(d.as_secs_f64()),
+        Metric::TicketWait(d) => metrics::histogram!(metric::TICKET_WAIT_SECONDS).record(d.as_secs_f64()),
+        Metric::Transfer(d) => metrics::histogram!(metric::TRANSFER_SECONDS).record(d.as_secs_f64()),
+        Metric::TransferTail(d) => metrics::histogram!(metric::TRANSFER_TAIL_SECONDS).record(d.as_secs_f64()),
+        Metric::TransferBytes(b) => metrics::counter!(metric::TRANSFER_BYTES_TOTAL).increment(b),
     }
 }
 
@@ -215,18 +220,18 @@ async fn ship(
     shared: &Prefiller,
     ticket: oneshot::Receiver<HandoffTicket>,
     mut chunks: mpsc::UnboundedReceiver<KvExportEvent>,
-) -> Result<Shipped, String> {
+) -> Result<Shipped, NodeError> {
     let waited = Instant::now();
     let ticket = tokio::time::timeout(shared.cfg.request_timeout, ticket)
         .await
-        .map_err(|_| "no handoff ticket arrived in time".to_string())?
-        .map_err(|_| "request ended before its ticket arrived".to_string())?;
+        .map_err(|_| NodeError::NoTicket)?
+        .map_err(|_| NodeError::EndedBeforeTicket)?;
     let ticket_wait = waited.elapsed();
     let started = Instant::now();
-    let transport = shared.transports.pick(&ticket).map_err(|e| e.to_string())?;
+    let transport = shared.transports.pick(&ticket)?;
     let sender = KvSender::start(transport.as_ref(), &ticket, &shared.layout, &shared.cfg.send)
         .await
-        .map_err(|e| format!("opening the transfer to {}: {e}", ticket.receiver_addr))?;
+        .map_err(|error| NodeError::OpenTransfer { addr: ticket.receiver_addr, error })?;
     while let Some(ev) = chunks.recv().await {
         match ev {
             KvExportEvent::Chunk(c) => {
@@ -237,14 +242,14 @@ async fn ship(
                     k: c.k,
                     v: c.v,
                 };
-                sender.send(c).await.map_err(|e| format!("sending kv: {e}"))?;
+                sender.send(c).await.map_err(NodeError::SendKv)?;
             }
             KvExportEvent::Done(d) => {
                 let done_at = Instant::now();
                 if d.finish.is_some() {
-                    return Err("the request ended at its first token".into());
+                    return Err(NodeError::EndedAtFirstToken);
                 }
-                let report = sender.finish(d.first_token).await.map_err(|e| format!("completing the handoff: {e}"))?;
+                let report = sender.finish(d.first_token).await.map_err(NodeError::CompleteHandoff)?;
                 return Ok(Shipped {
                     ticket_wait,
                     bytes: report.bytes,
@@ -254,5 +259,5 @@ async fn ship(
             }
         }
     }
-    Err("the engine dropped the request before its kv was out".into())
+    Err(NodeError::EngineDropped)
 }

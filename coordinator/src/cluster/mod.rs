@@ -8,13 +8,15 @@
 //! - the control listener accepts node streams: `Register` → reply → `LoadReport`s until the
 //!   stream ends (the node is then removed at once, without waiting for `dead_after`);
 //! - the router takes dispatches off the edge's channel and spawns one task per request
-//!   ([`request`]).
+//!   ([`request`], the async shell of the sans-IO [`attempt::Journey`], which decides retries,
+//!   migrations and the rest of a request's journey).
 //!
 //! Allowed dependencies: protocol (messages) and cleave-net (authenticated streams);
 //! never the engine.
 
 mod actuate;
 mod admin;
+mod attempt;
 mod dashboard;
 mod history;
 #[cfg(feature = "kubernetes")]
