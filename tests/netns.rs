@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Duration;
 
 use common::netns::{self, Net};
@@ -276,4 +277,52 @@ fn with_no_reachable_decode_node_requests_fail_clearly_and_in_bounded_time() {
     let v = rt.block_on(c.complete(greedy("Healed again", 4)));
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     rt.block_on(c.wait_blocks_free());
+}
+
+/// Certificate rotation without a restart: a node's certificate is reissued on disk and the old
+/// one revoked; after its link drops (a partition longer than the dead-after time) the node
+/// registers again with the new certificate, which the coordinator accepts (the revoked one it
+/// would refuse), and serves.
+#[test]
+fn a_rotated_certificate_is_picked_up_at_the_next_reconnect() {
+    if !available(
+        netns::supported(),
+        "CLEAVE_REQUIRE_NETNS",
+        "network namespaces need root and iproute2",
+        "run as root",
+    ) {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let revoked = std::env::temp_dir().join(format!("cleave-netns-revoked-{}", std::process::id()));
+    std::fs::write(&revoked, "").unwrap();
+    let net = Net::new(&["coordinator", "prefill", "decode"]);
+    let args =
+        ["--local-prefill-max-tokens", "0", "--dead-after-secs", "2", "--revoked-certs", revoked.to_str().unwrap()];
+    let c = cluster_in(&net, &[("prefill", "prefill"), ("decode", "decode")], &args);
+    let rt = runtime();
+    rt.block_on(c.wait_nodes(2));
+    let certs = |args: &[&str]| {
+        let out = Command::new(exe()).args(["certs", "--dir", c.certs.to_str().unwrap()]).args(args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let old = certs(&["--fingerprint", "decode"]).split_whitespace().next().unwrap().to_string();
+    certs(&["--nodes", "decode"]);
+    let new = certs(&["--fingerprint", "decode"]).split_whitespace().next().unwrap().to_string();
+    assert_ne!(old, new);
+    std::fs::write(&revoked, format!("{old}\n")).unwrap();
+    net.partition("decode", true);
+    rt.block_on(async {
+        let t0 = std::time::Instant::now();
+        while c.nodes_state().await.len() > 1 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the partitioned node was never dropped");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    net.partition("decode", false);
+    rt.block_on(c.wait_nodes(2));
+    let v = rt.block_on(c.complete(greedy("Served with a new certificate", 6)));
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let _ = std::fs::remove_file(&revoked);
 }

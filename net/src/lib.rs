@@ -211,7 +211,7 @@ impl std::str::FromStr for NetKind {
 }
 
 /// Network settings of a node. `identity` is required for every kind but `TcpPlain`.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct NetConfig {
     pub kind: NetKind,
     pub identity: Option<NodeIdentity>,
@@ -320,6 +320,23 @@ impl Connector {
     }
 }
 
+/// See [`Listener::reloader`].
+#[derive(Clone)]
+pub struct Reloader(quic::QuicReloader);
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reloader")
+    }
+}
+
+impl Reloader {
+    /// New connections are served with `identity`'s certificate.
+    pub fn set_identity(&self, identity: &NodeIdentity) -> Result<()> {
+        self.0.set_identity(identity)
+    }
+}
+
 enum ListenerImpl {
     Quic(quic::QuicListener),
     Tcp(tcp::TcpListenerImpl),
@@ -358,6 +375,16 @@ impl Listener {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// A handle that swaps the certificate this listener presents to new connections (a
+    /// rotated node certificate, without a restart). QUIC only: a TLS-TCP listener keeps its
+    /// certificate until the process restarts, and a plain one has none.
+    pub fn reloader(&self) -> Option<Reloader> {
+        match &self.inner {
+            ListenerImpl::Quic(l) => Some(Reloader(l.reloader())),
+            ListenerImpl::Tcp(_) => None,
+        }
     }
 
     /// The next incoming stream; `None` once the listener is closed. A peer that fails the

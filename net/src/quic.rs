@@ -420,23 +420,47 @@ type Accepted = Result<(DuplexStream, PeerInfo)>;
 
 pub(super) struct QuicListener {
     endpoint: Endpoint,
+    tuning: QuicTuning,
     local: SocketAddr,
     rx: mpsc::Receiver<Accepted>,
     task: JoinHandle<()>,
 }
 
+fn server_config(identity: &NodeIdentity, tuning: &QuicTuning) -> Result<quinn::ServerConfig> {
+    let crypto = QuicServerConfig::try_from(identity.server_config()?)
+        .map_err(|e| NetError::Tls(format!("quic server config: {e}")))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(tuning.transport()?);
+    Ok(server)
+}
+
+/// Swaps the certificate a QUIC listener presents to new connections (those open keep theirs).
+#[derive(Clone)]
+pub(super) struct QuicReloader {
+    endpoint: Endpoint,
+    tuning: QuicTuning,
+}
+
+impl QuicReloader {
+    pub(super) fn set_identity(&self, identity: &NodeIdentity) -> Result<()> {
+        self.endpoint.set_server_config(Some(server_config(identity, &self.tuning)?));
+        Ok(())
+    }
+}
+
 impl QuicListener {
+    pub(super) fn reloader(&self) -> QuicReloader {
+        QuicReloader { endpoint: self.endpoint.clone(), tuning: self.tuning.clone() }
+    }
+
     pub(super) fn bind(cfg: &NetConfig, addr: SocketAddr, tuning: &QuicTuning) -> Result<Self> {
         let identity = cfg.identity()?;
-        let crypto = QuicServerConfig::try_from(identity.server_config()?)
-            .map_err(|e| NetError::Tls(format!("quic server config: {e}")))?;
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        server.transport_config(tuning.transport()?);
+        let server = server_config(identity, tuning)?;
         let endpoint = tuning.endpoint(identity, addr, Some(server))?;
         let local = endpoint.local_addr().map_err(io_err("quic local address"))?;
         let (tx, rx) = mpsc::channel(64);
         let task = tokio::spawn(accept_loop(endpoint.clone(), tx, cfg.connect_timeout));
-        Ok(Self { endpoint, local, rx, task })
+        Ok(Self { endpoint, tuning: tuning.clone(), local, rx, task })
     }
 
     pub(super) fn local_addr(&self) -> SocketAddr {

@@ -24,8 +24,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use cleave_net::tls::Roles;
-use cleave_net::{Connector, DuplexStream};
+use cleave_net::tls::{fingerprint_hex, NodeIdentity, Roles};
+use cleave_net::{Connector, DuplexStream, NetConfig, Reloader};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, LoadReport, Register, RegisterReply, SetRole};
 use tokio::sync::{mpsc, oneshot};
 
@@ -41,6 +41,44 @@ pub struct ControlLinkConfig {
     pub register_timeout: Duration,
     /// Longest pause between reconnection attempts.
     pub max_backoff: Duration,
+    /// Where the node's certificate lives, read again before each registration: a rotated
+    /// certificate is used from the next reconnect on, without a restart.
+    pub identity: Option<IdentityFiles>,
+}
+
+/// A node's certificate files and what to hand a new one to.
+#[derive(Debug, Clone)]
+pub struct IdentityFiles {
+    /// `cleave certs` directory and the node's name (`<name>.crt`, `<name>.key`, `ca.crt`).
+    pub dir: std::path::PathBuf,
+    pub name: String,
+    /// The network settings the control link's connector is rebuilt with.
+    pub net: NetConfig,
+    /// Listeners that present the node's certificate to peers (QUIC ones swap it in place).
+    pub listeners: Vec<Reloader>,
+}
+
+impl IdentityFiles {
+    /// The identity on disk when it differs from `current` (by certificate fingerprint), with
+    /// the listeners already serving it; `None` when unchanged or unreadable (logged).
+    fn changed(&self, current: Option<[u8; 32]>) -> Option<NodeIdentity> {
+        let id = match NodeIdentity::load(&self.dir, &self.name) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading this node's certificate failed; keeping the one in use");
+                return None;
+            }
+        };
+        if Some(id.fingerprint()) == current {
+            return None;
+        }
+        for l in &self.listeners {
+            if let Err(e) = l.set_identity(&id) {
+                tracing::warn!(error = %e, "a listener kept its old certificate");
+            }
+        }
+        Some(id)
+    }
 }
 
 impl ControlLinkConfig {
@@ -50,6 +88,7 @@ impl ControlLinkConfig {
             report_interval: Duration::from_millis(200),
             register_timeout: Duration::from_secs(10),
             max_backoff: Duration::from_secs(2),
+            identity: None,
         }
     }
 }
@@ -113,7 +152,7 @@ pub struct LinkIo {
 /// last one); `load` produces each report. Transient failures (coordinator not up yet, link
 /// lost) are retried forever.
 pub async fn run_control_link<R, F, Fut>(
-    connector: Connector,
+    mut connector: Connector,
     cfg: ControlLinkConfig,
     mut registration: R,
     mut load: F,
@@ -143,8 +182,22 @@ where
             tokio::time::sleep(interval).await;
         }
     };
+    let mut in_use = cfg.identity.as_ref().and_then(|f| f.net.identity.as_ref()).map(NodeIdentity::fingerprint);
     let link = async {
         loop {
+            if let Some(files) = &cfg.identity {
+                if let Some(id) = files.changed(in_use) {
+                    let net = NetConfig { identity: Some(id.clone()), ..files.net.clone() };
+                    match Connector::new(&net) {
+                        Ok(c) => {
+                            tracing::info!(fingerprint = %fingerprint_hex(&id.fingerprint()), "picked up a new certificate");
+                            connector = c;
+                            in_use = Some(id.fingerprint());
+                        }
+                        Err(e) => tracing::warn!(error = %e, "the new certificate is unusable; keeping the old one"),
+                    }
+                }
+            }
             let reg = registration();
             match register(&connector, &cfg, &reg).await {
                 Ok((s, node_id)) => {

@@ -31,7 +31,7 @@ use cleave_prefill_node::{PrefillConfig, Prefiller};
 use cleave_protocol::control::{read_msg, ControlMsg, NodeRole, Register, WireError};
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub use control::{Command, ControlLinkConfig};
+pub use control::{Command, ControlLinkConfig, IdentityFiles};
 
 /// Cap on prefix hashes per load report (4096 x 8 bytes = 32 KiB per report interval).
 pub const MAX_REPORTED_HASHES: usize = 4096;
@@ -86,6 +86,8 @@ pub struct NodeConfig {
     pub send: SendConfig,
     /// Transports to push KV over besides `net`'s (RDMA).
     pub extra_transports: Vec<Arc<dyn Transport>>,
+    /// The certificate's files, read again at each reconnect (rotation without a restart).
+    pub identity_dir: Option<std::path::PathBuf>,
     /// Receive KV over RDMA (decode side).
     #[cfg(feature = "rdma")]
     pub rdma: Option<cleave_decode_node::RdmaLanding>,
@@ -109,6 +111,7 @@ impl NodeConfig {
             metrics_addr: None,
             send: SendConfig::default(),
             extra_transports: Vec::new(),
+            identity_dir: None,
             #[cfg(feature = "rdma")]
             rdma: None,
         }
@@ -150,6 +153,7 @@ impl Node {
     ) -> Result<Self, NodeError> {
         let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
         let rpc_addr = rpc.local_addr();
+        let rpc_reloader = rpc.reloader();
         let decode = Decoder::start(
             engine.clone(),
             DecodeConfig {
@@ -193,6 +197,13 @@ impl Node {
         let connector = Connector::new(&cfg.net)?;
         let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);
         link_cfg.report_interval = cfg.report_interval;
+        link_cfg.identity =
+            cfg.identity_dir.as_ref().filter(|_| cfg.net.identity.is_some()).map(|dir| control::IdentityFiles {
+                dir: dir.clone(),
+                name: cfg.name.clone(),
+                net: cfg.net.clone(),
+                listeners: rpc_reloader.iter().cloned().collect(),
+            });
         let (reg_tx, reg_rx) = oneshot::channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
         let task = tokio::spawn(async move {

@@ -418,6 +418,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         cfg.kv_bind = cmd.kv_listen;
         cfg.step_budget = u32::try_from(cmd.engine.max_num_batched_tokens).ok();
         cfg.metrics_addr = Some(metrics_addr);
+        cfg.identity_dir = cmd.net.certs.clone();
         #[cfg(feature = "rdma")]
         if let Some(dev) = &cmd.rdma_device {
             let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
