@@ -58,6 +58,6 @@ pub use driver::{DriverConfig, RecvDriver, SendChunk, SendDriver};
 pub use handoff::{RdmaReceive, RdmaSendConfig, RdmaTransport, SendPath};
 pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
-pub use meta::{PathMtu, QpMetadata};
+pub use meta::{AddressVector, GlobalRoute, PathMtu, QpMetadata};
 pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
 pub use setup::{accept as accept_link, connect as connect_link, Acceptor, DynRecvLink, Provider};
