@@ -94,6 +94,7 @@ pub mod frame;
 #[allow(clippy::all)]
 pub mod generated;
 pub mod metrics;
+pub mod payload;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod receiver;

@@ -23,8 +23,7 @@ use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId};
 use crate::frame::{check_chunk_lengths, checksum, run_bytes, AbortCode, ChunkHeader, Control, Frame, Landed, Open};
 use crate::{KvTransferError, Result};
 
-/// Identifies one accepted stream within a receiver (assigned by the driver).
-pub type StreamId = u64;
+pub use crate::payload::StreamId;
 
 /// One contiguous run of tokens of one layer, to be written into the lease's blocks.
 ///
