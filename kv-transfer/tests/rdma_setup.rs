@@ -162,12 +162,12 @@ async fn a_roce_connect_without_the_peers_gid_fails() {
     let (pending, _) = decode.create_recv().unwrap();
     let (_, mut offer) = prefill.create_send().unwrap();
     offer.gid[15] = 9;
-    let e = decode.connect_recv(pending, &offer).err().expect("a GID the peer does not have");
+    let e = decode.connect_recv(pending, &offer).expect_err("a GID the peer does not have");
     assert!(e.to_string().contains("is not the GID"), "{e}");
     // And a global route needs a GID of one's own.
     let (pending, _) = no_gid.create_send().unwrap();
     let (_, answer) = decode.create_recv().unwrap();
-    let e = no_gid.connect_send(pending, &answer).err().expect("no source GID");
+    let e = no_gid.connect_send(pending, &answer).expect_err("no source GID");
     assert!(e.to_string().contains("without a GID"), "{e}");
 }
 
