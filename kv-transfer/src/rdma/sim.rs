@@ -9,7 +9,9 @@
 //!   outstanding request on both sides completes as flushed and nothing more lands.
 //!
 //! Fault injection: [`SimNet::fail_write`] (the n-th next write fails with a status),
-//! [`SimNet::hold`] (writes stay in flight, as on a stuck path, until [`SimNet::release`]).
+//! [`SimNet::corrupt_write`] (the n-th next write lands with one bit flipped and completes
+//! successfully, as memory or a buggy peer could make it), [`SimNet::hold`] (writes stay in
+//! flight, as on a stuck path, until [`SimNet::release`]).
 //!
 //! Addressing, as on a device: every queue pair of a [`SimFabric`] lives on a [`SimPort`] (a
 //! LID, a GID or both; [`SimFabric::on_port`] gives a node its own). Connecting applies
@@ -93,6 +95,7 @@ struct State {
     recv_cq: VecDeque<RecvCompletion>,
     error: bool,
     fail: Option<(u64, WcStatus)>,
+    corrupt: Option<u64>,
     hold: bool,
     held: VecDeque<Posted>,
     landed_writes: u64,
@@ -148,6 +151,12 @@ impl SimNet {
     /// The `n`-th write from now (0 = the next) fails with `status`, breaking the connection.
     pub fn fail_write(&self, n: u64, status: WcStatus) {
         self.lock().fail = Some((n, status));
+    }
+
+    /// The `n`-th write from now (0 = the next) lands with the first bit of its data flipped;
+    /// nothing on the wire says so (only the receiver's checksum can).
+    pub fn corrupt_write(&self, n: u64) {
+        self.lock().corrupt = Some(n);
     }
 
     /// While held, posted writes stay in flight: nothing lands, nothing completes.
@@ -211,7 +220,18 @@ impl State {
             return self.break_connection();
         }
         let at = at.unwrap_or(0);
-        self.region.write(at, &p.src);
+        let mut src = p.src;
+        match self.corrupt {
+            Some(0) => {
+                self.corrupt = None;
+                if let Some(b) = src.first_mut() {
+                    *b ^= 1;
+                }
+            }
+            Some(n) => self.corrupt = Some(n - 1),
+            None => {}
+        }
+        self.region.write(at, &src);
         self.landed_writes += 1;
         if let Some(imm) = w.imm {
             self.recvs -= 1;
@@ -364,6 +384,17 @@ impl SimFabric {
             rkey: 0x5eed,
             staging_len,
         })
+    }
+
+    /// The same fabric, with receivers exposing `pool` from now on (a receiver restarted with a
+    /// new pool; senders of the fabric still find its queue pairs).
+    pub fn with_pool(&self, pool: crate::MemoryPool) -> Result<Self> {
+        if pool.region_len() as u64 != self.layout.extent()? {
+            return Err(crate::error::KvTransferError::RdmaLayout {
+                reason: format!("pool of {} bytes, layout of {}", pool.region_len(), self.layout.extent()?),
+            });
+        }
+        Ok(Self { pool: Some(pool), ..self.clone() })
     }
 
     /// The same fabric seen from a node whose queue pairs live on `port` (two nodes of a test
