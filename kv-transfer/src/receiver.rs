@@ -56,7 +56,7 @@ pub enum Effect {
     Completed { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, first_token: u32 },
     /// The lease ended without completing: the blocks go back to the pool. `rdma`: the lease
     /// was bound to this (link, tag); if the link still holds the tag, writes may still land,
-    /// so the blocks go back only once the link reports the tag safe (see [`crate::rdma`]).
+    /// so the blocks go back only once the path reports the tag safe (see [`crate::payload::RecvPath`]).
     Released {
         lease: LeaseId,
         request_id: RequestId,
