@@ -5,9 +5,9 @@
 //! - the stream path ([`StreamPath`], every transport's default): chunk frames on the transfer's
 //!   streams, through the receiver, which checks each and writes it into the blocks
 //!   ([`crate::receiver`]);
-//! - the RDMA path (`rdma::handoff`, feature `rdma`): one-sided writes into the leased blocks
-//!   over a link, and `Landed` notices on one control stream, checked against the pool once every
-//!   write landed.
+//! - the RDMA path (`rdma::send` and `rdma::handoff`, feature `rdma`): one-sided writes into
+//!   the leased blocks over a link, and `Landed` notices on one control stream, checked against
+//!   the pool once every write landed.
 //!
 //! A transport picks the path of each transfer ([`crate::Transport::send_path`]), so the ticket's
 //! [`cleave_protocol::TransportKind`] chooses it. The sender ([`crate::sender`]) drives it through
