@@ -574,3 +574,36 @@ async fn rdma_corrupt_write_fails_both_sides() {
     assert!(matches!(err, KvTransferError::ChecksumMismatch { .. }), "{err}");
     pair.assert_nothing_leased().await;
 }
+
+/// A receiver without an RDMA path (any build without the feature, or a node started without a
+/// device) refuses loudly: a link offer gets an `Abort`, an `Open` naming a link frees its lease
+/// with an error that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_without_rdma_refuses_links_and_opens_naming_one() {
+    for kind in KINDS {
+        let pair = Pair::new(kind, PairOptions::default()).await;
+        let mut raw = Raw::open(&pair).await;
+        raw.send(&Control::LinkOffer { metadata: vec![1, 2, 3] }).await;
+        match raw.recv().await {
+            Some(Control::Abort { reason, .. }) => assert!(reason.contains("does not take RDMA links"), "{reason}"),
+            other => panic!("{kind:?}: expected an abort, got {other:?}"),
+        }
+        let res = pair.receiver.handle().reserve(RequestId(1), 4, None).await.unwrap();
+        let t = &res.ticket;
+        let mut raw = Raw::open(&pair).await;
+        raw.send(&Control::Open(Open {
+            request_id: t.request_id,
+            lease_id: t.lease_id,
+            layout: layout(),
+            num_tokens: 4,
+            stream_index: 0,
+            stream_count: 1,
+            rdma_link: Some(7),
+        }))
+        .await;
+        assert!(matches!(raw.recv().await, Some(Control::Abort { .. })), "{kind:?}");
+        let err = res.done.wait(WAIT).await.unwrap_err();
+        assert!(err.to_string().contains("takes no RDMA links"), "{kind:?}: {err}");
+        pair.assert_nothing_leased().await;
+    }
+}
