@@ -12,6 +12,12 @@
 //! Every wait is bounded: reads by `stream_idle_timeout`, writes by `write_timeout`, leases by
 //! their ttl, handle calls by `command_timeout`. Dropping the [`ReceiverService`] stops all of
 //! them (the node died: its streams close, senders see the loss).
+//!
+//! A payload path that needs more than the streams (RDMA: link setup, link completions, blocks
+//! held until no write can land) is a [`RecvPath`] the actor holds and polls
+//! ([`ReceiverService::spawn_with_path`]); the actor carries out what it reports and hands it
+//! what the state machine says of linked leases, and knows nothing of links itself. Without one,
+//! an `Open` naming a link and a link offer are refused.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -27,6 +33,7 @@ use tokio::time::{sleep_until, timeout, Instant as TokioInstant};
 
 use crate::frame::{read_frame_recycling, write_control, Control, Frame, Limits};
 use crate::metrics as m;
+use crate::payload::{PathOutput, RecvPath};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
 use crate::sink::{KvSink, Reserved};
 use crate::transport::{BoxFuture, FramePipe, Transport};
@@ -291,19 +298,23 @@ impl ReceiverService {
         Self::start(cfg, sink, listener, None)
     }
 
-    /// Like [`ReceiverService::spawn`], also taking RDMA links from senders: their writes land
-    /// in `sink`'s memory, which must be the region `rdma`'s queue pairs expose.
-    #[cfg(feature = "rdma")]
-    pub fn spawn_rdma<S: KvSink>(
+    /// Like [`ReceiverService::spawn`], with a payload path's receiving side (`spawn_rdma`, in
+    /// `rdma::handoff`, gives the RDMA one).
+    pub fn spawn_with_path<S: KvSink>(
         cfg: ReceiverConfig,
         sink: S,
         listener: Option<Listener>,
-        rdma: crate::rdma::RdmaReceive,
+        path: Box<dyn RecvPath>,
     ) -> Self {
-        Self::start(cfg, sink, listener, Some(crate::rdma::handoff::RecvLinks::new(rdma)))
+        Self::start(cfg, sink, listener, Some(path))
     }
 
-    fn start<S: KvSink>(cfg: ReceiverConfig, sink: S, listener: Option<Listener>, links: Option<Links>) -> Self {
+    fn start<S: KvSink>(
+        cfg: ReceiverConfig,
+        sink: S,
+        listener: Option<Listener>,
+        path: Option<Box<dyn RecvPath>>,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let handle = ReceiverHandle { tx: tx.clone(), command_timeout: cfg.command_timeout };
         let base = RandomState::new().build_hasher().finish() >> 1;
@@ -316,7 +327,7 @@ impl ReceiverService {
             waiters: HashMap::new(),
             streams: HashMap::new(),
             next_stream: 1,
-            links,
+            path,
         };
         let actor = AbortOnDrop(tokio::spawn(actor.run(rx)));
         let accept = listener.map(|mut l| {
@@ -364,21 +375,15 @@ impl ReceiverService {
 /// was queued is written (each write bounded), so an Abort still reaches the peer.
 struct StreamTasks {
     writer: mpsc::Sender<Control>,
-    /// The peer's certificate name (None in-process and over plain TCP): an RDMA link serves
-    /// only `Open`s from the peer that set it up.
+    /// The peer's certificate name (None in-process and over plain TCP), for the payload path:
+    /// an RDMA link serves only `Open`s from the peer that set it up.
     peer: Option<String>,
     _reader: AbortOnDrop<()>,
 }
 
-#[cfg(feature = "rdma")]
-type Links = crate::rdma::handoff::RecvLinks;
-/// Without the `rdma` feature a receiver has no links (an `Open` naming one is refused).
-#[cfg(not(feature = "rdma"))]
-enum Links {}
-
 struct Actor<S> {
-    /// RDMA links from senders, when this receiver takes them.
-    links: Option<Links>,
+    /// The receiving side of a payload path beyond the streams (RDMA links), when it has one.
+    path: Option<Box<dyn RecvPath>>,
     sm: Receiver,
     sink: S,
     tx: mpsc::Sender<Cmd>,
@@ -396,11 +401,8 @@ fn now() -> std::time::Instant {
 impl<S: KvSink> Actor<S> {
     async fn run(mut self, mut rx: mpsc::Receiver<Cmd>) {
         loop {
-            #[allow(unused_mut)]
             let mut deadline = self.sm.next_deadline();
-            #[cfg(feature = "rdma")]
-            if let Some(links) = self.links.as_ref().filter(|l| l.busy()) {
-                let poll = now() + links.poll_interval();
+            if let Some(poll) = self.path.as_ref().and_then(|p| p.next_poll(now())) {
                 deadline = Some(deadline.map_or(poll, |d| d.min(poll)));
             }
             let timer = async move {
@@ -420,10 +422,10 @@ impl<S: KvSink> Actor<S> {
                 () = timer => {
                     let fx = self.sm.poll_expired(now());
                     self.apply(fx);
-                    #[cfg(feature = "rdma")]
-                    if let Some(links) = self.links.as_mut() {
-                        let out = links.poll(now());
-                        self.link_outputs(out);
+                    if let Some(path) = self.path.as_mut() {
+                        let out = path.poll(now());
+                        let fx = self.path_effects(out);
+                        self.apply(fx);
                     }
                     metrics::gauge!(m::LEASED_BLOCKS).set(self.reserved_blocks() as f64);
                 }
@@ -450,13 +452,22 @@ impl<S: KvSink> Actor<S> {
             Cmd::Stream { stream, peer } => self.add_stream(stream, peer),
             Cmd::Frames { from_sender, to_sender } => self.add_frames(from_sender, to_sender),
             Cmd::Frame { stream, item } => {
-                #[cfg(feature = "rdma")]
-                let item = match self.link_frame(stream, item) {
-                    Some(item) => item,
-                    None => return,
+                let item = match self.path.as_mut() {
+                    Some(path) => {
+                        let peer = self.streams.get(&stream).and_then(|t| t.peer.as_deref());
+                        match path.on_frame(stream, item, peer, now()) {
+                            Ok(out) => {
+                                let fx = self.path_effects(out);
+                                self.apply(fx);
+                                return;
+                            }
+                            Err(item) => item,
+                        }
+                    }
+                    None => item,
                 };
                 if let Ok(Some(Frame::Control(Control::LinkOffer { .. }))) = &item {
-                    // This receiver takes no RDMA links (with the feature, link_frame took it).
+                    // This receiver takes no RDMA links (a path that does took it above).
                     let reason = "this receiver does not take RDMA links".to_string();
                     let abort =
                         Control::Abort { lease_id: LeaseId(0), code: crate::frame::AbortCode::Internal, reason };
@@ -474,16 +485,10 @@ impl<S: KvSink> Actor<S> {
         }
     }
 
-    /// Blocks out of the pool for leases: live ones, and (RDMA) released ones whose writes may
-    /// still land.
+    /// Blocks out of the pool for leases: live ones, and released ones the payload path holds
+    /// back (a write may still land).
     fn reserved_blocks(&self) -> usize {
-        #[allow(unused_mut)]
-        let mut n = self.sm.reserved_blocks();
-        #[cfg(feature = "rdma")]
-        if let Some(links) = &self.links {
-            n += links.quarantined_blocks();
-        }
-        n
+        self.sm.reserved_blocks() + self.path.as_ref().map_or(0, |p| p.held_blocks())
     }
 
     /// Asks the pool for blocks; an answer now opens the lease at once, a later one comes back
@@ -614,17 +619,14 @@ impl<S: KvSink> Actor<S> {
                 Effect::Released { lease, request_id, blocks, error, rdma } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
                     m::record_failure("receiver", self.cfg.transport, &error);
-                    #[cfg(feature = "rdma")]
-                    let blocks = match (rdma, self.links.as_mut()) {
-                        (Some((link, tag)), Some(links)) => {
-                            let (now_free, out) = links.release(link, tag, request_id, blocks, now());
-                            queue.extend(self.link_effects(out));
+                    let blocks = match (rdma, self.path.as_mut()) {
+                        (Some((link, tag)), Some(path)) => {
+                            let (now_free, out) = path.release(link, tag, request_id, blocks, now());
+                            queue.extend(self.path_effects(out));
                             now_free
                         }
                         _ => Some(blocks),
                     };
-                    #[cfg(not(feature = "rdma"))]
-                    let (blocks, _) = (Some(blocks), rdma);
                     if let Some(blocks) = blocks {
                         self.sink.release(request_id, &blocks);
                     }
@@ -635,25 +637,20 @@ impl<S: KvSink> Actor<S> {
                     }
                 }
                 Effect::BindRdma { lease, link, stream, num_layers, deadline } => {
-                    let peer = self.streams.get(&stream).and_then(|t| t.peer.clone());
-                    let tag = match self.links.as_mut() {
-                        #[cfg(feature = "rdma")]
-                        Some(links) => links.open_tag(link, lease, num_layers, deadline, peer.as_deref()),
-                        _ => {
-                            let _ = (num_layers, deadline, peer);
+                    let peer = self.streams.get(&stream).and_then(|t| t.peer.as_deref());
+                    let tag = match self.path.as_mut() {
+                        Some(path) => path.bind(link, lease, num_layers, deadline, peer),
+                        None => {
                             Err(KvTransferError::RdmaLink { link, reason: "this receiver takes no RDMA links".into() })
                         }
                     };
                     queue.extend(self.sm.rdma_bound(lease, stream, tag));
                 }
                 Effect::SetChunks { lease: _, link, tag, chunks } => {
-                    #[cfg(feature = "rdma")]
-                    if let Some(links) = self.links.as_mut() {
-                        let out = links.set_chunks(link, tag, &chunks, now());
-                        queue.extend(self.link_effects(out));
+                    if let Some(path) = self.path.as_mut() {
+                        let out = path.set_chunks(link, tag, &chunks, now());
+                        queue.extend(self.path_effects(out));
                     }
-                    #[cfg(not(feature = "rdma"))]
-                    let _ = (link, tag, chunks);
                 }
                 Effect::Dropped { stream, lease, layer, token_start, why } => {
                     tracing::debug!(stream, %lease, layer, token_start, ?why, "kv receiver: chunk dropped");
@@ -667,65 +664,13 @@ impl<S: KvSink> Actor<S> {
         }
     }
 
-    /// Frames of RDMA link streams (offers, `Drained`, their end) are the links'; everything
-    /// else is returned for the state machine.
-    #[cfg(feature = "rdma")]
-    fn link_frame(&mut self, stream: StreamId, item: Result<Option<Frame>>) -> Option<Result<Option<Frame>>> {
-        let Some(links) = self.links.as_mut() else { return Some(item) };
-        if links.is_link_stream(stream) {
-            let out = match item {
-                Ok(Some(Frame::Control(Control::Drained { lease_id, tag }))) => links.drained(stream, lease_id, tag),
-                ended => {
-                    let why = match ended {
-                        Ok(None) => "its stream ended".to_string(),
-                        Ok(Some(other)) => format!("unexpected frame on the link's stream: {other:?}"),
-                        Err(e) => e.to_string(),
-                    };
-                    let out = links.stream_ended(stream, &why);
-                    self.close_stream(stream);
-                    out
-                }
-            };
-            self.link_outputs(out);
-            return None;
-        }
-        if let Ok(Some(Frame::Control(Control::LinkOffer { metadata }))) = &item {
-            // A link stream holds no lease: the state machine forgets it (its Close is not ours).
-            let _ = self.sm.on_stream_closed(now(), stream);
-            let peer = self.streams.get(&stream).and_then(|t| t.peer.clone());
-            let msg = match links.offer(stream, metadata, peer) {
-                Ok(answer) => answer,
-                Err(e) => {
-                    tracing::warn!(stream, error = %e, "kv receiver: rdma link refused");
-                    let abort = Control::Abort {
-                        lease_id: LeaseId(0),
-                        code: crate::frame::AbortCode::of(&e),
-                        reason: e.to_string(),
-                    };
-                    self.apply(vec![Effect::Send { stream, msg: abort }, Effect::Close { stream }]);
-                    return None;
-                }
-            };
-            self.apply(vec![Effect::Send { stream, msg }]);
-            return None;
-        }
-        Some(item)
-    }
-
-    #[cfg(feature = "rdma")]
-    fn link_outputs(&mut self, out: Vec<crate::rdma::handoff::LinkOutput>) {
-        let fx = self.link_effects(out);
-        self.apply(fx);
-    }
-
-    /// What the links reported, as state-machine effects (freeing safe blocks on the way).
-    #[cfg(feature = "rdma")]
-    fn link_effects(&mut self, out: Vec<crate::rdma::handoff::LinkOutput>) -> Vec<Effect> {
-        use crate::rdma::handoff::LinkOutput;
+    /// What the payload path reported, as state-machine effects (freeing safe blocks on the
+    /// way, in order).
+    fn path_effects(&mut self, out: Vec<PathOutput>) -> Vec<Effect> {
         let mut fx = Vec::new();
         for o in out {
             match o {
-                LinkOutput::Landed(lease) => {
+                PathOutput::Landed(lease) => {
                     let sink = &self.sink;
                     let before = self.sm.stats().bytes_written;
                     fx.extend(self.sm.rdma_landed(lease, |blocks, n| {
@@ -735,9 +680,14 @@ impl<S: KvSink> Actor<S> {
                     metrics::counter!(m::BYTES_TOTAL, "side" => "receiver", "transport" => m::transport_label(self.cfg.transport))
                         .increment(landed);
                 }
-                LinkOutput::Failed(lease, err) => fx.extend(self.sm.fail(lease, err)),
-                LinkOutput::Free(request_id, blocks) => self.sink.release(request_id, &blocks),
-                LinkOutput::CloseStream(stream) => fx.push(Effect::Close { stream }),
+                PathOutput::Failed(lease, err) => fx.extend(self.sm.fail(lease, err)),
+                PathOutput::Free(request_id, blocks) => self.sink.release(request_id, &blocks),
+                PathOutput::Send { stream, msg } => fx.push(Effect::Send { stream, msg }),
+                PathOutput::Close(stream) => fx.push(Effect::Close { stream }),
+                PathOutput::Forget(stream) => {
+                    // Its Close is not ours: the stream stays open, as the path's.
+                    let _ = self.sm.on_stream_closed(now(), stream);
+                }
             }
         }
         fx

@@ -11,9 +11,31 @@
 //! - [`actor`]: the receiver's async driver, the in-process transport;
 //! - [`sender`]: the prefill side, layer chunks over several streams;
 //! - [`sink`]: the block-pool interface the receiver writes through;
-//! - [`transport`]: the per-peer transport trait;
-//! - `rdma` (feature `rdma`): one-sided RDMA WRITE WITH IMMEDIATE into leased blocks, a
-//!   transport a ticket can name (`TransportKind::Rdma`).
+//! - [`transport`]: the per-peer transport trait, which also gives each transfer its payload
+//!   path;
+//! - [`payload`]: the payload path as traits, [`payload::SendPath`] / [`payload::PayloadWriter`]
+//!   on the sender and [`payload::RecvPath`] on the receiver, with the stream implementation
+//!   ([`payload::StreamPath`]: chunk frames on the streams);
+//! - `rdma` (feature `rdma`): the RDMA implementation, one-sided RDMA WRITE WITH IMMEDIATE into
+//!   leased blocks over links (`rdma::RdmaTransport`, `ReceiverService::spawn_rdma`), the path a
+//!   ticket naming `TransportKind::Rdma` takes.
+//!
+//! # Payload paths
+//!
+//! The handoff below is one protocol whatever carries the payload; the payload path is chosen
+//! per ticket (its [`cleave_protocol::TransportKind`] picks the sender's transport, which gives
+//! the path). The stream path sends chunk frames through the receiver, which checks each and
+//! writes it ([`sink::KvSink::write`]); the RDMA path writes the leased blocks one-sided and
+//! sends `Landed` notices the receiver checks against its pool. The sender, the actor and the
+//! transports talk to a path only through the [`payload`] traits and hold no RDMA branch; the
+//! RDMA code lives in `rdma/` behind the feature, and depends on the generic modules, never the
+//! reverse. The receiver's state machine keeps the wire-level bookkeeping of a lease whose
+//! payload travels over a link (its `Landed` notices in order, their checksums once the link
+//! says every write landed), in every build, so that its sans-IO tests cover it; what concerns
+//! the link itself (binding a lease to a tag, polling completions, quarantine, `Drained`,
+//! unknown links, which peer owns a link) is the RDMA module's [`payload::RecvPath`]. A build
+//! without the feature has no RDMA code, and its receiver refuses, loudly, an `Open` naming a
+//! link (`RdmaLink`: "this receiver takes no RDMA links") and a link offer (`Abort`).
 //!
 //! # The handoff
 //!
@@ -67,7 +89,8 @@
 //! | layout, request or token-count mismatch at `Open` | receiver    | `LayoutMismatch` / `InvalidRequest` | `PeerAborted(LayoutMismatch)` |
 //! | block write fails (`sink.write`)             | receiver         | `SinkWrite`       | `PeerAborted(Internal)` |
 //!
-//! Over RDMA (`rdma::handoff`, feature `rdma`) the payload never passes through the receiver:
+//! Over RDMA (`rdma::send` and `rdma::handoff`, feature `rdma`) the payload never passes
+//! through the receiver:
 //! the sender writes it one-sided into the leased blocks and sends a `Landed` notice (with the
 //! CRC-32) per write group, and the receiver checks the notices against its pool once every
 //! group's immediate arrived. Every row above holds, with one more rule: a failed lease's
@@ -81,12 +104,15 @@
 //! that set it up.
 //!
 //! A duplicate chunk (tokens already received) is dropped and reported, not an error; a chunk
-//! for a lease that already ended is late: dropped and reported. A sender whose layout differs
-//! from the ticket refuses locally in [`sender::KvSender::start`] and never opens a stream.
+//! or notice for a lease that already ended is late: dropped and reported. Over RDMA a
+//! duplicate notice is a gap (notices are numbered per layer) and a corrupt payload is found at
+//! `Complete`, once every write landed. A sender whose layout differs from the ticket refuses
+//! locally in [`sender::KvSender::start`] and never opens a stream.
 //!
-//! Invariant checked by every fault test: after the dust settles both sides hold zero leased
-//! blocks (`ReceiverStats::reserved_blocks == 0`, the pool's free count back where it started
-//! minus adopted blocks).
+//! Invariant checked by every fault test (`tests/faults.rs`, over every stream transport and,
+//! with the feature, the RDMA path; `tests/rdma_handoff.rs` for the RDMA-only rows): after the
+//! dust settles both sides hold zero leased blocks (`ReceiverStats::reserved_blocks == 0`, the
+//! pool's free count back where it started minus adopted blocks).
 
 pub mod actor;
 pub mod error;
@@ -94,6 +120,7 @@ pub mod frame;
 #[allow(clippy::all)]
 pub mod generated;
 pub mod metrics;
+pub mod payload;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod receiver;

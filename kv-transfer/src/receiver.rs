@@ -23,8 +23,7 @@ use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId};
 use crate::frame::{check_chunk_lengths, checksum, run_bytes, AbortCode, ChunkHeader, Control, Frame, Landed, Open};
 use crate::{KvTransferError, Result};
 
-/// Identifies one accepted stream within a receiver (assigned by the driver).
-pub type StreamId = u64;
+pub use crate::payload::StreamId;
 
 /// One contiguous run of tokens of one layer, to be written into the lease's blocks.
 ///
@@ -57,7 +56,7 @@ pub enum Effect {
     Completed { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, first_token: u32 },
     /// The lease ended without completing: the blocks go back to the pool. `rdma`: the lease
     /// was bound to this (link, tag); if the link still holds the tag, writes may still land,
-    /// so the blocks go back only once the link reports the tag safe (see [`crate::rdma`]).
+    /// so the blocks go back only once the path reports the tag safe (see [`crate::payload::RecvPath`]).
     Released {
         lease: LeaseId,
         request_id: RequestId,

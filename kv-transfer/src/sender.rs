@@ -9,6 +9,10 @@
 //! every stream, sends `Complete` with the first sampled token and waits for the receiver's
 //! `Ack`.
 //!
+//! Where the payload goes is the transfer's [`SendPath`] (from the transport, chosen by the
+//! ticket; see [`crate::payload`]): chunk frames on the streams, or RDMA writes with notices on
+//! one control stream. This module drives either the same way and holds no path's logic.
+//!
 //! Invariants:
 //! - every wait is bounded (`open_timeout`, `io_timeout`, `ack_timeout`);
 //! - dropping a [`KvSender`] before `finish` returns aborts its tasks and closes its streams;
@@ -22,18 +26,16 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, TransportKind, HANDOFF_VERSION};
-use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::timeout;
 
 use crate::actor::AbortOnDrop;
-use crate::frame::{
-    checksum, encode_chunk_header, read_frame, run_bytes, write_control, ChunkHeader, Control, Frame, Limits, Open,
-};
+use crate::frame::{read_frame, run_bytes, ChunkHeader, Control, Frame, Limits, Open};
+use crate::payload::{Accepted, PayloadWriter, SendPath, StreamOut};
 use crate::receiver::layout_mismatch;
 use crate::transport::{FramePipe, Transport};
 use crate::{KvTransferError, Result};
-use cleave_net::{DuplexStream, RecvHalf, SendHalf};
+use cleave_net::{DuplexStream, RecvHalf};
 
 /// Settings of one transfer.
 #[derive(Debug, Clone)]
@@ -166,9 +168,8 @@ pub struct KvSender {
     events: mpsc::Receiver<(usize, Result<Option<Frame>>)>,
     started: Instant,
     _tasks: Vec<AbortOnDrop<()>>,
-    /// Declared after the tasks: they are aborted before the lease is abandoned.
-    #[cfg(feature = "rdma")]
-    rdma_lease: Option<RdmaLease>,
+    /// Declared after the tasks: they are aborted before the path lets go of the lease.
+    path: Box<dyn SendPath>,
 }
 
 impl KvSender {
@@ -179,12 +180,13 @@ impl KvSender {
         local: &KvLayout,
         cfg: &SendConfig,
     ) -> Result<Self> {
-        let mut r = Self::start_inner(transport, ticket, local, cfg).await;
-        if matches!(&r, Err(KvTransferError::PeerAborted { code, .. }) if code == "UnknownLink") {
-            // The receiver did not know our RDMA link (it restarted, or dropped the link before
-            // we noticed) and kept the lease: once more, over a new link.
-            tracing::debug!(lease = %ticket.lease_id, "kv sender: receiver lost the rdma link; setting up a new one");
-            r = Self::start_inner(transport, ticket, local, cfg).await;
+        let mut retry = false;
+        let mut r = Self::start_inner(transport, ticket, local, cfg, &mut retry).await;
+        if retry {
+            // The path says a fresh one may succeed (RDMA: the receiver did not know our link,
+            // it restarted or dropped it before we noticed, and kept the lease): once more.
+            tracing::debug!(lease = %ticket.lease_id, error = ?r.as_ref().err(), "kv sender: starting again over a new path");
+            r = Self::start_inner(transport, ticket, local, cfg, &mut false).await;
         }
         if let Err(e) = &r {
             crate::metrics::record_failure("sender", transport.kind(), e);
@@ -192,11 +194,13 @@ impl KvSender {
         r
     }
 
+    /// One start; `retry` is set when it failed in a way the path says a fresh path may not.
     async fn start_inner(
         transport: &dyn Transport,
         ticket: &HandoffTicket,
         local: &KvLayout,
         cfg: &SendConfig,
+        retry: &mut bool,
     ) -> Result<Self> {
         if ticket.version != HANDOFF_VERSION {
             return Err(KvTransferError::VersionUnsupported { got: ticket.version, supported: HANDOFF_VERSION });
@@ -214,25 +218,14 @@ impl KvSender {
         let open_ms = cfg.open_timeout.as_millis() as u64;
         let deadline = tokio::time::Instant::now() + cfg.open_timeout;
         let timed_out = |what: String| KvTransferError::Timeout { what, ms: open_ms };
-        // Over RDMA the payload goes through the link; one stream carries the control frames.
-        #[cfg(feature = "rdma")]
-        let rdma = match transport.rdma_path(ticket.receiver_addr) {
-            Some(path) => Some(
-                tokio::time::timeout_at(deadline, path)
-                    .await
-                    .map_err(|_| timed_out(format!("setting up the RDMA link to {}", ticket.receiver_addr)))??,
-            ),
-            None => None,
-        };
-        #[cfg(feature = "rdma")]
-        let rdma_link = rdma.as_ref().map(|p| p.link_id);
-        #[cfg(not(feature = "rdma"))]
-        let rdma_link: Option<u64> = None;
-        let n = if rdma_link.is_some() { 1 } else { cfg.streams.clamp(1, local.num_layers.max(1) as usize) };
+        let path = tokio::time::timeout_at(deadline, transport.send_path(ticket.receiver_addr))
+            .await
+            .map_err(|_| timed_out(format!("setting up the payload path to {}", ticket.receiver_addr)))??;
+        let link = path.link();
+        let n = path.streams(cfg.streams.clamp(1, local.num_layers.max(1) as usize));
         let (etx, events) = mpsc::channel(4 * n + 4);
         let mut tasks = Vec::with_capacity(2 * n);
-        let mut txs = Vec::with_capacity(n);
-        let mut sends = Vec::with_capacity(n);
+        let mut outs = Vec::with_capacity(n);
         for i in 0..n {
             let open = Control::Open(Open {
                 request_id: ticket.request_id,
@@ -241,31 +234,26 @@ impl KvSender {
                 num_tokens: ticket.num_tokens,
                 stream_index: i as u16,
                 stream_count: n as u16,
-                rdma_link,
+                rdma_link: link,
             });
-            let out = if let Some(pipe) = transport.open_frames(ticket.receiver_addr) {
+            let mut out = if let Some(pipe) = transport.open_frames(ticket.receiver_addr) {
                 let FramePipe { send, recv } = tokio::time::timeout_at(deadline, pipe)
                     .await
                     .map_err(|_| timed_out(format!("opening stream {i} to {}", ticket.receiver_addr)))??;
-                let mut out = Out::Frames(send);
-                tokio::time::timeout_at(deadline, out.control(open))
-                    .await
-                    .map_err(|_| timed_out(format!("sending Open on stream {i}")))??;
                 tasks.push(AbortOnDrop(tokio::spawn(forward_events(i, recv, etx.clone()))));
-                out
+                StreamOut::frames(send)
             } else {
                 let DuplexStream { send, recv } =
                     tokio::time::timeout_at(deadline, transport.open(ticket.receiver_addr))
                         .await
                         .map_err(|_| timed_out(format!("opening stream {i} to {}", ticket.receiver_addr)))??;
-                let mut out = Out::Bytes(BufWriter::with_capacity(64 << 10, send));
-                tokio::time::timeout_at(deadline, out.control(open))
-                    .await
-                    .map_err(|_| timed_out(format!("sending Open on stream {i}")))??;
                 tasks.push(AbortOnDrop(tokio::spawn(read_events(i, recv, etx.clone()))));
-                out
+                StreamOut::bytes(send)
             };
-            sends.push(out);
+            tokio::time::timeout_at(deadline, out.control(open))
+                .await
+                .map_err(|_| timed_out(format!("sending Open on stream {i}")))??;
+            outs.push(Some(out));
         }
         drop(etx);
         let mut this = Self {
@@ -282,51 +270,39 @@ impl KvSender {
             events,
             started,
             _tasks: tasks,
-            #[cfg(feature = "rdma")]
-            rdma_lease: None,
+            path,
         };
-        let mut accepted = 0;
-        while accepted < n {
-            let ev = this.next_event(deadline, "Accept").await;
-            #[cfg(feature = "rdma")]
-            if let (Err(KvTransferError::PeerAborted { code, .. }), Some(path)) = (&ev, &rdma) {
-                if code == "UnknownLink" {
-                    path.invalidate();
+        let blocks: Arc<[u32]> = ticket.block_ids.clone().into();
+        let mut writers: Vec<Option<Box<dyn PayloadWriter>>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let (i, accept) = match this.next_event(deadline, "Accept").await {
+                Ok(ev) => ev,
+                Err(e) => {
+                    *retry = this.path.refused(&e);
+                    return Err(e);
                 }
+            };
+            let (Control::Accept { lease_id, rdma_tag }, Some(out)) = (&accept, outs[i].take()) else {
+                return Err(unexpected(lease, &accept));
+            };
+            if *lease_id != lease {
+                return Err(unexpected(lease, &accept));
             }
-            match ev? {
-                Control::Accept { lease_id, rdma_tag } if lease_id == lease => {
-                    accepted += 1;
-                    #[cfg(feature = "rdma")]
-                    if let Some(path) = rdma.clone() {
-                        let Some(tag) = rdma_tag else {
-                            return Err(KvTransferError::Protocol {
-                                reason: format!("Accept of {lease} over RDMA without a lease tag"),
-                            });
-                        };
-                        // From here until the Ack, a failure tells the receiver when our writes
-                        // have drained (RdmaLease's drop).
-                        this.rdma_lease = Some(RdmaLease { path: path.clone(), lease, tag, acked: false });
-                        let ttl_end = Instant::now() + ticket.lease_ttl;
-                        tokio::time::timeout_at(deadline, path.driver.open(tag, ttl_end))
-                            .await
-                            .map_err(|_| timed_out(format!("opening RDMA lease tag {tag}")))??;
-                        let layers = local.num_layers as usize;
-                        let blocks: Arc<[u32]> = ticket.block_ids.clone().into();
-                        let Some(Out::Bytes(w)) = sends.pop() else {
-                            return Err(KvTransferError::Protocol { reason: "RDMA control stream missing".into() });
-                        };
-                        sends.push(Out::Rdma(Box::new(RdmaOut { w, path, tag, blocks, counts: vec![0; layers] })));
-                    }
-                    #[cfg(not(feature = "rdma"))]
-                    let _ = rdma_tag;
-                }
-                other => return Err(unexpected(lease, &other)),
-            }
+            let accepted = Accepted {
+                lease,
+                tag: *rdma_tag,
+                blocks: blocks.clone(),
+                num_layers: local.num_layers,
+                expires: Instant::now() + ticket.lease_ttl,
+                deadline,
+                open_timeout: cfg.open_timeout,
+            };
+            writers[i] = Some(this.path.accepted(out, accepted).await?);
         }
-        for send in sends {
+        let mut txs = Vec::with_capacity(n);
+        for w in writers.into_iter().flatten() {
             let (tx, rx) = mpsc::channel(cfg.queue_depth.max(1));
-            this._tasks.push(AbortOnDrop(tokio::spawn(write_items(lease, send, rx, cfg.io_timeout))));
+            this._tasks.push(AbortOnDrop(tokio::spawn(write_items(lease, w, rx, cfg.io_timeout))));
             txs.push(tx);
         }
         this.chunks.txs = Arc::from(txs);
@@ -347,7 +323,8 @@ impl KvSender {
         self.chunks.send(c).await
     }
 
-    async fn next_event(&mut self, deadline: tokio::time::Instant, what: &str) -> Result<Control> {
+    /// The next control frame from the receiver, with the stream it came on.
+    async fn next_event(&mut self, deadline: tokio::time::Instant, what: &str) -> Result<(usize, Control)> {
         let lease = self.ticket.lease_id;
         let addr = self.ticket.receiver_addr;
         match tokio::time::timeout_at(deadline, self.events.recv()).await {
@@ -356,7 +333,7 @@ impl KvSender {
             Ok(Some((_, Ok(Some(Frame::Control(Control::Abort { lease_id, code, reason })))))) => {
                 Err(KvTransferError::PeerAborted { lease: lease_id, code: code.to_string(), reason })
             }
-            Ok(Some((_, Ok(Some(Frame::Control(c)))))) => Ok(c),
+            Ok(Some((i, Ok(Some(Frame::Control(c)))))) => Ok((i, c)),
             Ok(Some((i, Ok(Some(Frame::Chunk { .. }))))) => {
                 Err(KvTransferError::Protocol { reason: format!("receiver sent a chunk on stream {i}") })
             }
@@ -396,7 +373,7 @@ impl KvSender {
                     Ok(Ok(Err(e))) => return Err(self.explain(e).await),
                     Ok(Ok(Ok(r))) => r,
                 },
-                ev = self.next_event(io_deadline, "flush") => return Err(match ev { Ok(c) => unexpected(lease, &c), Err(e) => e }),
+                ev = self.next_event(io_deadline, "flush") => return Err(match ev { Ok((_, c)) => unexpected(lease, &c), Err(e) => e }),
             };
             bytes += b;
             chunks += c;
@@ -418,14 +395,8 @@ impl KvSender {
         }
         let ack_deadline = tokio::time::Instant::now() + self.cfg.ack_timeout;
         match self.next_event(ack_deadline, "Ack").await {
-            Ok(Control::Ack { lease_id }) if lease_id == lease =>
-            {
-                #[cfg(feature = "rdma")]
-                if let Some(l) = self.rdma_lease.as_mut() {
-                    l.acked = true;
-                }
-            }
-            Ok(other) => return Err(unexpected(lease, &other)),
+            Ok((_, Control::Ack { lease_id })) if lease_id == lease => self.path.acknowledged(),
+            Ok((_, other)) => return Err(unexpected(lease, &other)),
             Err(KvTransferError::Timeout { what, .. }) => {
                 return Err(KvTransferError::Timeout { what, ms: self.cfg.ack_timeout.as_millis() as u64 })
             }
@@ -454,7 +425,7 @@ impl KvSender {
         let soon = tokio::time::Instant::now() + Duration::from_millis(500).min(self.cfg.io_timeout);
         match self.next_event(soon, "abort reason").await {
             Err(e) => e,
-            Ok(c) => unexpected(self.ticket.lease_id, &c),
+            Ok((_, c)) => unexpected(self.ticket.lease_id, &c),
         }
     }
 }
@@ -480,165 +451,6 @@ async fn read_events(i: usize, mut recv: RecvHalf, tx: mpsc::Sender<(usize, Resu
     }
 }
 
-/// Where a stream's frames go: encoded onto a byte stream, handed over whole in-process, or
-/// (RDMA) payload through the link and notices on the stream.
-enum Out {
-    Bytes(BufWriter<SendHalf>),
-    Frames(mpsc::Sender<Frame>),
-    #[cfg(feature = "rdma")]
-    Rdma(Box<RdmaOut>),
-}
-
-/// An RDMA lease of this sender: unless the receiver acknowledged it, dropping it (a failed or
-/// abandoned transfer) cancels the lease on the link and, once no write can land, tells the
-/// receiver, which frees the blocks without resetting the queue pair. After an `Ack` it sends
-/// nothing: the receiver holds nothing of the lease any more.
-#[cfg(feature = "rdma")]
-struct RdmaLease {
-    path: crate::rdma::SendPath,
-    lease: LeaseId,
-    tag: u16,
-    acked: bool,
-}
-
-#[cfg(feature = "rdma")]
-impl Drop for RdmaLease {
-    fn drop(&mut self) {
-        if !self.acked {
-            self.path.abandon(self.lease, self.tag);
-        }
-    }
-}
-
-#[cfg(feature = "rdma")]
-struct RdmaOut {
-    /// The control stream (notices, Complete).
-    w: BufWriter<SendHalf>,
-    path: crate::rdma::SendPath,
-    tag: u16,
-    blocks: Arc<[u32]>,
-    /// Chunks posted per layer: the next chunk index of each.
-    counts: Vec<u32>,
-}
-
-#[cfg(feature = "rdma")]
-impl RdmaOut {
-    /// Posts a chunk as one write group per staging slot's worth of tokens (a prefix-cache hit
-    /// can be longer than a prefill step), each with its own notice and checksum.
-    async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
-        let other = |e: KvTransferError| std::io::Error::other(e.to_string());
-        let layer = h.layer as usize;
-        let token_bytes = k.len() / h.token_count.max(1) as usize;
-        let per_piece = self.path.max_chunk_tokens(token_bytes).max(1);
-        let mut start = 0;
-        while start < h.token_count {
-            let n = per_piece.min(h.token_count - start);
-            let bytes = start as usize * token_bytes..(start + n) as usize * token_bytes;
-            let (pk, pv) = (k.slice(bytes.clone()), v.slice(bytes));
-            let chunk = self.counts[layer];
-            let crc32 = checksum(&pk, &pv);
-            let first = h.token_start + start;
-            let c = crate::rdma::SendChunk {
-                blocks: self.blocks.clone(),
-                layer: h.layer,
-                tokens: first..first + n,
-                tag: self.tag,
-                chunk,
-                k: pk,
-                v: pv,
-            };
-            self.path.driver.send(c).await.map_err(other)?;
-            self.counts[layer] += 1;
-            let notice = crate::frame::Landed {
-                lease_id: h.lease_id,
-                layer: h.layer,
-                token_start: first,
-                token_count: n,
-                chunk,
-                crc32,
-            };
-            self.w.write_all(&crate::frame::encode_control(&Control::Landed(notice))).await?;
-            start += n;
-        }
-        Ok(())
-    }
-
-    /// Waits until every write of the lease completed; after that nothing of it is in flight.
-    async fn finish(&mut self) -> Result<()> {
-        let e = self.path.driver.finish(self.tag).await?;
-        match e.outcome {
-            crate::rdma::Outcome::Done => Ok(()),
-            crate::rdma::Outcome::Failed { reason, .. } => {
-                Err(KvTransferError::RdmaLink { link: self.path.link_id, reason: reason.to_string() })
-            }
-        }
-    }
-}
-
-fn pipe_closed() -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::BrokenPipe, "in-process receiver closed the stream")
-}
-
-impl Out {
-    async fn chunk(&mut self, h: ChunkHeader, k: Bytes, v: Bytes) -> std::io::Result<()> {
-        match self {
-            // QUIC takes the payload by reference count: header (tiny) through the buffer, K
-            // and V handed over whole, no copy.
-            Out::Bytes(w) if w.get_ref().zero_copy() => {
-                let h = ChunkHeader { crc32: checksum(&k, &v), ..h };
-                w.write_all(&encode_chunk_header(&h)).await?;
-                w.flush().await?;
-                w.get_mut().write_bytes(k).await?;
-                w.get_mut().write_bytes(v).await
-            }
-            Out::Bytes(w) => {
-                let h = ChunkHeader { crc32: checksum(&k, &v), ..h };
-                w.write_all(&encode_chunk_header(&h)).await?;
-                w.write_all(&k).await?;
-                w.write_all(&v).await
-            }
-            Out::Frames(tx) => {
-                let header = ChunkHeader { crc32: checksum(&k, &v), ..h };
-                tx.send(Frame::Chunk { header, k, v }).await.map_err(|_| pipe_closed())
-            }
-            // Checksums per write group.
-            #[cfg(feature = "rdma")]
-            Out::Rdma(r) => r.chunk(h, k, v).await,
-        }
-    }
-
-    /// Sends `Complete`; over RDMA once every write of the lease completed.
-    async fn complete(&mut self, lease_id: LeaseId, first_token: u32) -> Result<()> {
-        #[cfg(feature = "rdma")]
-        if let Out::Rdma(r) = self {
-            r.finish().await?;
-        }
-        self.control(Control::Complete { lease_id, first_token }).await
-    }
-
-    /// Writes and flushes a control frame.
-    async fn control(&mut self, c: Control) -> Result<()> {
-        match self {
-            Out::Bytes(w) => write_control(w, &c).await,
-            Out::Frames(tx) => tx
-                .send(Frame::Control(c))
-                .await
-                .map_err(|_| KvTransferError::Io { what: "control frame".into(), source: pipe_closed() }),
-            #[cfg(feature = "rdma")]
-            Out::Rdma(r) => write_control(&mut r.w, &c).await,
-        }
-    }
-
-    async fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Out::Bytes(w) => w.flush().await,
-            Out::Frames(_) => Ok(()),
-            #[cfg(feature = "rdma")]
-            Out::Rdma(r) => r.w.flush().await,
-        }
-    }
-}
-
 async fn forward_events(i: usize, mut rx: mpsc::Receiver<Frame>, tx: mpsc::Sender<(usize, Result<Option<Frame>>)>) {
     loop {
         let f = rx.recv().await;
@@ -649,7 +461,7 @@ async fn forward_events(i: usize, mut rx: mpsc::Receiver<Frame>, tx: mpsc::Sende
     }
 }
 
-async fn write_items(lease: LeaseId, mut w: Out, mut rx: mpsc::Receiver<Item>, limit: Duration) {
+async fn write_items(lease: LeaseId, mut w: Box<dyn PayloadWriter>, mut rx: mpsc::Receiver<Item>, limit: Duration) {
     let mut bytes = 0u64;
     let mut chunks = 0u64;
     let ms = limit.as_millis() as u64;
@@ -664,7 +476,7 @@ async fn write_items(lease: LeaseId, mut w: Out, mut rx: mpsc::Receiver<Item>, l
                     token_count: c.token_count,
                     k_len: c.k.len() as u32,
                     v_len: c.v.len() as u32,
-                    // Filled in by `Out::chunk` (RDMA checksums each write group instead).
+                    // Filled in by the path (RDMA checksums each write group instead).
                     crc32: 0,
                 };
                 let n = (c.k.len() + c.v.len()) as u64;

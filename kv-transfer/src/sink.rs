@@ -148,10 +148,11 @@ impl MemoryPool {
         }
     }
 
-    /// Address and length of the pool's memory, for registering it with an RDMA device. The
-    /// buffer is allocated once and never moves while any clone of the pool lives.
-    #[cfg(feature = "rdma")]
-    pub(crate) fn raw_region(&self) -> (*mut u8, usize) {
+    /// Address and length of the pool's memory, for registering it with a device (the RDMA
+    /// path registers a receiver's pool once, whole). The buffer is allocated once and never
+    /// moves while any clone of the pool lives; reading or writing through the pointer is the
+    /// caller's `unsafe`, outside the pool's lock.
+    pub fn raw_region(&self) -> (*mut u8, usize) {
         let mut p = self.lock();
         (p.data.as_mut_ptr(), p.data.len())
     }

@@ -12,21 +12,26 @@
 //! - a peer restart is survivable: a cached connection found dead is dropped and the next
 //!   `open` reconnects (no stale state across a restart).
 //!
-//! Implementations: [`NetTransport`] (QUIC, TCP+TLS, plain TCP over [`crate::net`]),
+//! A transport also gives each transfer its payload path ([`Transport::send_path`], see
+//! [`crate::payload`]): by default the payload travels in chunk frames on the streams.
+//!
+//! Implementations: [`NetTransport`] (QUIC, TCP+TLS, plain TCP over `cleave_net`),
 //! [`crate::actor::InProcessTransport`] (a node that prefills and decodes itself), and
-//! `rdma::handoff::RdmaTransport` (feature `rdma`), which keeps the control frames on a QUIC
-//! stream and moves the payload with one-sided writes.
+//! `rdma::RdmaTransport` (feature `rdma`), which keeps the control frames on a QUIC stream and
+//! gives the RDMA payload path (one-sided writes over a link to each receiver).
+//!
+//! Dependencies: [`crate::payload`] and [`crate::frame`]; no transport implementation is named
+//! here (the RDMA one depends on this module, not the reverse).
 
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 
 use cleave_protocol::TransportKind;
 
+use crate::payload::{SendPath, StreamPath};
 use crate::Result;
 use cleave_net::{Connector, DuplexStream, NetConfig, NetKind};
 
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::payload::BoxFuture;
 
 /// Opens streams to receivers.
 pub trait Transport: Send + Sync {
@@ -41,11 +46,11 @@ pub trait Transport: Send + Sync {
         None
     }
 
-    /// A transport that moves the payload with one-sided RDMA writes gives the link to the
-    /// receiver here (set up on first use); [`Transport::open`] then gives the control streams.
-    #[cfg(feature = "rdma")]
-    fn rdma_path(&self, _peer: SocketAddr) -> Option<BoxFuture<'_, Result<crate::rdma::handoff::SendPath>>> {
-        None
+    /// The payload path of one transfer to `peer` (set up on first use where it needs set-up,
+    /// like an RDMA link); [`Transport::open`] then gives its streams. By default the payload
+    /// travels in chunk frames on them ([`StreamPath`]).
+    fn send_path(&self, _peer: SocketAddr) -> BoxFuture<'_, Result<Box<dyn SendPath>>> {
+        Box::pin(async { Ok(Box::new(StreamPath) as Box<dyn SendPath>) })
     }
 }
 

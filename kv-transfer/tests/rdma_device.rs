@@ -24,14 +24,13 @@ fn device_or_skip(test: &str) -> Option<Arc<Context>> {
     Some(Context::open(None).expect("open the first RDMA device"))
 }
 
-/// LID routing on InfiniBand; on RoCE (LID 0) the first non-zero GID of the port.
+/// What the serving CLI picks without `--rdma-gid-index`: LID routing on InfiniBand; on RoCE
+/// the port's RoCE v2 GID (the queue pairs then connect through a global route to it).
 fn qp_config(ctx: &Context) -> QpConfig {
-    let mut cfg = QpConfig::default();
+    let cfg = QpConfig::for_port(ctx, 1, None).expect("port 1 and its default GID index");
     let port = ctx.port(cfg.port).expect("ibv_query_port");
-    if port.lid == 0 {
-        cfg.gid_index = (0..16u8).find(|&i| ctx.gid(cfg.port, i).is_ok_and(|g| g != [0; 16]));
-        assert!(cfg.gid_index.is_some(), "RoCE port without a usable GID");
-    }
+    println!("port 1: ethernet {}, lid {}, gid index {:?}", port.ethernet, port.lid, cfg.gid_index);
+    assert!(!port.ethernet || cfg.gid_index.is_some(), "a RoCE port needs a GID");
     cfg
 }
 

@@ -412,10 +412,9 @@ async fn long_and_unevenly_chunked_layers_land() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_named_by_another_peer_is_refused() {
     use cleave_kv_transfer::frame::{read_frame, write_control, Control, Limits, Open};
-    use cleave_kv_transfer::Transport;
     use cleave_net::Connector;
     let r = rig(Duration::from_secs(60)).await;
-    let link = r.transport.rdma_path(r.addr).unwrap().await.unwrap().link_id;
+    let link = r.transport.link(r.addr).await.unwrap().link_id;
     let res = r.handle.reserve(RequestId(31), 8, None).await.unwrap();
     let intruder = Connector::new(&NetConfig::new(NetKind::Quic, Some(r.intruder.clone()))).unwrap();
     let mut s = intruder.open(r.addr).await.unwrap();

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_kv_transfer::frame::{encode_control, read_frame, write_control, Control, Limits};
-use cleave_kv_transfer::rdma::sim::SimFabric;
+use cleave_kv_transfer::rdma::sim::{SimFabric, SimPort, SimSender};
 use cleave_kv_transfer::rdma::*;
 use cleave_kv_transfer::transport::duplex_from;
 use cleave_kv_transfer::KvTransferError;
@@ -52,21 +52,35 @@ async fn quic_pair() -> (Listener, Connector, SocketAddr) {
     (l, Connector::new(&cfg(&ids[1])).unwrap(), addr)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metadata_over_quic_then_a_lease_lands_through_the_link() {
-    let pool = layout();
-    let fabric = SimFabric::new(pool, 0x10_0000, 0x77, 2 * 4096);
+/// Link setup over QUIC between a decode node's queue pairs on `decode` and a prefill node's on
+/// `prefill` (views of one fabric): the receiver's and the sender's results.
+async fn setup(
+    decode: &SimFabric,
+    prefill: &SimFabric,
+) -> (Result<DynRecvLink, KvTransferError>, Result<(u64, SendLink<SimSender>), KvTransferError>) {
     let (mut listener, connector, addr) = quic_pair().await;
-    let rf = fabric.clone();
+    let rf = decode.clone();
     let receiver = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap().unwrap();
-        let link = accept_link(&mut s, &rf, 7, recv_cfg(), WAIT).await.unwrap();
+        let link = accept_link(&mut s, &rf, 7, recv_cfg(), WAIT).await;
+        if link.is_err() {
+            // Refused: the stream's end tells the sender.
+            let _ = s.send.shutdown().await;
+        }
+        // Kept open until the sender read the answer (or saw the refusal).
         (link, s, listener)
     });
     let mut s = connector.open(addr).await.unwrap();
-    let (link_id, send) = connect_link(&mut s, &fabric, send_cfg(), WAIT).await.unwrap();
-    assert_eq!(link_id, 7, "the sender learns the id the receiver gave the link");
-    let (recv, _rs, _listener) = timeout(WAIT, receiver).await.unwrap().unwrap();
+    let send = connect_link(&mut s, prefill, send_cfg(), WAIT).await;
+    let (recv, rs, listener) = timeout(WAIT, receiver).await.unwrap().unwrap();
+    drop((rs, listener));
+    (recv, send)
+}
+
+/// Writes 6 tokens of every layer into blocks 3 and 11 through a connected link and checks the
+/// receiver's region against the reference.
+async fn a_lease_lands(fabric: &SimFabric, send: SendLink<SimSender>, recv: DynRecvLink) {
+    let pool = layout();
     let dcfg = DriverConfig { poll_interval: Duration::from_micros(100), queue: 16 };
     let tx = SendDriver::spawn(send, dcfg);
     let (rx, mut events) = RecvDriver::spawn(recv, dcfg);
@@ -104,6 +118,57 @@ async fn metadata_over_quic_then_a_lease_lands_through_the_link() {
     // The sender found the receiver's queue pair through the metadata it read from the stream.
     let net = (1..=4).find_map(|qp| fabric.net(qp)).expect("the receiver's queue pair");
     assert!(net.region() == want, "the region differs from the reference");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_over_quic_then_a_lease_lands_through_the_link() {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 2 * 4096);
+    let (recv, send) = setup(&fabric, &fabric).await;
+    let (link_id, send) = send.unwrap();
+    assert_eq!(link_id, 7, "the sender learns the id the receiver gave the link");
+    a_lease_lands(&fabric, send, recv.unwrap()).await;
+}
+
+/// IPv4-mapped GIDs (`::ffff:10.0.0.x`), as RoCE v2 ports carry them.
+const GID_DECODE: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1];
+const GID_PREFILL: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 2];
+
+/// RoCE: ports without LIDs. The link comes up only because each side's metadata carries its
+/// port's GID and the other connects through a global route to exactly that GID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roce_link_connects_through_the_exchanged_gids() {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 2 * 4096);
+    let decode = fabric.on_port(SimPort::roce(GID_DECODE));
+    let prefill = fabric.on_port(SimPort::roce(GID_PREFILL));
+    let (recv, send) = setup(&decode, &prefill).await;
+    let (_, send) = send.unwrap();
+    a_lease_lands(&fabric, send, recv.unwrap()).await;
+}
+
+/// What the serving CLI did before `--rdma-gid-index`: queue pairs without a GID on a RoCE port.
+/// The peer cannot reach them (LID 0), and a connect naming a GID other than the peer's fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roce_connect_without_the_peers_gid_fails() {
+    let fabric = SimFabric::new(layout(), 0x10_0000, 0x77, 2 * 4096);
+    let decode = fabric.on_port(SimPort::roce(GID_DECODE));
+    let no_gid = fabric.on_port(SimPort { lid: 0, gid: None });
+    let (recv, send) = setup(&decode, &no_gid).await;
+    let e = recv.err().expect("the receiver cannot reach a RoCE queue pair without its GID");
+    assert!(e.to_string().contains("reachable by GID only"), "{e}");
+    assert!(send.is_err(), "the sender sees the refusal");
+
+    // A connect naming a GID that is not the peer's (the metadata of another port).
+    let prefill = fabric.on_port(SimPort::roce(GID_PREFILL));
+    let (pending, _) = decode.create_recv().unwrap();
+    let (_, mut offer) = prefill.create_send().unwrap();
+    offer.gid[15] = 9;
+    let e = decode.connect_recv(pending, &offer).expect_err("a GID the peer does not have");
+    assert!(e.to_string().contains("is not the GID"), "{e}");
+    // And a global route needs a GID of one's own.
+    let (pending, _) = no_gid.create_send().unwrap();
+    let (_, answer) = decode.create_recv().unwrap();
+    let e = no_gid.connect_send(pending, &answer).expect_err("no source GID");
+    assert!(e.to_string().contains("without a GID"), "{e}");
 }
 
 fn metadata(region: bool) -> QpMetadata {

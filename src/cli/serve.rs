@@ -232,6 +232,19 @@ pub struct NodeCmd {
     #[cfg(feature = "rdma")]
     #[arg(long, requires = "rdma_device", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub rdma_landing_blocks: Option<usize>,
+    /// Port of the RDMA device the queue pairs use (ports count from 1; `ibv_devinfo` lists
+    /// them).
+    #[cfg(feature = "rdma")]
+    #[arg(long, env = "CLEAVE_RDMA_PORT", default_value_t = 1, requires = "rdma_device",
+          value_parser = clap::value_parser!(u8).range(1..))]
+    pub rdma_port: u8,
+    /// GID table index of the port's address for RoCE (`show_gids` or `ibv_devinfo -v` list the
+    /// table; every node of a cluster needs a GID of the same kind, RoCE v2 to cross subnets).
+    /// Default: on an Ethernet (RoCE) port its first RoCE v2 GID, IPv4-mapped ones first; on
+    /// InfiniBand none (queue pairs address each other by LID, and by GID when the peer sent one).
+    #[cfg(feature = "rdma")]
+    #[arg(long, env = "CLEAVE_RDMA_GID_INDEX", requires = "rdma_device")]
+    pub rdma_gid_index: Option<u8>,
 }
 
 /// `cleave node --role`.
@@ -420,10 +433,11 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         cfg.metrics_addr = Some(metrics_addr);
         cfg.identity_dir = cmd.net.certs.clone();
         #[cfg(feature = "rdma")]
-        if let Some(dev) = &cmd.rdma_device {
-            let t = super::rdma::sender(dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
+        if let Some(name) = &cmd.rdma_device {
+            let dev = super::rdma::Device { name, port: cmd.rdma_port, gid_index: cmd.rdma_gid_index };
+            let t = super::rdma::sender(&dev, &cfg.net, handle.info(), cmd.engine.max_num_batched_tokens)?;
             cfg.extra_transports.push(t);
-            cfg.rdma = Some(super::rdma::landing(dev, &cfg.net, handle.info(), cmd.rdma_landing_blocks)?);
+            cfg.rdma = Some(super::rdma::landing(&dev, &cfg.net, handle.info(), cmd.rdma_landing_blocks)?);
         }
         let mut node = Node::start(handle, cfg, shutdown).await?;
         let id = registered(node.registered.take()).await?;

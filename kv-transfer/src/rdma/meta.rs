@@ -1,6 +1,13 @@
 //! Queue-pair metadata exchanged over the QUIC control stream before any RDMA write
 //! (schema: `schema/rdma.fbs`). [`QpMetadata::decode`] is the only reader of the generated
 //! accessors and validates everything once; code past it trusts a [`QpMetadata`].
+//!
+//! Addressing: each side sends its port's LID (InfiniBand) and the GID at its configured GID
+//! index (all zero when it has none). [`AddressVector::towards`] is the one place that decides
+//! how a queue pair reaches its peer: through a global route header to the peer's GID when the
+//! peer sent one (RoCE, where LIDs are 0, and routed InfiniBand), else by LID. The device
+//! ([`super::verbs::QueuePair::to_rtr`]) and the in-memory fabric ([`super::sim`]) both use it,
+//! so the tests without a device exercise the decision a device acts on.
 
 use flatbuffers::FlatBufferBuilder;
 
@@ -38,6 +45,42 @@ impl PathMtu {
 
     pub fn bytes(self) -> u32 {
         128 << self as u32
+    }
+}
+
+/// How a queue pair addresses its peer (the verbs address vector of the RTR transition).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddressVector {
+    /// The peer port's LID (0 on RoCE, which routes by GID only).
+    pub dlid: u16,
+    /// Set when the peer is reached through its GID (`is_global`).
+    pub global: Option<GlobalRoute>,
+}
+
+/// The global route header of an [`AddressVector`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalRoute {
+    /// The peer's GID, network byte order.
+    pub dgid: [u8; 16],
+    /// Index of this side's own GID in its port's GID table.
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+}
+
+impl AddressVector {
+    /// Hop limit of a global route: enough for routed RoCE v2 (a single subnet needs 1).
+    pub const HOP_LIMIT: u8 = 64;
+
+    /// How a queue pair whose own GID sits at `local_gid_index` (`None`: it has none configured,
+    /// then index 0, which every port has) reaches the side that sent `remote`: by GID when
+    /// `remote` carries a nonzero one, else by LID.
+    pub fn towards(remote: &QpMetadata, local_gid_index: Option<u8>) -> Self {
+        let global = (remote.gid != [0; 16]).then(|| GlobalRoute {
+            dgid: remote.gid,
+            sgid_index: local_gid_index.unwrap_or(0),
+            hop_limit: Self::HOP_LIMIT,
+        });
+        Self { dlid: remote.lid, global }
     }
 }
 
@@ -202,6 +245,22 @@ mod tests {
         assert_eq!(QpMetadata::decode(&buf).unwrap(), m);
         let s = QpMetadata { region: None, ..m };
         assert_eq!(QpMetadata::decode(&s.encode().unwrap()).unwrap(), s);
+    }
+
+    #[test]
+    fn a_peer_with_a_gid_is_reached_through_a_global_route_and_one_without_by_lid() {
+        let m = sample();
+        let av = AddressVector::towards(&m, Some(3));
+        let g = av.global.expect("a nonzero GID means a global route");
+        assert_eq!((g.dgid, g.sgid_index, g.hop_limit), (m.gid, 3, AddressVector::HOP_LIMIT));
+        assert_eq!(AddressVector::towards(&m, None).global.map(|g| g.sgid_index), Some(0));
+        // RoCE: LID 0, the GID is the address; it survives the wire.
+        let roce = QpMetadata { lid: 0, ..m };
+        let back = QpMetadata::decode(&roce.encode().unwrap()).unwrap();
+        assert_eq!(AddressVector::towards(&back, Some(1)).global.map(|g| g.dgid), Some(m.gid));
+        // InfiniBand without a GID: by LID, whatever this side's own GID index.
+        let ib = QpMetadata { gid: [0; 16], ..m };
+        assert_eq!(AddressVector::towards(&ib, Some(3)), AddressVector { dlid: 3, global: None });
     }
 
     #[test]

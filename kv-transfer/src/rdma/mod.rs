@@ -29,8 +29,12 @@
 //! in tests without a device. [`driver`] gives each link end an owner task with a handle (posting
 //! in order under back-pressure, `finish` and `cancel` that wait for the outcome or the drain).
 //!
-//! [`handoff`] makes it a transport a handoff can pick: [`RdmaTransport`] on the sender, the
-//! receiver actor's links ([`RdmaReceive`]) on the decode side.
+//! [`send`] and [`handoff`] make it a payload path a handoff can pick ([`crate::payload`]): the
+//! [`RdmaTransport`] gives each transfer an [`RdmaSendPath`] (the sender's
+//! [`crate::payload::SendPath`]), and a receiver spawned with [`RdmaReceive`]
+//! (`ReceiverService::spawn_rdma`) holds its links as its [`crate::payload::RecvPath`]. The
+//! generic sender, receiver and actor hold no RDMA logic; a build without this feature has no
+//! RDMA code, and its receivers refuse an `Open` naming a link and a link offer.
 //!
 //! The pool an RDMA receiver exposes is a [`crate::MemoryPool`] registered whole
 //! ([`verbs::MemoryRegion::register_pool`]). A decode node uses one as its landing pool and
@@ -47,6 +51,7 @@ pub mod layout;
 pub mod link;
 pub mod meta;
 pub mod plan;
+pub mod send;
 pub mod setup;
 pub mod sim;
 pub mod verbs;
@@ -55,9 +60,10 @@ pub use completion::{
     FailReason, LeaseEvent, Outcome, RecvCompletion, RecvTracker, SendCompletion, SendTracker, WcStatus,
 };
 pub use driver::{DriverConfig, RecvDriver, SendChunk, SendDriver};
-pub use handoff::{RdmaReceive, RdmaSendConfig, RdmaTransport, SendPath};
+pub use handoff::RdmaReceive;
 pub use layout::{Half, Imm, PoolLayout};
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
-pub use meta::{PathMtu, QpMetadata};
+pub use meta::{AddressVector, GlobalRoute, PathMtu, QpMetadata};
 pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
+pub use send::{LinkHandle, RdmaSendConfig, RdmaSendPath, RdmaTransport};
 pub use setup::{accept as accept_link, connect as connect_link, Acceptor, DynRecvLink, Provider};

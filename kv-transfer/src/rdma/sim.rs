@@ -9,7 +9,15 @@
 //!   outstanding request on both sides completes as flushed and nothing more lands.
 //!
 //! Fault injection: [`SimNet::fail_write`] (the n-th next write fails with a status),
-//! [`SimNet::hold`] (writes stay in flight, as on a stuck path, until [`SimNet::release`]).
+//! [`SimNet::corrupt_write`] (the n-th next write lands with one bit flipped and completes
+//! successfully, as memory or a buggy peer could make it), [`SimNet::hold`] (writes stay in
+//! flight, as on a stuck path, until [`SimNet::release`]).
+//!
+//! Addressing, as on a device: every queue pair of a [`SimFabric`] lives on a [`SimPort`] (a
+//! LID, a GID or both; [`SimFabric::on_port`] gives a node its own). Connecting applies
+//! [`super::AddressVector::towards`] to the peer's metadata and fails unless it reaches the port
+//! the peer's queue pair is really on: a GID that is not the peer's, a LID route to a RoCE port
+//! (LID 0: the GID was not exchanged), or a global route from a port without a GID.
 //!
 //! The two ends share state through a mutex: this is a test double, not a pattern to copy.
 
@@ -87,6 +95,7 @@ struct State {
     recv_cq: VecDeque<RecvCompletion>,
     error: bool,
     fail: Option<(u64, WcStatus)>,
+    corrupt: Option<u64>,
     hold: bool,
     held: VecDeque<Posted>,
     landed_writes: u64,
@@ -142,6 +151,12 @@ impl SimNet {
     /// The `n`-th write from now (0 = the next) fails with `status`, breaking the connection.
     pub fn fail_write(&self, n: u64, status: WcStatus) {
         self.lock().fail = Some((n, status));
+    }
+
+    /// The `n`-th write from now (0 = the next) lands with the first bit of its data flipped;
+    /// nothing on the wire says so (only the receiver's checksum can).
+    pub fn corrupt_write(&self, n: u64) {
+        self.lock().corrupt = Some(n);
     }
 
     /// While held, posted writes stay in flight: nothing lands, nothing completes.
@@ -205,7 +220,18 @@ impl State {
             return self.break_connection();
         }
         let at = at.unwrap_or(0);
-        self.region.write(at, &p.src);
+        let mut src = p.src;
+        match self.corrupt {
+            Some(0) => {
+                self.corrupt = None;
+                if let Some(b) = src.first_mut() {
+                    *b ^= 1;
+                }
+            }
+            Some(n) => self.corrupt = Some(n - 1),
+            None => {}
+        }
+        self.region.write(at, &src);
         self.landed_writes += 1;
         if let Some(imm) = w.imm {
             self.recvs -= 1;
@@ -289,12 +315,34 @@ impl Drop for SimReceiver {
     }
 }
 
+/// The port of a simulated node: how its queue pairs are addressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimPort {
+    /// 0 on RoCE (Ethernet has no LIDs).
+    pub lid: u16,
+    /// The GID at the node's configured GID index; `None`: no GID configured (LID routing).
+    pub gid: Option<[u8; 16]>,
+}
+
+impl SimPort {
+    /// An InfiniBand port routed by LID (what a fabric's queue pairs use unless told otherwise).
+    pub const IB: SimPort = SimPort { lid: 1, gid: None };
+
+    /// A RoCE port: no LID, addressed by `gid`.
+    pub fn roce(gid: [u8; 16]) -> Self {
+        Self { lid: 0, gid: Some(gid) }
+    }
+}
+
 /// A [`super::setup::Provider`] in memory: each receiving queue pair is a fresh [`SimNet`]
 /// whose region has the pool's layout, found by the sender through the queue-pair number in the
-/// receiver's metadata (as a device finds the peer's queue pair through its address).
+/// receiver's metadata (as a device finds the peer's queue pair through its address), which
+/// must also route to the peer's port (see the module docs).
 #[derive(Debug, Clone)]
 pub struct SimFabric {
     inner: Arc<Mutex<Fabric>>,
+    /// The port this handle's queue pairs live on.
+    port: SimPort,
     /// When set, every receiving queue pair's region is this pool's memory.
     pool: Option<crate::MemoryPool>,
     layout: super::layout::PoolLayout,
@@ -307,13 +355,15 @@ pub struct SimFabric {
 struct Fabric {
     next_qp: u32,
     nets: std::collections::HashMap<u32, SimNet>,
+    /// The port of every queue pair created on the fabric.
+    ports: std::collections::HashMap<u32, SimPort>,
 }
 
 impl SimFabric {
     /// Receivers expose a pool of `layout` at `addr` with `rkey`; senders get `staging_len`
     /// bytes of staging memory.
     pub fn new(layout: super::layout::PoolLayout, addr: u64, rkey: u32, staging_len: usize) -> Self {
-        Self { inner: Arc::default(), pool: None, layout, addr, rkey, staging_len }
+        Self { inner: Arc::default(), port: SimPort::IB, pool: None, layout, addr, rkey, staging_len }
     }
 
     /// Receivers expose `pool` itself (block-major, as [`crate::MemoryPool`] lays its blocks
@@ -325,7 +375,32 @@ impl SimFabric {
                 reason: format!("pool of {} bytes, layout of {}", pool.region_len(), layout.extent()?),
             });
         }
-        Ok(Self { inner: Arc::default(), pool: Some(pool), layout, addr: 0x7f00_0000_0000, rkey: 0x5eed, staging_len })
+        Ok(Self {
+            inner: Arc::default(),
+            port: SimPort::IB,
+            pool: Some(pool),
+            layout,
+            addr: 0x7f00_0000_0000,
+            rkey: 0x5eed,
+            staging_len,
+        })
+    }
+
+    /// The same fabric, with receivers exposing `pool` from now on (a receiver restarted with a
+    /// new pool; senders of the fabric still find its queue pairs).
+    pub fn with_pool(&self, pool: crate::MemoryPool) -> Result<Self> {
+        if pool.region_len() as u64 != self.layout.extent()? {
+            return Err(crate::error::KvTransferError::RdmaLayout {
+                reason: format!("pool of {} bytes, layout of {}", pool.region_len(), self.layout.extent()?),
+            });
+        }
+        Ok(Self { pool: Some(pool), ..self.clone() })
+    }
+
+    /// The same fabric seen from a node whose queue pairs live on `port` (two nodes of a test
+    /// each take their own).
+    pub fn on_port(&self, port: SimPort) -> Self {
+        Self { port, ..self.clone() }
     }
 
     /// The connection of the receiving queue pair `qp_num` (for faults and inspection).
@@ -336,8 +411,8 @@ impl SimFabric {
     fn metadata(&self, qp_num: u32, region: Option<super::plan::RemoteRegion>) -> super::meta::QpMetadata {
         super::meta::QpMetadata {
             qp_num,
-            lid: 1,
-            gid: [0; 16],
+            lid: self.port.lid,
+            gid: self.port.gid.unwrap_or([0; 16]),
             psn: qp_num & 0xFF_FFFF,
             mtu: super::meta::PathMtu::Mtu4096,
             max_write_bytes: 1 << 20,
@@ -348,7 +423,42 @@ impl SimFabric {
     fn new_qp(&self) -> u32 {
         let mut f = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         f.next_qp += 1;
-        f.next_qp
+        let qp = f.next_qp;
+        f.ports.insert(qp, self.port);
+        qp
+    }
+
+    /// Connecting to the side that sent `remote`: its address vector must reach the port its
+    /// queue pair is on (a device's RTR would succeed and every write then time out; failing
+    /// at connect says the same sooner).
+    fn route(&self, remote: &super::meta::QpMetadata) -> Result<()> {
+        let unreachable = |message: String| crate::error::KvTransferError::RdmaVerbs {
+            call: "sim connect",
+            errno: 113, // EHOSTUNREACH
+            message,
+        };
+        let peer = self.inner.lock().unwrap_or_else(|p| p.into_inner()).ports.get(&remote.qp_num).copied();
+        let peer = peer.ok_or_else(|| unreachable(format!("no queue pair {} on this fabric", remote.qp_num)))?;
+        // The sim's port has its GID at index 0 of its table, when it has one.
+        let av = super::meta::AddressVector::towards(remote, self.port.gid.map(|_| 0));
+        match av.global {
+            Some(_) if self.port.gid.is_none() => {
+                Err(unreachable("a global route from a port without a GID (no source GID index)".into()))
+            }
+            Some(g) if Some(g.dgid) != peer.gid => Err(unreachable(format!(
+                "GID {:02x?} is not the GID of queue pair {}'s port ({:02x?})",
+                g.dgid, remote.qp_num, peer.gid
+            ))),
+            Some(_) => Ok(()),
+            None if peer.lid == 0 || av.dlid != peer.lid => Err(unreachable(format!(
+                "LID {} does not reach queue pair {} (its port has LID {}{})",
+                av.dlid,
+                remote.qp_num,
+                peer.lid,
+                if peer.lid == 0 { ": RoCE, reachable by GID only" } else { "" }
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -363,6 +473,7 @@ impl super::setup::Provider for SimFabric {
     }
 
     fn connect_send(&self, _: (), remote: &super::meta::QpMetadata) -> Result<SimSender> {
+        self.route(remote)?;
         let net = self.net(remote.qp_num).ok_or_else(|| crate::error::KvTransferError::RdmaMetadata {
             reason: format!("no queue pair {} on this fabric", remote.qp_num),
         })?;
@@ -381,7 +492,8 @@ impl super::setup::Provider for SimFabric {
         Ok((net, self.metadata(qp, Some(region))))
     }
 
-    fn connect_recv(&self, net: SimNet, _remote: &super::meta::QpMetadata) -> Result<SimReceiver> {
+    fn connect_recv(&self, net: SimNet, remote: &super::meta::QpMetadata) -> Result<SimReceiver> {
+        self.route(remote)?;
         Ok(net.receiver())
     }
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use rdma_sys::*;
 
 use super::completion::{RecvCompletion, SendCompletion, WcStatus};
-use super::meta::{PathMtu, QpMetadata};
+use super::meta::{AddressVector, PathMtu, QpMetadata};
 use super::plan::{RdmaWrite, RemoteRegion};
 use crate::error::{KvTransferError, Result};
 
@@ -95,7 +95,14 @@ pub struct PortInfo {
     pub active: bool,
     /// Largest message the port carries: the `max_write_bytes` to advertise.
     pub max_msg_sz: u32,
+    /// An Ethernet port (RoCE): LIDs are 0 and queue pairs address each other by GID.
+    pub ethernet: bool,
+    /// Entries of the port's GID table.
+    pub gid_table_len: u32,
 }
+
+/// `IBV_LINK_LAYER_ETHERNET` (verbs.h; not in rdma-sys's bindings).
+const LINK_LAYER_ETHERNET: u8 = 2;
 
 impl Context {
     /// Opens the device called `name`, or the first one when `None`.
@@ -154,6 +161,8 @@ impl Context {
             active_mtu,
             active: attr.state == ibv_port_state::IBV_PORT_ACTIVE,
             max_msg_sz: attr.max_msg_sz,
+            ethernet: attr.link_layer == LINK_LAYER_ETHERNET,
+            gid_table_len: attr.gid_tbl_len.max(0) as u32,
         })
     }
 
@@ -165,6 +174,45 @@ impl Context {
         check_ret("ibv_query_gid", ret)?;
         // SAFETY: every bit pattern is a valid [u8; 16].
         Ok(unsafe { gid.raw })
+    }
+
+    /// Whether the GID at `index` of `port` is a RoCE v2 one (routable UDP/IP), as the kernel
+    /// reports it in sysfs (`ibv_query_gid_type` is missing from older libibverbs and from
+    /// rdma-sys's bindings; NCCL reads the same file). `None` when the file is absent.
+    pub fn gid_is_roce_v2(&self, port: u8, index: u8) -> Option<bool> {
+        let path = format!("/sys/class/infiniband/{}/ports/{port}/gid_attrs/types/{index}", self.name);
+        std::fs::read_to_string(path).ok().map(|t| t.trim().eq_ignore_ascii_case("RoCE v2"))
+    }
+
+    /// The GID index a queue pair on `port` uses when none is configured: `None` on an
+    /// InfiniBand port (LID routing), and on an Ethernet (RoCE) port the first RoCE v2 GID,
+    /// IPv4-mapped ones (`::ffff:a.b.c.d`, routable across subnets) first, else its first
+    /// nonzero GID. A RoCE port without any GID is an error: no queue pair could connect.
+    pub fn default_gid_index(&self, port: u8) -> Result<Option<u8>> {
+        let info = self.port(port)?;
+        if !info.ethernet {
+            return Ok(None);
+        }
+        let mut gids = Vec::new();
+        for i in 0..info.gid_table_len.min(256) {
+            let i = i as u8;
+            match self.gid(port, i) {
+                Ok(g) if g != [0; 16] => gids.push((i, g, self.gid_is_roce_v2(port, i))),
+                _ => {}
+            }
+        }
+        let v4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+        let pick = gids
+            .iter()
+            .find(|(_, g, v2)| *v2 == Some(true) && v4_mapped(g))
+            .or_else(|| gids.iter().find(|(_, _, v2)| *v2 == Some(true)))
+            .or_else(|| gids.first());
+        match pick {
+            Some((i, _, _)) => Ok(Some(*i)),
+            None => Err(KvTransferError::RdmaMetadata {
+                reason: format!("port {port} of {} is RoCE but has no GID: give it an address", self.name),
+            }),
+        }
     }
 }
 
@@ -436,6 +484,30 @@ impl Default for QpConfig {
     }
 }
 
+impl QpConfig {
+    /// Queue pairs on `port` of `ctx` using the GID at `gid_index`, or when `None` the port's
+    /// default ([`Context::default_gid_index`]: none on InfiniBand, a RoCE v2 GID on Ethernet).
+    /// Checked here, at start: the port exists and is active, and the chosen GID is not empty.
+    pub fn for_port(ctx: &Context, port: u8, gid_index: Option<u8>) -> Result<Self> {
+        let info = ctx.port(port)?;
+        if !info.active {
+            tracing::warn!(device = ctx.name(), port, "rdma port is not active; queue pairs will not connect");
+        }
+        let gid_index = match gid_index {
+            Some(i) => Some(i),
+            None => ctx.default_gid_index(port)?,
+        };
+        if let Some(i) = gid_index {
+            if ctx.gid(port, i)? == [0; 16] {
+                return Err(KvTransferError::RdmaMetadata {
+                    reason: format!("GID index {i} of port {port} of {} is empty", ctx.name()),
+                });
+            }
+        }
+        Ok(Self { port, gid_index, ..Self::default() })
+    }
+}
+
 /// A reliable-connected queue pair.
 pub struct QueuePair {
     qp: NonNull<ibv_qp>,
@@ -532,14 +604,14 @@ impl QueuePair {
         a.rq_psn = remote.psn;
         a.max_dest_rd_atomic = 1;
         a.min_rnr_timer = 12;
-        a.ah_attr.dlid = remote.lid;
+        let av = AddressVector::towards(remote, self.cfg.gid_index);
+        a.ah_attr.dlid = av.dlid;
         a.ah_attr.port_num = self.cfg.port;
-        if let Some(i) = self.cfg.gid_index {
+        if let Some(g) = av.global {
             a.ah_attr.is_global = 1;
-            a.ah_attr.grh.dgid.raw = remote.gid;
-            a.ah_attr.grh.sgid_index = i;
-            // Enough for routed RoCE v2; loopback and one subnet need 1.
-            a.ah_attr.grh.hop_limit = 64;
+            a.ah_attr.grh.dgid.raw = g.dgid;
+            a.ah_attr.grh.sgid_index = g.sgid_index;
+            a.ah_attr.grh.hop_limit = g.hop_limit;
         }
         use ibv_qp_attr_mask as m;
         let mask = m::IBV_QP_STATE

@@ -92,13 +92,23 @@ pub async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> 
     tokio::time::timeout(WAIT, f).await.unwrap_or_else(|_| panic!("{what} did not finish within {WAIT:?}"))
 }
 
-/// The transports every end-to-end and fault test runs over.
+/// The transports every end-to-end and fault test runs over (the stream payload path).
 pub const KINDS: [TransportKind; 4] =
     [TransportKind::InProcess, TransportKind::TcpPlain, TransportKind::TcpTls, TransportKind::Quic];
 
+/// Every payload path: the stream transports, and with the `rdma` feature the RDMA path (over
+/// the in-memory fabric, control streams over QUIC).
+pub fn all_kinds() -> Vec<TransportKind> {
+    let mut kinds = KINDS.to_vec();
+    if cfg!(feature = "rdma") {
+        kinds.push(TransportKind::Rdma);
+    }
+    kinds
+}
+
 fn net_kind(kind: TransportKind) -> NetKind {
     match kind {
-        TransportKind::Quic => NetKind::Quic,
+        TransportKind::Quic | TransportKind::Rdma => NetKind::Quic,
         TransportKind::TcpTls => NetKind::TcpTls,
         TransportKind::TcpPlain => NetKind::TcpPlain,
         other => panic!("{other:?} is not a network transport"),
@@ -114,6 +124,41 @@ pub struct Pair {
     pub addr: SocketAddr,
     /// The receiver's identity and config, to restart it on the same address.
     receiver_net: Option<NetConfig>,
+    /// Over RDMA: the fabric standing in for the device, and the sender's transport.
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<RdmaSide>,
+}
+
+/// The RDMA side of a [`Pair`].
+#[cfg(feature = "rdma")]
+pub struct RdmaSide {
+    pub fabric: cleave_kv_transfer::rdma::sim::SimFabric,
+    pub transport: Arc<cleave_kv_transfer::rdma::RdmaTransport<cleave_kv_transfer::rdma::sim::SimFabric>>,
+}
+
+/// How long a released RDMA lease waits for the sender's `Drained` before the receiver resets
+/// the queue pair (short: a raw test sender never drains).
+#[cfg(feature = "rdma")]
+pub const QUARANTINE: Duration = Duration::from_millis(300);
+
+#[cfg(feature = "rdma")]
+fn rdma_receive(fabric: &cleave_kv_transfer::rdma::sim::SimFabric) -> cleave_kv_transfer::rdma::RdmaReceive {
+    let mut r = cleave_kv_transfer::rdma::RdmaReceive::new(Arc::new(fabric.clone()));
+    r.link.quarantine = QUARANTINE;
+    r
+}
+
+/// Four staging slots of 32 tokens' K and V each.
+#[cfg(feature = "rdma")]
+fn rdma_send_cfg() -> cleave_kv_transfer::rdma::RdmaSendConfig {
+    use cleave_kv_transfer::rdma::{DriverConfig, RdmaSendConfig, SendLinkConfig, SignalPolicy};
+    let slot_bytes = 2 * run_bytes(&layout(), 32) as u64;
+    RdmaSendConfig {
+        link: SendLinkConfig { slots: 4, slot_bytes, sq_depth: 256, policy: SignalPolicy::default() },
+        driver: DriverConfig::default(),
+        setup_timeout: WAIT,
+        write_timeout: WAIT,
+    }
 }
 
 pub struct PairOptions {
@@ -142,7 +187,16 @@ impl Pair {
             let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
             let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), pool.clone(), None);
             let transport = Arc::new(receiver.handle().in_process());
-            return Pair { kind, receiver, pool, transport, addr, receiver_net: None };
+            return Pair {
+                kind,
+                receiver,
+                pool,
+                transport,
+                addr,
+                receiver_net: None,
+                #[cfg(feature = "rdma")]
+                rdma: None,
+            };
         }
         let ids = NodeIdentity::generate_test_cluster(&["decode-0", "prefill-0"]).unwrap();
         let nk = net_kind(kind);
@@ -152,11 +206,43 @@ impl Pair {
         rnet.connect_timeout = Duration::from_secs(5);
         let listener = Listener::bind(&rnet, "127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr();
-        let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), pool.clone(), Some(listener));
         let mut snet = NetConfig::new(nk, sid);
         snet.connect_timeout = Duration::from_secs(5);
+        #[cfg(feature = "rdma")]
+        if kind == TransportKind::Rdma {
+            use cleave_kv_transfer::rdma::{sim::SimFabric, RdmaTransport};
+            let fabric = SimFabric::over_pool(pool.clone(), &layout(), 4 * 2 * run_bytes(&layout(), 32)).unwrap();
+            let cfg = receiver_cfg(kind, addr, &opts);
+            let receiver = ReceiverService::spawn_rdma(cfg, pool.clone(), Some(listener), rdma_receive(&fabric));
+            let rdma = Arc::new(RdmaTransport::new(&snet, fabric.clone(), rdma_send_cfg()).unwrap());
+            let transport: Arc<dyn Transport> = rdma.clone();
+            let side = RdmaSide { fabric, transport: rdma };
+            return Pair { kind, receiver, pool, transport, addr, receiver_net: Some(rnet), rdma: Some(side) };
+        }
+        let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), pool.clone(), Some(listener));
         let transport = Arc::new(NetTransport::new(&snet).unwrap());
-        Pair { kind, receiver, pool, transport, addr, receiver_net: Some(rnet) }
+        Pair {
+            kind,
+            receiver,
+            pool,
+            transport,
+            addr,
+            receiver_net: Some(rnet),
+            #[cfg(feature = "rdma")]
+            rdma: None,
+        }
+    }
+
+    /// A receiver over `self.pool` listening on `listener` (over RDMA: its pool exposed on the
+    /// same fabric, so the sender's transport reaches it).
+    fn spawn_receiver(&mut self, opts: &PairOptions, listener: Listener) -> ReceiverService {
+        let cfg = receiver_cfg(self.kind, self.addr, opts);
+        #[cfg(feature = "rdma")]
+        if let Some(side) = &mut self.rdma {
+            side.fabric = side.fabric.with_pool(self.pool.clone()).unwrap();
+            return ReceiverService::spawn_rdma(cfg, self.pool.clone(), Some(listener), rdma_receive(&side.fabric));
+        }
+        ReceiverService::spawn(cfg, self.pool.clone(), Some(listener))
     }
 
     /// Stops the receiver and starts a fresh one (new pool, new lease ids) on the same address;
@@ -168,25 +254,33 @@ impl Pair {
         );
         old.shutdown(WAIT).await;
         self.pool = MemoryPool::new(layout(), opts.blocks);
-        match &self.receiver_net {
+        match self.receiver_net.clone() {
             None => {
                 self.receiver =
                     ReceiverService::spawn(receiver_cfg(self.kind, self.addr, &opts), self.pool.clone(), None);
                 self.transport = Arc::new(self.receiver.handle().in_process());
             }
             Some(rnet) => {
-                let listener = bounded("rebind", rebind(rnet, self.addr)).await;
-                self.receiver = ReceiverService::spawn(
-                    receiver_cfg(self.kind, self.addr, &opts),
-                    self.pool.clone(),
-                    Some(listener),
-                );
+                let listener = bounded("rebind", rebind(&rnet, self.addr)).await;
+                self.receiver = self.spawn_receiver(&opts, listener);
             }
         }
     }
 
-    /// Both sides hold nothing: no live lease, every block back in the pool.
+    /// Both sides hold nothing: no live lease, every block back in the pool. Over RDMA a failed
+    /// lease's blocks come back once no write can land (the sender's `Drained`, or a queue-pair
+    /// reset after [`QUARANTINE`]), which no event here announces: polled, bounded.
     pub async fn assert_nothing_leased(&self) {
+        if self.kind == TransportKind::Rdma {
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < WAIT {
+                let st = bounded("stats", self.receiver.handle().stats()).await.unwrap();
+                if st.reserved_blocks == 0 && self.pool.free_blocks() == self.pool.total_blocks() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         let st = bounded("stats", self.receiver.handle().stats()).await.unwrap();
         assert_eq!(st.reserved_blocks, 0, "{:?}: receiver still holds blocks: {st:?}", self.kind);
         assert_eq!(st.live_leases, 0, "{:?}: {st:?}", self.kind);
