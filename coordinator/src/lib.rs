@@ -4,15 +4,19 @@
 //! the request router as one [`Dispatch`] per choice over a bounded channel ([`dispatch`]);
 //! token events come back and are detokenized, stop-string-matched and shaped into JSON or
 //! SSE here ([`generate`], [`respond`]), because only the edge sees a request's whole
-//! stream. HTTP statuses are chosen in [`error`] only.
+//! stream. HTTP statuses are chosen in [`error`] only. Connections arrive through [`edge`]
+//! (TCP_NODELAY; TLS when given a certificate) and are admitted under their API key ([`keys`]:
+//! names for logs and metrics, a concurrent-request limit per key).
 //!
 //! The cluster side ([`cluster`]): the node registry (drain, role switch, leave), routing,
-//! each request's path through the nodes, the admin API, and the planner's actor with its
-//! actuators.
+//! each request's path through the nodes (a sans-IO state machine, `cluster::attempt`, and the
+//! shell that performs its actions), the admin API, and the planner's actor with its actuators.
+//! A node registers only with a certificate that names it and allows its role, and is not
+//! revoked.
 //!
 //! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-planner and cleave-net's
-//! authenticated streams (never the engine or kernels), axum/tokio, metrics; kube behind the
-//! `kubernetes` feature.
+//! authenticated streams and certificates (never the engine or kernels), axum/tokio,
+//! tokio-rustls for the edge, metrics; kube behind the `kubernetes` feature.
 
 pub mod api;
 pub mod cluster;
