@@ -193,6 +193,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         None => default_model()?,
     };
     let exe = std::env::current_exe().context("locating the cleave binary")?;
+    remove_stale_cert_dirs();
     let certs = std::env::temp_dir().join(format!("cleave-up-{}", std::process::id()));
     let mut names = vec!["coordinator".to_string()];
     let mut nodes = Vec::new();
@@ -533,6 +534,23 @@ async fn stop_all(procs: &mut [Proc]) {
                 eprintln!("cleave up: {} did not stop within 10 s; killing it", p.name);
                 let _ = p.child.kill().await;
             }
+        }
+    }
+}
+
+/// Removes the certificate directories (CA key included) of earlier `cleave up`s that were
+/// killed before they could remove their own (`SIGKILL` leaves no chance): a `cleave-up-PID`
+/// whose process is gone.
+fn remove_stale_cert_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("cleave-up-")).and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
         }
     }
 }
