@@ -37,8 +37,8 @@
 //!   and the shell answers each ([`Event::Delivered`]/[`Event::ClientGone`], [`Event::Planned`],
 //!   [`Event::Opened`]) before any other event but [`Event::Cancelled`];
 //! - the client hears, per attempt, one `Routed` first; then tokens in generation order; then at
-//!   most one final event (or one `Refused` instead of anything else, only when nothing was sent
-//!   and no attempt failed); nothing after [`Action::Finish`], which ends every run exactly once;
+//!   most one final event (or one `Refused` instead of anything else, only when no token was
+//!   sent: the edge answers 503, naming an earlier attempt's failure if there was one); nothing after [`Action::Finish`], which ends every run exactly once;
 //! - while the machine waits on the outside world (streams, a backoff, a hold), it has a
 //!   [`Journey::deadline`].
 
@@ -318,9 +318,16 @@ impl Journey {
             }
             Err(e) => {
                 self.failed = true;
+                // Nothing sent yet: the edge answers 503 (a client may retry), naming the
+                // earlier attempt's failure too when there was one.
                 match self.last_error.take() {
                     None if self.generated.is_empty() => {
                         out.push(Action::Tell(DispatchEvent::Refused { reason: e.to_string() }));
+                        self.finish(out);
+                    }
+                    Some(last) if self.generated.is_empty() => {
+                        let reason = RequestError::NoRouteAfter { last, no_route: e }.to_string();
+                        out.push(Action::Tell(DispatchEvent::Refused { reason }));
                         self.finish(out);
                     }
                     None => self.fail(RequestError::NoRoute(e), out),

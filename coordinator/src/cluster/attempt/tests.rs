@@ -328,7 +328,13 @@ impl H {
         ev
     }
 
+    /// What the client was told went wrong: the refusal's reason, or the final event's error.
     fn error(&self) -> String {
+        if let Some(DispatchEvent::Refused { reason }) =
+            self.client.iter().find(|e| matches!(e, DispatchEvent::Refused { .. }))
+        {
+            return reason.clone();
+        }
         let ev = self.final_event();
         assert_eq!(ev.finish_reason, Some(FinishReason::Error));
         ev.error.clone().unwrap()
@@ -946,17 +952,14 @@ fn a_cancel_racing_a_prefill_failure() {
     h.feed(Event::Cancelled);
     h.feed(pre(node_err("boom")));
     assert_eq!(h.client.len(), 1);
-    // The failure first, the cancel while the retry is planned, no node left: the request ends
-    // with an error naming the failure (as the router always did).
+    // The failure first, the cancel while the retry is planned, no node left: nothing was sent,
+    // so the request is refused, naming the failure.
     let mut h = H::new(3);
     h.remote();
     h.feed(pre(node_err("boom")));
     assert!(h.feed(Event::Cancelled).is_empty());
-    assert_eq!(
-        kinds(&h.feed(no_route("nothing", true))),
-        ["Final(Error)", "Finish"],
-        "a cancelled request is not held"
-    );
+    assert_eq!(kinds(&h.feed(no_route("nothing", true))), ["Refused", "Finish"], "a cancelled request is not held");
+    assert!(h.error().contains("boom"), "{}", h.error());
     // After the first token the prefill failure is no failure; the cancel goes to the decode
     // node alone.
     let mut h = H::new(3);
@@ -989,11 +992,12 @@ fn no_route_before_anything_was_sent_or_failed_is_a_refusal() {
 }
 
 #[test]
-fn no_route_after_a_failed_attempt_is_an_error_naming_both() {
+fn no_route_after_a_failed_attempt_with_nothing_sent_is_a_refusal_naming_both() {
+    // A refusal is a 503 at the edge: nothing reached the client, so it may retry.
     let mut h = H::new(3);
     h.remote();
     h.feed(Event::NodeDied(d0().id));
-    assert_eq!(kinds(&h.feed(no_route("every node excluded", false))), ["Final(Error)", "Finish"]);
+    assert_eq!(kinds(&h.feed(no_route("every node excluded", false))), ["Refused", "Finish"]);
     assert_eq!(h.error(), "decode node d0: the node died; then no node can serve this request: every node excluded");
 }
 
