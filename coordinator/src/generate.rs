@@ -73,7 +73,7 @@ impl ChoiceState {
         ChoiceState {
             index,
             request_id,
-            decoder: tokenizer.incremental_decoder(prompt),
+            decoder: IncrementalDecoder::new(tokenizer.clone(), prompt),
             stop: StopMatcher::new(stops.iter().cloned()),
             completion_tokens: 0,
             cached_tokens: 0,

@@ -20,7 +20,7 @@ use crate::generate::{admit, ChoiceUpdate, Generation};
 use crate::metrics as m;
 use crate::model::ModelInfo;
 use crate::respond::{full_response, Body, ChoiceAcc, ChunkWriter, ResponseMeta, UsageTally};
-use crate::server::{parse_json, unix_now, AppState};
+use crate::state::{parse_json, unix_now, AppState};
 use crate::validate::{validate_chat, validate_completion, Endpoint, Limits, ValidRequest};
 
 pub async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {

@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod model;
 pub mod respond;
 pub mod server;
+pub mod state;
 pub mod validate;
 
 pub use config::CoordinatorArgs;

@@ -7,6 +7,7 @@ mod common;
 use cleave_coordinator::generate::ChoiceState;
 use cleave_coordinator::{CoordinatorError, DispatchEvent, ModelInfo};
 use cleave_protocol::{FinishReason, RequestId, TokenEvent};
+use cleave_tokenizer::IncrementalDecoder;
 use common::*;
 use proptest::prelude::*;
 
@@ -51,7 +52,7 @@ fn run(model: &ModelInfo, prompt: &[u32], tokens: &[u32], stops: &[String]) -> (
 fn reference(model: &ModelInfo, prompt: &[u32], tokens: &[u32], stops: &[String]) -> (String, FinishReason) {
     let full = expected_text(model, prompt, tokens);
     let mut known = String::new();
-    let mut dec = model.tokenizer.incremental_decoder(prompt);
+    let mut dec = IncrementalDecoder::new(model.tokenizer.clone(), prompt);
     let mut pieces: Vec<String> = tokens.iter().map(|&t| dec.push(t).unwrap()).collect();
     pieces.push(dec.finish().unwrap());
     for piece in pieces {

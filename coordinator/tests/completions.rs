@@ -4,6 +4,7 @@
 mod common;
 
 use cleave_coordinator::ModelInfo;
+use cleave_tokenizer::IncrementalDecoder;
 use common::*;
 use serde_json::{json, Value};
 
@@ -89,7 +90,7 @@ async fn include_usage_adds_a_final_usage_chunk_and_max_tokens_gives_length() {
 async fn stop_string_across_token_boundary_ends_and_cancels() {
     let m = model();
     let script = ids(&m, GENERATED);
-    let mut dec = m.tokenizer.incremental_decoder(&[1]);
+    let mut dec = IncrementalDecoder::new(m.tokenizer.clone(), &[1]);
     let pieces: Vec<String> = script.iter().map(|&t| dec.push(t).unwrap()).collect();
     let k = pieces.iter().position(|p| p.contains("sits")).expect("script has 'sits'");
     let stop = format!("{}{}", &pieces[k][pieces[k].len() - 2..], &pieces[k + 1][..2]);

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use crate::chat::{ChatMessage, ChatOptions, ChatTemplates, TemplateTokens};
 use crate::config::{read_text, TokenizerConfig, DEFAULT_TEMPLATE_NAME};
 use crate::error::{Result, TokenizerError};
-use crate::incremental::IncrementalDecoder;
 
 /// A loaded tokenizer. Cheap to clone (one `Arc`), `Send + Sync`.
 ///
@@ -169,12 +168,6 @@ impl Tokenizer {
     pub fn has_chat_template(&self) -> bool {
         !self.inner.templates.is_fallback()
     }
-
-    /// A streaming detokenizer primed with `prompt_ids` (whose text it does not emit),
-    /// skipping special tokens.
-    pub fn incremental_decoder(&self, prompt_ids: &[u32]) -> IncrementalDecoder {
-        IncrementalDecoder::new(self.clone(), prompt_ids)
-    }
 }
 
 /// Reads and parses a `tokenizer.json`, naming the file in every error.
@@ -193,7 +186,7 @@ mod tests {
     #[test]
     fn tokenizer_is_send_sync() {
         assert_send_sync::<Tokenizer>();
-        assert_send_sync::<IncrementalDecoder>();
+        assert_send_sync::<crate::IncrementalDecoder>();
     }
 
     #[test]

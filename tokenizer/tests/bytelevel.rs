@@ -5,7 +5,7 @@
 
 use std::str::FromStr;
 
-use cleave_tokenizer::{StopMatcher, Tokenizer, TokenizerConfig};
+use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer, TokenizerConfig};
 use serde_json::json;
 
 /// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100+.
@@ -76,7 +76,7 @@ fn streaming_never_emits_partial_characters() {
         if !TEXT.is_char_boundary(split) {
             continue; // a prompt cut inside a character has no well-defined "rest"
         }
-        let mut dec = tok.incremental_decoder(prompt);
+        let mut dec = IncrementalDecoder::new(tok.clone(), prompt);
         let mut out = String::new();
         for &id in gen {
             let piece = dec.push(id).unwrap();
@@ -95,7 +95,7 @@ fn streaming_with_special_tokens_and_stop_strings() {
     let gen =
         [tok.encode("Voilà: 日本", false).unwrap(), vec![257], tok.encode("語 STOP here", false).unwrap()].concat();
     for (skip, want) in [(true, "Voilà: 日本語 "), (false, "Voilà: 日本<|im_end|>語 ")] {
-        let mut dec = tok.incremental_decoder(&prompt).with_skip_special_tokens(skip);
+        let mut dec = IncrementalDecoder::new(tok.clone(), &prompt).with_skip_special_tokens(skip);
         let mut stops = StopMatcher::new(["STOP"]);
         let mut out = String::new();
         for &id in &gen {

@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use cleave_tokenizer::{ChatMessage, ChatOptions, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError};
+use cleave_tokenizer::{
+    ChatMessage, ChatOptions, IncrementalDecoder, NamedTemplate, Tokenizer, TokenizerConfig, TokenizerError,
+};
 use serde::Deserialize;
 
 /// The repository's `testdata/` folder (the tiny reference model and its golden outputs).
@@ -88,7 +90,7 @@ fn golden_encode_and_decode() {
 fn golden_incremental_one_by_one() {
     let tok = tokenizer();
     for case in &golden().cases {
-        let mut dec = tok.incremental_decoder(&case.prompt_ids);
+        let mut dec = IncrementalDecoder::new(tok.clone(), &case.prompt_ids);
         let mut out = String::new();
         for &id in &case.generated_ids {
             let piece = dec.push(id).unwrap();
@@ -99,7 +101,7 @@ fn golden_incremental_one_by_one() {
         assert_eq!(out, case.text_incremental, "case {}", case.name);
 
         // The same text when ids arrive in bursts.
-        let mut dec = tok.incremental_decoder(&case.prompt_ids);
+        let mut dec = IncrementalDecoder::new(tok.clone(), &case.prompt_ids);
         let mut bursts = String::new();
         for chunk in case.generated_ids.chunks(3) {
             bursts.push_str(&dec.push_many(chunk).unwrap());
@@ -124,7 +126,7 @@ fn incremental_handles_split_multibyte_characters() {
     let ids = tok.encode(text, false).unwrap();
     // The emoji are byte-fallback tokens (<0xF0> ...), i.e. split characters.
     assert!(ids.iter().any(|&id| tok.id_to_token(id).is_some_and(|t| t.starts_with("<0x"))));
-    let mut dec = tok.incremental_decoder(&[]);
+    let mut dec = IncrementalDecoder::new(tok.clone(), &[]);
     let mut out = String::new();
     for &id in &ids {
         let piece = dec.push(id).unwrap();
@@ -138,7 +140,7 @@ fn incremental_handles_split_multibyte_characters() {
     // After a prompt, and with every split of the text into prompt/generation.
     for split in 0..ids.len() {
         let (prompt, gen) = ids.split_at(split);
-        let mut dec = tok.incremental_decoder(prompt);
+        let mut dec = IncrementalDecoder::new(tok.clone(), prompt);
         let mut out = String::new();
         for &id in gen {
             out.push_str(&dec.push(id).unwrap());
@@ -162,7 +164,7 @@ fn incremental_special_tokens_skip_or_keep() {
     // EOS in the middle, then more text: skipped vs kept.
     let seq: Vec<u32> = [gen.as_slice(), &[2], &gen].concat();
     for skip in [true, false] {
-        let mut dec = tok.incremental_decoder(&[1]).with_skip_special_tokens(skip);
+        let mut dec = IncrementalDecoder::new(tok.clone(), &[1]).with_skip_special_tokens(skip);
         let mut out = String::new();
         for &id in &seq {
             out.push_str(&dec.push(id).unwrap());
@@ -177,7 +179,7 @@ fn incremental_unfinished_character_released_by_finish() {
     let tok = tokenizer();
     let ids = tok.encode("a🎉", false).unwrap();
     let cut = &ids[..ids.len() - 1]; // drop the last byte of the emoji
-    let mut dec = tok.incremental_decoder(&[]);
+    let mut dec = IncrementalDecoder::new(tok.clone(), &[]);
     let mut out = String::new();
     for &id in cut {
         out.push_str(&dec.push(id).unwrap());
@@ -320,7 +322,7 @@ fn incremental_prompt_ending_in_special_tokens() {
     let tok = tokenizer();
     let prompt: Vec<u32> = [tok.encode("Hello world", true).unwrap(), vec![2; 6]].concat();
     let gen = tok.encode(" again and again", false).unwrap();
-    let mut dec = tok.incremental_decoder(&prompt);
+    let mut dec = IncrementalDecoder::new(tok.clone(), &prompt);
     let mut out = String::new();
     for &id in &gen {
         out.push_str(&dec.push(id).unwrap());
@@ -336,7 +338,7 @@ fn out_of_vocabulary_ids_do_not_fail() {
     let hello = tok.encode("Hello", false).unwrap();
     let ids = [hello.as_slice(), &[4_000_000]].concat();
     assert_eq!(tok.decode(&ids, true).unwrap(), "Hello");
-    let mut dec = tok.incremental_decoder(&[1]);
+    let mut dec = IncrementalDecoder::new(tok.clone(), &[1]);
     assert_eq!(dec.push(4_000_000).unwrap(), "");
     assert_eq!(dec.push(hello[0]).unwrap(), "Hello");
 }

@@ -35,20 +35,12 @@ use cleave_protocol::control::NodeRole;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+pub use super::admin_access::{node_json, AdminState};
+use super::admin_access::{presented_token, same};
 use super::dashboard;
-use super::planning::PlannerHandle;
 use super::registry::{AfterDrain, NodeState, PoolSummary};
-use super::{Cluster, ClusterHandle, NodeOp};
+use super::{Cluster, NodeOp};
 use crate::{router, AppState, CoordinatorError};
-
-/// What the admin routes act on.
-#[derive(Clone)]
-pub struct AdminState {
-    pub cluster: ClusterHandle,
-    pub planner: PlannerHandle,
-    /// None: the admin API is closed.
-    pub token: Option<Arc<str>>,
-}
 
 /// Routes of the admin API, behind the admin token, and the dashboard page (which checks the
 /// token itself: it shows a sign-in form without it).
@@ -72,11 +64,6 @@ pub fn admin_router(state: AdminState) -> Router {
         .merge(page)
 }
 
-/// Whether `given` is the admin token.
-pub(super) fn token_matches(given: &str, token: &str) -> bool {
-    same(given.as_bytes(), token.as_bytes())
-}
-
 /// Checks an admin token given on the command line: printable ASCII without spaces, `;` or `,`
 /// (it travels in headers and in the dashboard's cookie), 8 to 256 characters.
 pub fn validate_admin_token(s: &str) -> Result<String, String> {
@@ -87,59 +74,19 @@ pub fn validate_admin_token(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
-/// Equal strings in time that does not depend on where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn authorize(State(s): State<AdminState>, req: Request, next: Next) -> Result<Response, CoordinatorError> {
     let Some(token) = &s.token else {
         return Err(CoordinatorError::AdminUnauthorized {
             reason: "the admin API is closed: start the coordinator with --admin-token",
         });
     };
-    match dashboard::presented_token(&req) {
+    match presented_token(&req) {
         None => Err(CoordinatorError::AdminUnauthorized { reason: "missing admin token (Authorization: Bearer ...)" }),
         Some(g) if !same(g.as_bytes(), token.as_bytes()) => {
             Err(CoordinatorError::AdminUnauthorized { reason: "wrong admin token" })
         }
         Some(_) => Ok(next.run(req).await),
     }
-}
-
-pub(super) fn node_json(s: &NodeState) -> Value {
-    let l = &s.load;
-    json!({
-        "id": s.node.id,
-        "name": s.node.name,
-        "role": s.node.role.as_str(),
-        "state": s.lifecycle.as_str(),
-        "rpc_addr": s.node.rpc_addr.to_string(),
-        "metrics_addr": s.metrics_addr.map(|a| a.to_string()),
-        "model": s.model_name,
-        "step_budget": s.step_budget,
-        "report_age_ms": s.report_age.as_millis() as u64,
-        "cached_prefix_blocks": s.cached_prefix_blocks,
-        "active": { "prefill": s.active_prefill, "decode": s.active_decode },
-        "load": {
-            "queued_prefill_tokens": l.queued_prefill_tokens,
-            "waiting_seqs": l.waiting_seqs,
-            "running_seqs": l.running_seqs,
-            "free_blocks": l.free_blocks,
-            "cached_blocks": l.cached_blocks,
-            "total_blocks": l.total_blocks,
-        },
-        // Cumulative engine step timings: how fast the node really runs (what the planner
-        // calibrates its costs with, and what a simulator replay can be scaled by).
-        "steps": {
-            "prefill_tokens": l.steps.prefill_tokens,
-            "prefill_us": l.steps.prefill_us,
-            "decode_steps": l.steps.decode_steps,
-            "decode_seqs": l.steps.decode_seqs,
-            "decode_context": l.steps.decode_context,
-            "decode_us": l.steps.decode_us,
-        },
-    })
 }
 
 async fn nodes(State(s): State<AdminState>) -> Json<Value> {

@@ -16,11 +16,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::admin::{node_json, token_matches, AdminState};
+use super::admin_access::{node_json, token_matches, AdminState};
+pub use super::admin_access::{presented_token, COOKIE};
 use crate::CoordinatorError;
-
-/// The cookie that carries the admin token for the dashboard.
-pub const COOKIE: &str = "cleave_admin";
 
 const PAGE: &str = include_str!("dashboard.html");
 
@@ -46,26 +44,6 @@ const CLOSED: &str = r#"<!doctype html>
 <body style="font:14px system-ui,sans-serif;margin:60px auto;max-width:420px">
 <h1>cleave</h1><p>The admin API is closed: start the coordinator with <code>--admin-token</code> to
 use the dashboard.</p></body></html>"#;
-
-/// The token a request presents: `Authorization: Bearer ...`, else the dashboard cookie.
-pub fn presented_token(req: &Request) -> Option<&str> {
-    let bearer = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    bearer.or_else(|| {
-        req.headers()
-            .get_all(header::COOKIE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|c| c.trim().split_once('='))
-            .find(|(k, _)| *k == COOKIE)
-            .map(|(_, v)| v)
-    })
-}
 
 /// `GET /dashboard`: the page for a valid token, else the sign-in form.
 pub async fn page(State(s): State<AdminState>, req: Request) -> Response {

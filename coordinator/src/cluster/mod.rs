@@ -16,6 +16,7 @@
 
 mod actuate;
 mod admin;
+mod admin_access;
 mod attempt;
 mod dashboard;
 mod history;
@@ -284,7 +285,7 @@ impl ClusterHandle {
 pub struct Cluster {
     handle: ClusterHandle,
     planner: PlannerHandle,
-    ready: watch::Receiver<crate::server::Readiness>,
+    ready: watch::Receiver<crate::state::Readiness>,
     control_addr: std::net::SocketAddr,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -351,7 +352,7 @@ impl Cluster {
     }
 
     /// Ok while at least one node can decode (what `/health` reports).
-    pub fn readiness(&self) -> watch::Receiver<crate::server::Readiness> {
+    pub fn readiness(&self) -> watch::Receiver<crate::state::Readiness> {
         self.ready.clone()
     }
 
@@ -365,7 +366,7 @@ async fn registry_actor(
     mut reg: Registry,
     mut rx: mpsc::Receiver<Cmd>,
     deaths: broadcast::Sender<u64>,
-    ready: watch::Sender<crate::server::Readiness>,
+    ready: watch::Sender<crate::state::Readiness>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -469,7 +470,7 @@ async fn registry_actor(
 }
 
 /// Records the pool gauges and publishes readiness (ready while any node can decode).
-fn publish_pools(reg: &Registry, ready: &watch::Sender<crate::server::Readiness>) {
+fn publish_pools(reg: &Registry, ready: &watch::Sender<crate::state::Readiness>) {
     let pools = reg.pools();
     record_pools(&pools);
     let now_ready =

@@ -346,7 +346,7 @@ impl<B: Backend> EngineCore<B> {
         };
         SeqState {
             sampler: Sampler::new(&params, fallback),
-            detok: self.tokenizer.incremental_decoder(&req.prompt),
+            detok: IncrementalDecoder::new(self.tokenizer.clone(), &req.prompt),
             stop: StopMatcher::new(req.stop.stop_strings.iter().cloned()),
             params: req.params,
             prompt: req.prompt,

@@ -286,7 +286,7 @@ impl Node {
         } else {
             l.queued_prefill_tokens > 0 || seqs > 0
         };
-        !(k.decode && seqs > 0) && !(k.prefill && prefill_left)
+        !(k.decode && seqs > 0 || k.prefill && prefill_left)
     }
 
     fn queued_prefill(&self) -> u64 {

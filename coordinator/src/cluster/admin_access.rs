@@ -1,0 +1,92 @@
+//! What the admin API and the dashboard share: the state their routes act on, how a request
+//! presents the admin token (bearer header, or the dashboard's cookie) and how it is checked,
+//! and a node as JSON. Its own module so that the admin routes and the dashboard, which each
+//! use the other's routes or checks, do not import each other.
+
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::http::header;
+use serde_json::{json, Value};
+
+use super::planning::PlannerHandle;
+use super::registry::NodeState;
+use super::ClusterHandle;
+
+/// The cookie that carries the admin token for the dashboard.
+pub const COOKIE: &str = "cleave_admin";
+
+/// What the admin routes act on.
+#[derive(Clone)]
+pub struct AdminState {
+    pub cluster: ClusterHandle,
+    pub planner: PlannerHandle,
+    /// None: the admin API is closed.
+    pub token: Option<Arc<str>>,
+}
+
+/// Whether `given` is the admin token.
+pub fn token_matches(given: &str, token: &str) -> bool {
+    same(given.as_bytes(), token.as_bytes())
+}
+
+/// Equal strings in time that does not depend on where they differ.
+pub(super) fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The token a request presents: `Authorization: Bearer ...`, else the dashboard cookie.
+pub fn presented_token(req: &Request) -> Option<&str> {
+    let bearer = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    bearer.or_else(|| {
+        req.headers()
+            .get_all(header::COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|c| c.trim().split_once('='))
+            .find(|(k, _)| *k == COOKIE)
+            .map(|(_, v)| v)
+    })
+}
+
+/// A node as the admin API and the dashboard show it.
+pub fn node_json(s: &NodeState) -> Value {
+    let l = &s.load;
+    json!({
+        "id": s.node.id,
+        "name": s.node.name,
+        "role": s.node.role.as_str(),
+        "state": s.lifecycle.as_str(),
+        "rpc_addr": s.node.rpc_addr.to_string(),
+        "metrics_addr": s.metrics_addr.map(|a| a.to_string()),
+        "model": s.model_name,
+        "step_budget": s.step_budget,
+        "report_age_ms": s.report_age.as_millis() as u64,
+        "cached_prefix_blocks": s.cached_prefix_blocks,
+        "active": { "prefill": s.active_prefill, "decode": s.active_decode },
+        "load": {
+            "queued_prefill_tokens": l.queued_prefill_tokens,
+            "waiting_seqs": l.waiting_seqs,
+            "running_seqs": l.running_seqs,
+            "free_blocks": l.free_blocks,
+            "cached_blocks": l.cached_blocks,
+            "total_blocks": l.total_blocks,
+        },
+        // Cumulative engine step timings: how fast the node really runs (what the planner
+        // calibrates its costs with, and what a simulator replay can be scaled by).
+        "steps": {
+            "prefill_tokens": l.steps.prefill_tokens,
+            "prefill_us": l.steps.prefill_us,
+            "decode_steps": l.steps.decode_steps,
+            "decode_seqs": l.steps.decode_seqs,
+            "decode_context": l.steps.decode_context,
+            "decode_us": l.steps.decode_us,
+        },
+    })
+}
