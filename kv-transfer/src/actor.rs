@@ -16,8 +16,10 @@
 //! A payload path that needs more than the streams (RDMA: link setup, link completions, blocks
 //! held until no write can land) is a [`RecvPath`] the actor holds and polls
 //! ([`ReceiverService::spawn_with_path`]); the actor carries out what it reports and hands it
-//! what the state machine says of linked leases, and knows nothing of links itself. Without one,
-//! an `Open` naming a link and a link offer are refused.
+//! what the state machine says of linked leases (`Effect::Bind`, whose answer, the lease's
+//! payload, goes back to the state machine; `Effect::Expect`; `Effect::Released` naming a link
+//! tag), and knows nothing of links itself. Without one, an `Open` naming a link and a link
+//! offer are refused.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -616,12 +618,12 @@ impl<S: KvSink> Actor<S> {
                         let _ = w.send(Ok(Completed { lease, request_id, blocks, first_token }));
                     }
                 }
-                Effect::Released { lease, request_id, blocks, error, rdma } => {
+                Effect::Released { lease, request_id, blocks, error, link } => {
                     tracing::warn!(%lease, %request_id, %error, "kv receiver: lease released");
                     m::record_failure("receiver", self.cfg.transport, &error);
-                    let blocks = match (rdma, self.path.as_mut()) {
-                        (Some((link, tag)), Some(path)) => {
-                            let (now_free, out) = path.release(link, tag, request_id, blocks, now());
+                    let blocks = match (link, self.path.as_mut()) {
+                        (Some(at), Some(path)) => {
+                            let (now_free, out) = path.release(at, request_id, blocks, now());
                             queue.extend(self.path_effects(out));
                             now_free
                         }
@@ -631,24 +633,24 @@ impl<S: KvSink> Actor<S> {
                         self.sink.release(request_id, &blocks);
                     }
                     // After the release: a waiter that sees the error finds the blocks free
-                    // (or, over RDMA, still counted reserved until no write can land).
+                    // (or, over a link, still counted reserved until no write can land).
                     if let Some(w) = self.waiters.remove(&lease) {
                         let _ = w.send(Err(error));
                     }
                 }
-                Effect::BindRdma { lease, link, stream, num_layers, deadline } => {
+                Effect::Bind { lease, link, stream, num_layers, deadline } => {
                     let peer = self.streams.get(&stream).and_then(|t| t.peer.as_deref());
-                    let tag = match self.path.as_mut() {
+                    let payload = match self.path.as_mut() {
                         Some(path) => path.bind(link, lease, num_layers, deadline, peer),
                         None => {
                             Err(KvTransferError::RdmaLink { link, reason: "this receiver takes no RDMA links".into() })
                         }
                     };
-                    queue.extend(self.sm.rdma_bound(lease, stream, tag));
+                    queue.extend(self.sm.bound(lease, stream, payload));
                 }
-                Effect::SetChunks { lease: _, link, tag, chunks } => {
+                Effect::Expect { lease: _, expect } => {
                     if let Some(path) = self.path.as_mut() {
-                        let out = path.set_chunks(link, tag, &chunks, now());
+                        let out = path.expect(expect, now());
                         queue.extend(self.path_effects(out));
                     }
                 }
@@ -673,7 +675,7 @@ impl<S: KvSink> Actor<S> {
                 PathOutput::Landed(lease) => {
                     let sink = &self.sink;
                     let before = self.sm.stats().bytes_written;
-                    fx.extend(self.sm.rdma_landed(lease, |blocks, n| {
+                    fx.extend(self.sm.landed(lease, |blocks, n| {
                         sink.landed_checksum(blocks, n.layer, n.token_start..n.token_start + n.token_count)
                     }));
                     let landed = self.sm.stats().bytes_written - before;

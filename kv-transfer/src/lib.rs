@@ -14,11 +14,12 @@
 //! - [`transport`]: the per-peer transport trait, which also gives each transfer its payload
 //!   path;
 //! - [`payload`]: the payload path as traits, [`payload::SendPath`] / [`payload::PayloadWriter`]
-//!   on the sender and [`payload::RecvPath`] on the receiver, with the stream implementation
-//!   ([`payload::StreamPath`]: chunk frames on the streams);
+//!   on the sender, [`payload::RecvPath`] on the receiver's actor and [`payload::LeasePayload`]
+//!   per lease in its state machine, with the stream implementations ([`payload::StreamPath`],
+//!   [`payload::StreamLease`]: chunk frames on the streams);
 //! - `rdma` (feature `rdma`): the RDMA implementation, one-sided RDMA WRITE WITH IMMEDIATE into
-//!   leased blocks over links (`rdma::RdmaTransport`, `ReceiverService::spawn_rdma`), the path a
-//!   ticket naming `TransportKind::Rdma` takes.
+//!   leased blocks over links (`rdma::RdmaTransport`, `ReceiverService::spawn_rdma`,
+//!   `rdma::RdmaLease`), the path a ticket naming `TransportKind::Rdma` takes.
 //!
 //! # Payload paths
 //!
@@ -29,13 +30,18 @@
 //! sends `Landed` notices the receiver checks against its pool. The sender, the actor and the
 //! transports talk to a path only through the [`payload`] traits and hold no RDMA branch; the
 //! RDMA code lives in `rdma/` behind the feature, and depends on the generic modules, never the
-//! reverse. The receiver's state machine keeps the wire-level bookkeeping of a lease whose
-//! payload travels over a link (its `Landed` notices in order, their checksums once the link
-//! says every write landed), in every build, so that its sans-IO tests cover it; what concerns
-//! the link itself (binding a lease to a tag, polling completions, quarantine, `Drained`,
-//! unknown links, which peer owns a link) is the RDMA module's [`payload::RecvPath`]. A build
-//! without the feature has no RDMA code, and its receiver refuses, loudly, an `Open` naming a
-//! link (`RdmaLink`: "this receiver takes no RDMA links") and a link offer (`Abort`).
+//! reverse. The receiver's state machine ([`receiver`]) holds each lease's payload as a
+//! [`payload::LeasePayload`], chosen at the lease's `Open`: an `Open` that names no link gets a
+//! [`payload::StreamLease`] (chunk frames checked for bounds, order and CRC, written through
+//! `Effect::Write`); one that names a link gets the payload the receiver's
+//! [`payload::RecvPath`] gives when it binds the lease to that link (over RDMA,
+//! `rdma::RdmaLease`: `Landed` notices in order, their checksums checked once the link says
+//! every write landed). The state machine's core (leases, expiry, cancel, completion, the one
+//! release) has no branch on the path. What concerns the link itself (binding a lease to a tag,
+//! polling completions, quarantine, `Drained`, unknown links, which peer owns a link) is the
+//! RDMA module's [`payload::RecvPath`]. A build without the feature has no RDMA code, and its
+//! receiver refuses, loudly, an `Open` naming a link (`RdmaLink`: "this receiver takes no RDMA
+//! links", since it has no path to bind it) and a link offer (`Abort`).
 //!
 //! # The handoff
 //!
@@ -106,7 +112,8 @@
 //! A duplicate chunk (tokens already received) is dropped and reported, not an error; a chunk
 //! or notice for a lease that already ended is late: dropped and reported. Over RDMA a
 //! duplicate notice is a gap (notices are numbered per layer) and a corrupt payload is found at
-//! `Complete`, once every write landed. A sender whose layout differs from the ticket refuses
+//! `Complete`, once every write landed (`rdma::RdmaLease`, notice by notice in
+//! `tests/rdma_lease.rs`). A sender whose layout differs from the ticket refuses
 //! locally in [`sender::KvSender::start`] and never opens a stream.
 //!
 //! Invariant checked by every fault test (`tests/faults.rs`, over every stream transport and,
@@ -132,7 +139,8 @@ pub use actor::{
     Completed, InProcessTransport, LeaseWaiter, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation,
 };
 pub use error::{KvTransferError, Result};
-pub use receiver::{KvWrite, ReceiverStats};
+pub use payload::KvWrite;
+pub use receiver::ReceiverStats;
 pub use sender::{ChunkSender, KvSender, LayerChunk, SendConfig, TransferReport};
 pub use sink::{KvSink, MemoryPool, Reserved};
 pub use transport::{NetTransport, Transport, TransportSet};

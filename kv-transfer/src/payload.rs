@@ -2,19 +2,27 @@
 //! a transfer's `Open`. The handoff itself (`Open` / `Accept` / `Complete` / `Ack` / `Abort`,
 //! leases, expiry) is the same on every path; what differs is where the payload travels:
 //!
-//! - the stream path ([`StreamPath`], every transport's default): chunk frames on the transfer's
-//!   streams, through the receiver, which checks each and writes it into the blocks
-//!   ([`crate::receiver`]);
-//! - the RDMA path (`rdma::send` and `rdma::handoff`, feature `rdma`): one-sided writes into
-//!   the leased blocks over a link, and `Landed` notices on one control stream, checked against
-//!   the pool once every write landed.
+//! - the stream path ([`StreamPath`] and [`StreamLease`], every transport's default): chunk
+//!   frames on the transfer's streams, through the receiver, which checks each and writes it
+//!   into the blocks ([`crate::receiver`]);
+//! - the RDMA path (`rdma::send`, `rdma::handoff` and `rdma::lease`, feature `rdma`): one-sided
+//!   writes into the leased blocks over a link, and `Landed` notices on one control stream,
+//!   checked against the pool once every write landed.
 //!
 //! A transport picks the path of each transfer ([`crate::Transport::send_path`]), so the ticket's
 //! [`cleave_protocol::TransportKind`] chooses it. The sender ([`crate::sender`]) drives it through
-//! [`SendPath`] and [`PayloadWriter`] and knows nothing of links. On the receiving side a path
-//! that needs more than the transfer's streams (link setup streams, link completions, blocks it
-//! must hold back) is a [`RecvPath`] that the receiver's actor holds; a receiver without one
-//! refuses an `Open` naming a link and a link offer, whatever the build.
+//! [`SendPath`] and [`PayloadWriter`] and knows nothing of links.
+//!
+//! On the receiving side the path has two halves:
+//! - per lease, a [`LeasePayload`] in the receiver's state machine, chosen at the lease's `Open`
+//!   ([`named_link`]): [`StreamLease`] for an `Open` naming no link (chunk frames checked for
+//!   bounds, order and CRC-32, handed out as [`KvWrite`]s), or the payload the receiver's path
+//!   gives when it binds the lease to the link the `Open` names (`rdma::RdmaLease`: `Landed`
+//!   notices, checked once the link says every group landed). Sans-IO, like the state machine;
+//! - per receiver, a [`RecvPath`] that the receiver's actor holds, for a path that needs more
+//!   than the transfer's streams (link setup streams, link completions, blocks it must hold
+//!   back). A receiver without one refuses an `Open` naming a link (it has nothing to bind the
+//!   lease with) and a link offer, whatever the build.
 //!
 //! Allowed dependencies: [`crate::frame`] and the error type; neither the sender, the receiver
 //! nor any transport (they depend on this module, not the reverse).
@@ -27,6 +35,9 @@
 //! - a [`SendPath`] dropped before [`SendPath::acknowledged`] leaves nothing behind that could
 //!   still change the receiver's blocks unannounced (RDMA: it cancels its writes and tells the
 //!   receiver once they drained);
+//! - a [`LeasePayload`] is [`LeasePayload::ready`] only once every token of every layer is in the
+//!   lease's blocks, checked; and it names its link ([`LeasePayload::link`]) for as long as a
+//!   write of it might land, so that the lease's release goes through its path;
 //! - a [`RecvPath`] frees a released lease's blocks only once no write of it can land, and counts
 //!   them in [`RecvPath::held_blocks`] until then (they stay in `reserved_blocks`).
 
@@ -37,11 +48,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_net::SendHalf;
-use cleave_protocol::{LeaseId, RequestId};
+use cleave_protocol::{KvLayout, LeaseId, RequestId};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
 
-use crate::frame::{checksum, encode_chunk_header, encode_control, write_control, ChunkHeader, Control, Frame};
+use crate::frame::{
+    check_chunk_lengths, checksum, encode_chunk_header, encode_control, write_control, ChunkHeader, Control, Frame,
+    Landed, Open,
+};
 use crate::{KvTransferError, Result};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -210,7 +224,183 @@ impl PayloadWriter for StreamWriter {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Receiving side.
+// Receiving side: one lease's payload, inside the receiver's state machine.
+
+/// One contiguous run of tokens of one layer, to be written into the lease's blocks.
+///
+/// `k` and `v` are each `token_count * num_kv_heads * head_dim` values of the layout's dtype,
+/// little-endian, token-major. Token `t` lives in block `blocks[t / block_size]` at slot
+/// `t % block_size`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvWrite {
+    pub lease: LeaseId,
+    pub request_id: RequestId,
+    pub blocks: Arc<[u32]>,
+    pub layer: u32,
+    pub token_start: u32,
+    pub token_count: u32,
+    pub k: Bytes,
+    pub v: Bytes,
+}
+
+/// The link an `Open` names (`Open::rdma_link`): its lease's payload then travels over that link
+/// of the receiver's [`RecvPath`], not in chunk frames on its streams.
+pub fn named_link(open: &Open) -> Option<u64> {
+    open.rdma_link
+}
+
+/// A lease's place on a link of the receiver's [`RecvPath`]: the link its `Open` named and the
+/// tag the path gave the lease there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LinkTag {
+    pub link: u64,
+    pub tag: u16,
+}
+
+/// What a linked payload asks its path once the sender's `Complete` came: report
+/// ([`PathOutput::Landed`]) once layer `l`'s `chunks[l]` write groups all landed on `at`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expect {
+    pub at: LinkTag,
+    pub chunks: Vec<u32>,
+}
+
+/// What a lease's payload may read of its lease.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseCx<'a> {
+    pub id: LeaseId,
+    pub request_id: RequestId,
+    /// The leased blocks, in position order.
+    pub blocks: &'a Arc<[u32]>,
+    pub num_tokens: u32,
+    /// The receiver's layout (the `Open` was checked against it).
+    pub layout: &'a KvLayout,
+}
+
+/// Computes a `Landed` notice's CRC-32 from what landed in the lease's blocks (given in position
+/// order), as [`crate::KvSink::landed_checksum`] does from the pool.
+pub type LandedCheck<'a> = &'a mut dyn FnMut(&[u32], &Landed) -> Result<u32>;
+
+/// One lease's payload as the receiver's state machine ([`crate::receiver`]) holds it, from the
+/// `Open` that chose it to the lease's end. It checks what arrives for the lease's payload; the
+/// lease table, expiry, cancellation, completion and the one release are the state machine's.
+/// An error from any method ends the lease with that error.
+///
+/// Two implementations: [`StreamLease`] (chunk frames through the receiver, chosen by an `Open`
+/// that names no link) and `rdma::RdmaLease` (feature `rdma`: the payload lands by itself, the
+/// streams carry `Landed` notices), which the RDMA [`RecvPath`] gives when it binds a lease to a
+/// link ([`RecvPath::bind`]).
+pub trait LeasePayload: Send {
+    /// The `Accept` that answers the lease's `Open`s: it tells the sender how to write.
+    fn accept(&self, lease: LeaseId) -> Control;
+    /// The link the payload travels over: while the path holds the lease's tag there, writes may
+    /// still land after the lease ended.
+    fn link(&self) -> Option<LinkTag>;
+    /// A chunk frame for the lease: the write to carry out, or `None` for a duplicate (its
+    /// tokens already arrived: dropped and reported).
+    fn chunk(&mut self, cx: &LeaseCx<'_>, h: ChunkHeader, k: Bytes, v: Bytes) -> Result<Option<KvWrite>>;
+    /// A `Landed` notice for the lease.
+    fn notice(&mut self, cx: &LeaseCx<'_>, n: Landed) -> Result<()>;
+    /// The sender's `Complete` (the first; a second one is the state machine's error). `Some`:
+    /// the path must first report that every write landed ([`crate::receiver::Effect::Expect`]).
+    fn complete(&mut self, cx: &LeaseCx<'_>) -> Result<Option<Expect>>;
+    /// The path reported that every write landed: checks it all against the blocks and returns
+    /// the bytes it verified.
+    fn landed(&mut self, cx: &LeaseCx<'_>, check: LandedCheck<'_>) -> Result<u64>;
+    /// Every token of every layer is in the blocks, checked: the lease completes once the
+    /// sender's `Complete` came too.
+    fn ready(&self) -> bool;
+}
+
+/// The stream payload of a lease: chunk frames on its streams, each checked (bounds, order,
+/// CRC-32) and handed out as one [`KvWrite`].
+///
+/// Invariant: for every layer, tokens `[0, next[layer])` were handed out exactly once, in token
+/// order, each with a verified checksum; nothing else was.
+#[derive(Debug, Clone)]
+pub struct StreamLease {
+    /// Next expected token per layer.
+    next: Vec<u32>,
+    /// Layers that hold every token.
+    layers_done: u32,
+}
+
+impl StreamLease {
+    pub fn new(num_layers: u32) -> Self {
+        Self { next: vec![0; num_layers as usize], layers_done: 0 }
+    }
+}
+
+impl LeasePayload for StreamLease {
+    fn accept(&self, lease: LeaseId) -> Control {
+        Control::Accept { lease_id: lease, rdma_tag: None }
+    }
+
+    fn link(&self) -> Option<LinkTag> {
+        None
+    }
+
+    fn chunk(&mut self, cx: &LeaseCx<'_>, h: ChunkHeader, k: Bytes, v: Bytes) -> Result<Option<KvWrite>> {
+        let id = cx.id;
+        check_chunk_lengths(&h, k.len() + v.len(), Some(cx.layout))?;
+        let end = h.token_start as u64 + h.token_count as u64;
+        if end > cx.num_tokens as u64 {
+            return Err(KvTransferError::ChunkOutOfBounds {
+                lease: id,
+                reason: format!("layer {} tokens {}..{end} past {}", h.layer, h.token_start, cx.num_tokens),
+            });
+        }
+        let next = self.next[h.layer as usize];
+        if end as u32 <= next {
+            return Ok(None);
+        }
+        if h.token_start != next {
+            return Err(KvTransferError::ChunkGap { lease: id, layer: h.layer, expected: next, got: h.token_start });
+        }
+        let got = checksum(&k, &v);
+        if got != h.crc32 {
+            return Err(KvTransferError::ChecksumMismatch {
+                lease: id,
+                layer: h.layer,
+                token_start: h.token_start,
+                token_count: h.token_count,
+                expected: h.crc32,
+                got,
+            });
+        }
+        self.next[h.layer as usize] = end as u32;
+        if end as u32 == cx.num_tokens {
+            self.layers_done += 1;
+        }
+        Ok(Some(KvWrite {
+            lease: id,
+            request_id: cx.request_id,
+            blocks: cx.blocks.clone(),
+            layer: h.layer,
+            token_start: h.token_start,
+            token_count: h.token_count,
+            k,
+            v,
+        }))
+    }
+
+    fn notice(&mut self, cx: &LeaseCx<'_>, _n: Landed) -> Result<()> {
+        Err(KvTransferError::Protocol { reason: format!("a Landed notice for {}, not an RDMA lease", cx.id) })
+    }
+
+    fn complete(&mut self, _cx: &LeaseCx<'_>) -> Result<Option<Expect>> {
+        Ok(None)
+    }
+
+    /// Nothing lands by itself on the streams (no path reports for a stream lease).
+    fn landed(&mut self, _cx: &LeaseCx<'_>, _check: LandedCheck<'_>) -> Result<u64> {
+        Ok(0)
+    }
+
+    fn ready(&self) -> bool {
+        self.layers_done as usize == self.next.len()
+    }
+}
 
 /// What a [`RecvPath`] reports, for the receiver's actor to carry out in order.
 #[derive(Debug)]
@@ -230,8 +420,9 @@ pub enum PathOutput {
 }
 
 /// The receiving side of a payload path that needs more than the transfer's streams, owned by
-/// the receiver's actor (no task of its own: the actor polls it). The lease state machine names
-/// a lease's link and tag (`Effect::BindRdma`, `SetChunks`, `Released`); this is where they go.
+/// the receiver's actor (no task of its own: the actor polls it). The lease state machine asks
+/// for a lease's binding to a link (`Effect::Bind`), for what to expect of it (`Effect::Expect`)
+/// and names its tag when it releases it (`Effect::Released`); this is where they go.
 pub trait RecvPath: Send {
     /// When the actor should call [`RecvPath::poll`] next; `None`: nothing to poll for.
     fn next_poll(&self, now: Instant) -> Option<Instant>;
@@ -248,7 +439,9 @@ pub trait RecvPath: Send {
         now: Instant,
     ) -> std::result::Result<Vec<PathOutput>, StreamItem>;
     /// An `Open` from `peer` named `link`: opens the lease (of `num_layers` layers, until
-    /// `deadline`) on it; the tag goes back to the sender in the `Accept`.
+    /// `deadline`) on it and gives the lease's payload (its tag goes back to the sender in the
+    /// `Accept`). An error whose abort code is `UnknownLink` refuses the stream but keeps the
+    /// lease, for the sender to open again over a new link.
     fn bind(
         &mut self,
         link: u64,
@@ -256,16 +449,15 @@ pub trait RecvPath: Send {
         num_layers: u32,
         deadline: Instant,
         peer: Option<&str>,
-    ) -> Result<u16>;
-    /// Every notice of a bound lease arrived with its `Complete`: layer `l` has `chunks[l]` write
-    /// groups. Its `Landed` (or `Failed`) comes once they all arrived.
-    fn set_chunks(&mut self, link: u64, tag: u16, chunks: &[u32], now: Instant) -> Vec<PathOutput>;
+    ) -> Result<Box<dyn LeasePayload>>;
+    /// Every notice of a bound lease arrived with its `Complete`: what to expect. Its `Landed`
+    /// (or `Failed`) comes once it all arrived.
+    fn expect(&mut self, expect: Expect, now: Instant) -> Vec<PathOutput>;
     /// A bound lease was released: its blocks back when they may be freed now, else `None` (held
     /// until no write can land; a `Free` reports them then).
     fn release(
         &mut self,
-        link: u64,
-        tag: u16,
+        at: LinkTag,
         request_id: RequestId,
         blocks: Vec<u32>,
         now: Instant,

@@ -4,13 +4,32 @@
 //! [`Effect`]s for a driver to carry out ([`crate::actor`] in a node, the tests directly). The
 //! ownership rules it implements are the state machine in the crate docs ([`crate`]).
 //!
+//! The core here holds what every payload path shares: the lease table, which stream is bound
+//! to which lease, expiry, cancellation, `Complete` / `Ack`, and the one release of each lease.
+//! What arrives for a lease's payload is checked by the lease's [`LeasePayload`], chosen at its
+//! first accepted `Open`: an `Open` that names no link gets a [`StreamLease`] (chunk frames,
+//! checked and handed out as [`Effect::Write`]s); one that names a link is bound by the driver's
+//! payload path ([`Effect::Bind`], [`Receiver::bound`]), which gives the lease's payload for that
+//! link (over RDMA: `Landed` notices, checked once the link reports every write landed,
+//! [`Effect::Expect`], [`Receiver::landed`]). The core has no branch on the kind of path.
+//!
+//! Each lease holds its payload as a `Box<dyn LeasePayload>` rather than the receiver taking a
+//! generic parameter: the choice is made per lease at run time (one receiver serves stream and
+//! linked leases side by side), the linked implementation comes from the driver's path (behind a
+//! feature), and a type parameter would run through the actor, the service and every test to
+//! save one allocation per handoff.
+//!
 //! Invariants:
 //! - a lease's blocks appear in exactly one terminal effect: [`Effect::Completed`] (they now
 //!   belong to the decode request) or [`Effect::Released`] (they go back to the pool), and
 //!   after it the lease is gone from the table;
-//! - for every live lease and layer, tokens `[0, next[layer])` have been handed out as
-//!   [`Effect::Write`]s exactly once, in token order, each with a verified checksum;
-//! - no `Write` is emitted before the stream's `Open` passed the layout check;
+//! - a lease completes only once its sender sent `Complete` and its payload is
+//!   [`LeasePayload::ready`] (every layer of every token in the blocks, checked);
+//! - no `Write` is emitted before the stream's `Open` passed the layout check, and none for a
+//!   lease after its terminal effect;
+//! - a lease's payload is chosen once: an `Open` naming a link binds it only while the lease has
+//!   no stream, and a lease over a link takes no second `Open` (until the path refuses the link
+//!   as unknown: then the lease is as before that `Open`);
 //! - `reserved_blocks()` is the sum of the block counts of live leases.
 
 use std::collections::HashMap;
@@ -20,27 +39,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId};
 
-use crate::frame::{check_chunk_lengths, checksum, run_bytes, AbortCode, ChunkHeader, Control, Frame, Landed, Open};
+use crate::frame::{AbortCode, ChunkHeader, Control, Frame, Landed, Open};
+use crate::payload::{named_link, Expect, LeaseCx, LeasePayload, LinkTag, StreamLease};
 use crate::{KvTransferError, Result};
 
-pub use crate::payload::StreamId;
-
-/// One contiguous run of tokens of one layer, to be written into the lease's blocks.
-///
-/// `k` and `v` are each `token_count * num_kv_heads * head_dim` values of the layout's dtype,
-/// little-endian, token-major. Token `t` lives in block `blocks[t / block_size]` at slot
-/// `t % block_size`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvWrite {
-    pub lease: LeaseId,
-    pub request_id: RequestId,
-    pub blocks: Arc<[u32]>,
-    pub layer: u32,
-    pub token_start: u32,
-    pub token_count: u32,
-    pub k: Bytes,
-    pub v: Bytes,
-}
+pub use crate::payload::{KvWrite, StreamId};
 
 /// What the driver must do after an input.
 #[derive(Debug)]
@@ -54,23 +57,17 @@ pub enum Effect {
     /// Every layer of every token arrived and the sender said it is done: the blocks now belong
     /// to the decode request.
     Completed { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, first_token: u32 },
-    /// The lease ended without completing: the blocks go back to the pool. `rdma`: the lease
-    /// was bound to this (link, tag); if the link still holds the tag, writes may still land,
-    /// so the blocks go back only once the path reports the tag safe (see [`crate::payload::RecvPath`]).
-    Released {
-        lease: LeaseId,
-        request_id: RequestId,
-        blocks: Vec<u32>,
-        error: KvTransferError,
-        rdma: Option<(u64, u16)>,
-    },
-    /// An `Open` named RDMA link `link`: open a lease of `num_layers` layers on it (until
-    /// `deadline`) and report the tag with [`Receiver::rdma_bound`].
-    BindRdma { lease: LeaseId, link: u64, stream: StreamId, num_layers: u32, deadline: Instant },
-    /// Every notice of an RDMA lease arrived and the sender sent `Complete`: tell the link that
-    /// layer `l` has `chunks[l]` write groups; its `Done` comes once they all landed, then call
-    /// [`Receiver::rdma_landed`].
-    SetChunks { lease: LeaseId, link: u64, tag: u16, chunks: Vec<u32> },
+    /// The lease ended without completing: the blocks go back to the pool. `link`: the lease was
+    /// bound to this tag of a link; if the path still holds the tag, writes may still land, so
+    /// the blocks go back only once the path reports the tag safe (see
+    /// [`crate::payload::RecvPath`]).
+    Released { lease: LeaseId, request_id: RequestId, blocks: Vec<u32>, error: KvTransferError, link: Option<LinkTag> },
+    /// An `Open` named link `link` of the driver's payload path: have the path open a lease of
+    /// `num_layers` layers on it (until `deadline`) and hand its answer to [`Receiver::bound`].
+    Bind { lease: LeaseId, link: u64, stream: StreamId, num_layers: u32, deadline: Instant },
+    /// The sender's `Complete` came for a lease whose payload lands by itself: tell its path
+    /// what to expect; once it all landed the path says so, then call [`Receiver::landed`].
+    Expect { lease: LeaseId, expect: Expect },
     /// A chunk that was dropped without being written (a duplicate, or late for a lease that is
     /// gone), reported for metrics and logs.
     Dropped { stream: StreamId, lease: LeaseId, layer: u32, token_start: u32, why: DropReason },
@@ -112,27 +109,40 @@ struct Lease {
     blocks: Arc<[u32]>,
     num_tokens: u32,
     expires_at: Instant,
-    /// Next expected token per layer.
-    next: Vec<u32>,
-    layers_done: u32,
     /// First token and the stream that sent Complete (the Ack goes there).
     complete: Option<(u32, StreamId)>,
     streams: Vec<StreamId>,
-    /// Set when the payload travels over an RDMA link.
-    rdma: Option<RdmaLease>,
+    /// How the payload reaches the blocks, chosen at the first accepted `Open`. `None` before
+    /// it, and while the path binds the link an `Open` named (see [`Lease::binding`]).
+    payload: Option<Box<dyn LeasePayload>>,
 }
 
-/// An RDMA lease's side of the handoff: the payload lands by itself; the stream carries a
-/// [`Landed`] notice per (layer, chunk) group, checked against the pool once every group landed.
-struct RdmaLease {
-    link: u64,
-    /// The link's tag, once [`Receiver::rdma_bound`] reported it.
-    tag: Option<u16>,
-    notices: Vec<Landed>,
-    /// Notices so far per layer (the next expected chunk index).
-    chunks: Vec<u32>,
-    /// The link reported every group landed and every checksum matched.
-    verified: bool,
+impl Lease {
+    /// An `Open` named a link and the path has not answered yet (a stream is bound, but no
+    /// payload chosen).
+    fn binding(&self) -> bool {
+        self.payload.is_none() && !self.streams.is_empty()
+    }
+
+    /// Whether the payload travels over a link (or is being bound to one).
+    fn linked(&self) -> bool {
+        self.binding() || self.payload.as_ref().is_some_and(|p| p.link().is_some())
+    }
+
+    /// The payload (if chosen) and what it may read of the lease.
+    fn split<'a>(
+        &'a mut self,
+        id: LeaseId,
+        layout: &'a KvLayout,
+    ) -> (Option<&'a mut Box<dyn LeasePayload>>, LeaseCx<'a>) {
+        let cx = LeaseCx { id, request_id: self.request_id, blocks: &self.blocks, num_tokens: self.num_tokens, layout };
+        (self.payload.as_mut(), cx)
+    }
+}
+
+/// A frame for a lease's payload while the path is still binding it.
+fn unbound(id: LeaseId) -> KvTransferError {
+    KvTransferError::Protocol { reason: format!("a payload frame for {id} before its Accept") }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,11 +205,9 @@ impl Receiver {
                 blocks: spec.blocks.into(),
                 num_tokens: spec.num_tokens,
                 expires_at: now + spec.ttl,
-                next: vec![0; self.layout.num_layers as usize],
-                layers_done: 0,
                 complete: None,
                 streams: Vec::new(),
-                rdma: None,
+                payload: None,
             },
         );
         Ok(id)
@@ -253,22 +261,10 @@ impl Receiver {
             Frame::Chunk { header, k, v } => self.on_chunk(now, stream, state, header, k, v, &mut fx),
             Frame::Control(Control::Complete { lease_id, first_token }) => {
                 if let Some(id) = self.bound_lease(stream, state, lease_id, &mut fx) {
-                    // Bound streams always name a live lease (release unbinds them).
-                    let Some(lease) = self.leases.get_mut(&id) else { return fx };
-                    if lease.complete.is_some() {
-                        let err = KvTransferError::Protocol { reason: format!("second Complete for {id}") };
-                        self.release(id, err, &mut fx);
-                    } else {
-                        lease.complete = Some((first_token, stream));
-                        if lease.rdma.is_some() {
-                            self.rdma_complete(id, &mut fx);
-                        } else {
-                            self.maybe_complete(id, &mut fx);
-                        }
-                    }
+                    self.on_complete(id, first_token, stream, &mut fx);
                 }
             }
-            Frame::Control(Control::Landed(n)) => self.on_landed(stream, state, n, &mut fx),
+            Frame::Control(Control::Landed(n)) => self.on_notice(stream, state, n, &mut fx),
             Frame::Control(Control::Abort { lease_id, code, reason }) => {
                 if let StreamState::Bound(id) = state {
                     if id == lease_id {
@@ -321,6 +317,7 @@ impl Receiver {
             self.release(open.lease_id, KvTransferError::LeaseExpired { lease: open.lease_id }, fx);
             return;
         }
+        let link = named_link(&open);
         let mismatch = layout_mismatch(&self.layout, &open.layout).or_else(|| {
             if open.request_id != lease.request_id {
                 Some(KvTransferError::InvalidRequest {
@@ -333,13 +330,13 @@ impl Receiver {
                         open.lease_id, lease.num_tokens, open.num_tokens
                     ),
                 })
-            } else if open.rdma_link.is_some() && (open.stream_count != 1 || !lease.streams.is_empty()) {
+            } else if link.is_some() && (open.stream_count != 1 || !lease.streams.is_empty()) {
                 Some(KvTransferError::Protocol {
-                    reason: format!("an RDMA handoff of {} uses exactly one control stream", open.lease_id),
+                    reason: format!("a handoff of {} over a link uses exactly one control stream", open.lease_id),
                 })
-            } else if lease.rdma.is_some() {
+            } else if lease.linked() {
                 Some(KvTransferError::Protocol {
-                    reason: format!("a second Open for {}, whose payload travels over RDMA", open.lease_id),
+                    reason: format!("a second Open for {}, whose payload travels over a link", open.lease_id),
                 })
             } else {
                 None
@@ -354,43 +351,41 @@ impl Receiver {
         }
         lease.streams.push(stream);
         self.streams.insert(stream, StreamState::Bound(open.lease_id));
-        match open.rdma_link {
-            None => fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: open.lease_id, rdma_tag: None } }),
-            Some(link) => {
-                let layers = self.layout.num_layers as usize;
-                lease.rdma =
-                    Some(RdmaLease { link, tag: None, notices: Vec::new(), chunks: vec![0; layers], verified: false });
-                fx.push(Effect::BindRdma {
-                    lease: open.lease_id,
-                    link,
-                    stream,
-                    num_layers: self.layout.num_layers,
-                    deadline: lease.expires_at,
-                });
+        match link {
+            None => {
+                let layers = self.layout.num_layers;
+                let payload = lease.payload.get_or_insert_with(|| Box::new(StreamLease::new(layers)));
+                fx.push(Effect::Send { stream, msg: payload.accept(open.lease_id) });
             }
+            Some(link) => fx.push(Effect::Bind {
+                lease: open.lease_id,
+                link,
+                stream,
+                num_layers: self.layout.num_layers,
+                deadline: lease.expires_at,
+            }),
         }
     }
 
-    /// The driver's answer to [`Effect::BindRdma`]: the lease's tag on the link, or why the link
-    /// could not take it (unknown link, no free tag, broken queue pair).
-    pub fn rdma_bound(&mut self, lease: LeaseId, stream: StreamId, tag: Result<u16>) -> Vec<Effect> {
+    /// The driver's answer to [`Effect::Bind`]: the lease's payload on the link, or why the link
+    /// could not take it (unknown link, no free tag, broken link, no path at all).
+    pub fn bound(&mut self, lease: LeaseId, stream: StreamId, payload: Result<Box<dyn LeasePayload>>) -> Vec<Effect> {
         let mut fx = Vec::new();
         let Some(l) = self.leases.get_mut(&lease) else { return fx };
-        let Some(r) = l.rdma.as_mut().filter(|r| r.tag.is_none()) else {
-            let err = KvTransferError::Protocol { reason: format!("an RDMA tag for {lease}, which awaits none") };
+        if !l.binding() {
+            let err = KvTransferError::Protocol { reason: format!("a link binding for {lease}, which awaits none") };
             self.release(lease, err, &mut fx);
             return fx;
-        };
-        match tag {
-            Ok(tag) => {
-                r.tag = Some(tag);
-                fx.push(Effect::Send { stream, msg: Control::Accept { lease_id: lease, rdma_tag: Some(tag) } });
+        }
+        match payload {
+            Ok(payload) => {
+                fx.push(Effect::Send { stream, msg: payload.accept(lease) });
+                l.payload = Some(payload);
             }
             // A link this receiver does not know (a sender's stale id after a restart or a
             // dropped link): the stream is refused but the lease stays, for the sender to open
             // again over a new link. Nothing was written, so nothing needs freeing.
-            Err(err @ KvTransferError::RdmaUnknownLink { .. }) => {
-                l.rdma = None;
+            Err(err) if AbortCode::of(&err) == AbortCode::UnknownLink => {
                 l.streams.retain(|s| *s != stream);
                 self.streams.remove(&stream);
                 let msg = Control::Abort { lease_id: lease, code: AbortCode::of(&err), reason: err.to_string() };
@@ -402,111 +397,56 @@ impl Receiver {
         fx
     }
 
-    fn on_landed(&mut self, stream: StreamId, state: StreamState, n: Landed, fx: &mut Vec<Effect>) {
+    /// The path reported that every write of `lease` landed: its payload checks what it was
+    /// told against what landed (`check` computes a notice's checksum from the pool) and the
+    /// lease completes.
+    pub fn landed(&mut self, lease: LeaseId, mut check: impl FnMut(&[u32], &Landed) -> Result<u32>) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let Some(l) = self.leases.get_mut(&lease) else { return fx };
+        let (Some(payload), cx) = l.split(lease, &self.layout) else { return fx };
+        match payload.landed(&cx, &mut check) {
+            Ok(bytes) => {
+                self.stats.bytes_written += bytes;
+                self.maybe_complete(lease, &mut fx);
+            }
+            Err(err) => self.release(lease, err, &mut fx),
+        }
+        fx
+    }
+
+    fn on_complete(&mut self, id: LeaseId, first_token: u32, stream: StreamId, fx: &mut Vec<Effect>) {
+        // Bound streams always name a live lease (release unbinds them).
+        let Some(lease) = self.leases.get_mut(&id) else { return };
+        if lease.complete.is_some() {
+            let err = KvTransferError::Protocol { reason: format!("second Complete for {id}") };
+            self.release(id, err, fx);
+            return;
+        }
+        lease.complete = Some((first_token, stream));
+        let r = match lease.split(id, &self.layout) {
+            (Some(payload), cx) => payload.complete(&cx),
+            (None, _) => Err(unbound(id)),
+        };
+        match r {
+            Ok(None) => self.maybe_complete(id, fx),
+            Ok(Some(expect)) => fx.push(Effect::Expect { lease: id, expect }),
+            Err(err) => self.release(id, err, fx),
+        }
+    }
+
+    fn on_notice(&mut self, stream: StreamId, state: StreamState, n: Landed, fx: &mut Vec<Effect>) {
         if self.dropped_late(stream, state, n.lease_id, n.layer, n.token_start, fx) {
             return;
         }
         let Some(id) = self.bound_lease(stream, state, n.lease_id, fx) else { return };
         let Some(lease) = self.leases.get_mut(&id) else { return };
-        let end = n.token_start as u64 + n.token_count as u64;
-        let err = match lease.rdma.as_mut() {
-            None => Some(KvTransferError::Protocol { reason: format!("a Landed notice for {id}, not an RDMA lease") }),
-            Some(r) if r.tag.is_none() || lease.complete.is_some() => Some(KvTransferError::Protocol {
-                reason: format!("a Landed notice for {id} before its Accept or after its Complete"),
-            }),
-            Some(_) if n.layer >= self.layout.num_layers || n.token_count == 0 || end > lease.num_tokens as u64 => {
-                Some(KvTransferError::ChunkOutOfBounds {
-                    lease: id,
-                    reason: format!("layer {} tokens {}..{end} of {}", n.layer, n.token_start, lease.num_tokens),
-                })
-            }
-            Some(_) if n.token_start != lease.next[n.layer as usize] => Some(KvTransferError::ChunkGap {
-                lease: id,
-                layer: n.layer,
-                expected: lease.next[n.layer as usize],
-                got: n.token_start,
-            }),
-            Some(r) if n.chunk != r.chunks[n.layer as usize] => Some(KvTransferError::Protocol {
-                reason: format!(
-                    "{id} layer {}: notice of chunk {}, chunk {} expected",
-                    n.layer, n.chunk, r.chunks[n.layer as usize]
-                ),
-            }),
-            Some(r) => {
-                r.chunks[n.layer as usize] += 1;
-                r.notices.push(n);
-                lease.next[n.layer as usize] = end as u32;
-                if end as u32 == lease.num_tokens {
-                    lease.layers_done += 1;
-                }
-                None
-            }
+        let r = match lease.split(id, &self.layout) {
+            (Some(payload), cx) => payload.notice(&cx, n),
+            (None, _) => Err(unbound(id)),
         };
-        if let Some(err) = err {
+        if let Err(err) = r {
             self.release(id, err, fx);
         }
-    }
-
-    /// `Complete` on an RDMA lease: every layer must have every token (in any number of chunks:
-    /// a preempted prefill may have chunked its layers differently).
-    fn rdma_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
-        let Some(lease) = self.leases.get(&id) else { return };
-        let Some(r) = lease.rdma.as_ref() else { return };
-        let short = lease.next.iter().enumerate().find(|(_, n)| **n != lease.num_tokens);
-        let err = short.map(|(layer, next)| KvTransferError::ChunkGap {
-            lease: id,
-            layer: layer as u32,
-            expected: *next,
-            got: lease.num_tokens,
-        });
-        match (err, r.tag) {
-            (Some(err), _) => self.release(id, err, fx),
-            (None, Some(tag)) => fx.push(Effect::SetChunks { lease: id, link: r.link, tag, chunks: r.chunks.clone() }),
-            (None, None) => {}
-        }
-    }
-
-    /// The link reported every write group of `lease` landed: checks each notice's checksum
-    /// against what landed (`landed(blocks, notice)` computes it from the pool) and completes.
-    pub fn rdma_landed(
-        &mut self,
-        lease: LeaseId,
-        mut landed: impl FnMut(&[u32], &Landed) -> Result<u32>,
-    ) -> Vec<Effect> {
-        let mut fx = Vec::new();
-        let Some(l) = self.leases.get_mut(&lease) else { return fx };
-        let Some(r) = l.rdma.as_mut() else { return fx };
-        let mut failure = None;
-        for n in &r.notices {
-            match landed(&l.blocks, n) {
-                Ok(got) if got == n.crc32 => {}
-                Ok(got) => {
-                    failure = Some(KvTransferError::ChecksumMismatch {
-                        lease,
-                        layer: n.layer,
-                        token_start: n.token_start,
-                        token_count: n.token_count,
-                        expected: n.crc32,
-                        got,
-                    });
-                    break;
-                }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        match failure {
-            Some(err) => self.release(lease, err, &mut fx),
-            None => {
-                r.verified = true;
-                let tokens: u64 = r.notices.iter().map(|n| n.token_count as u64).sum();
-                self.stats.bytes_written += 2 * tokens * run_bytes(&self.layout, 1) as u64;
-                self.maybe_complete(lease, &mut fx);
-            }
-        }
-        fx
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -525,74 +465,30 @@ impl Receiver {
             return;
         }
         let Some(id) = self.bound_lease(stream, state, h.lease_id, fx) else { return };
-        if self.leases.get(&id).is_some_and(|l| l.rdma.is_some()) {
-            let err = KvTransferError::Protocol {
-                reason: format!("a payload chunk for {id}, whose payload travels over RDMA"),
-            };
-            self.release(id, err, fx);
-            return;
-        }
-        if let Err(err) = check_chunk_lengths(&h, k.len() + v.len(), Some(&self.layout)) {
-            self.release(id, err, fx);
-            return;
-        }
         // Bound streams always name a live lease (release unbinds them).
         let Some(lease) = self.leases.get_mut(&id) else { return };
-        let end = h.token_start as u64 + h.token_count as u64;
-        if end > lease.num_tokens as u64 {
-            let err = KvTransferError::ChunkOutOfBounds {
-                lease: id,
-                reason: format!("layer {} tokens {}..{end} past {}", h.layer, h.token_start, lease.num_tokens),
-            };
-            self.release(id, err, fx);
-            return;
+        let r = match lease.split(id, &self.layout) {
+            (Some(payload), cx) => payload.chunk(&cx, h, k, v),
+            (None, _) => Err(unbound(id)),
+        };
+        match r {
+            Ok(Some(w)) => {
+                self.stats.bytes_written += (w.k.len() + w.v.len()) as u64;
+                fx.push(Effect::Write(w));
+                self.maybe_complete(id, fx);
+            }
+            Ok(None) => {
+                self.stats.duplicates_dropped += 1;
+                fx.push(Effect::Dropped {
+                    stream,
+                    lease: id,
+                    layer: h.layer,
+                    token_start: h.token_start,
+                    why: DropReason::Duplicate,
+                });
+            }
+            Err(err) => self.release(id, err, fx),
         }
-        let next = lease.next[h.layer as usize];
-        if end as u32 <= next {
-            self.stats.duplicates_dropped += 1;
-            fx.push(Effect::Dropped {
-                stream,
-                lease: id,
-                layer: h.layer,
-                token_start: h.token_start,
-                why: DropReason::Duplicate,
-            });
-            return;
-        }
-        if h.token_start != next {
-            let err = KvTransferError::ChunkGap { lease: id, layer: h.layer, expected: next, got: h.token_start };
-            self.release(id, err, fx);
-            return;
-        }
-        let got = checksum(&k, &v);
-        if got != h.crc32 {
-            let err = KvTransferError::ChecksumMismatch {
-                lease: id,
-                layer: h.layer,
-                token_start: h.token_start,
-                token_count: h.token_count,
-                expected: h.crc32,
-                got,
-            };
-            self.release(id, err, fx);
-            return;
-        }
-        lease.next[h.layer as usize] = end as u32;
-        if end as u32 == lease.num_tokens {
-            lease.layers_done += 1;
-        }
-        self.stats.bytes_written += (k.len() + v.len()) as u64;
-        fx.push(Effect::Write(KvWrite {
-            lease: id,
-            request_id: lease.request_id,
-            blocks: lease.blocks.clone(),
-            layer: h.layer,
-            token_start: h.token_start,
-            token_count: h.token_count,
-            k,
-            v,
-        }));
-        self.maybe_complete(id, fx);
     }
 
     /// A chunk or notice on an unbound stream for a lease that is gone is late: dropped quietly
@@ -645,7 +541,7 @@ impl Receiver {
     fn maybe_complete(&mut self, id: LeaseId, fx: &mut Vec<Effect>) {
         let Some(lease) = self.leases.get(&id) else { return };
         let Some((first_token, ack_stream)) = lease.complete else { return };
-        if lease.layers_done != self.layout.num_layers || lease.rdma.as_ref().is_some_and(|r| !r.verified) {
+        if !lease.payload.as_ref().is_some_and(|p| p.ready()) {
             return;
         }
         let Some(lease) = self.leases.remove(&id) else { return };
@@ -672,13 +568,13 @@ impl Receiver {
             self.streams.remove(s);
         }
         self.stats.released += 1;
-        let rdma = lease.rdma.and_then(|r| Some((r.link, r.tag?)));
+        let link = lease.payload.as_ref().and_then(|p| p.link());
         fx.push(Effect::Released {
             lease: id,
             request_id: lease.request_id,
             blocks: lease.blocks.to_vec(),
             error,
-            rdma,
+            link,
         });
     }
 

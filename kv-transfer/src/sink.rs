@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use cleave_protocol::{KvLayout, RequestId};
 
-use crate::receiver::KvWrite;
+use crate::payload::KvWrite;
 use crate::{KvTransferError, Result};
 
 /// A reservation's answer: now (a pool in this thread's reach), or a future the receiver's actor

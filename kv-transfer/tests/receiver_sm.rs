@@ -5,7 +5,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use cleave_kv_transfer::frame::{AbortCode, Control, Frame, Landed, Open};
+use bytes::Bytes;
+use cleave_kv_transfer::frame::{AbortCode, ChunkHeader, Control, Frame, Landed, Open};
+use cleave_kv_transfer::payload::{Expect, KvWrite, LandedCheck, LeaseCx, LeasePayload, LinkTag};
 use cleave_kv_transfer::receiver::{DropReason, Effect, LeaseSpec, Receiver};
 use cleave_kv_transfer::KvTransferError;
 use cleave_protocol::{KvDtype, LeaseId, RequestId};
@@ -293,9 +295,10 @@ fn lease_spec_must_fit_its_tokens() {
     assert_eq!(r.reserved_blocks(), 0);
 }
 
-// --- RDMA leases: notices on the stream, payload in the pool ---
+// --- Leases over a link: the core's side, with a stand-in for a path's payload ---
+// (The RDMA payload itself, notice by notice, is tests/rdma_lease.rs, feature `rdma`.)
 
-fn open_rdma(lease: LeaseId, num_tokens: u32, stream_count: u16) -> Frame {
+fn open_linked(lease: LeaseId, num_tokens: u32, stream_count: u16) -> Frame {
     Frame::Control(Control::Open(Open {
         request_id: RequestId(7),
         lease_id: lease,
@@ -308,138 +311,180 @@ fn open_rdma(lease: LeaseId, num_tokens: u32, stream_count: u16) -> Frame {
 }
 
 fn notice(lease: LeaseId, layer: u32, token_start: u32, token_count: u32, chunk: u32) -> Frame {
-    Frame::Control(Control::Landed(Landed {
-        lease_id: lease,
-        layer,
-        token_start,
-        token_count,
-        chunk,
-        crc32: 0x1000 * layer + token_start,
-    }))
+    Frame::Control(Control::Landed(Landed { lease_id: lease, layer, token_start, token_count, chunk, crc32: 0 }))
 }
 
-/// Binds stream 1 to an RDMA lease with tag 9.
-fn bind_rdma(r: &mut Receiver, now: Instant, lease: LeaseId, num_tokens: u32) {
+/// A payload that lands by itself, as a path's does: it takes any notice, asks its path for one
+/// group per layer at `Complete`, and is ready once the path said it all landed (and `check`
+/// agreed with the notice's CRC of 0).
+struct StandIn {
+    tag: u16,
+    notices: Vec<Landed>,
+    landed: bool,
+}
+
+fn stand_in(tag: u16) -> Box<dyn LeasePayload> {
+    Box::new(StandIn { tag, notices: Vec::new(), landed: false })
+}
+
+impl LeasePayload for StandIn {
+    fn accept(&self, lease: LeaseId) -> Control {
+        Control::Accept { lease_id: lease, rdma_tag: Some(self.tag) }
+    }
+
+    fn link(&self) -> Option<LinkTag> {
+        Some(LinkTag { link: 3, tag: self.tag })
+    }
+
+    fn chunk(
+        &mut self,
+        cx: &LeaseCx<'_>,
+        _: ChunkHeader,
+        _: Bytes,
+        _: Bytes,
+    ) -> Result<Option<KvWrite>, KvTransferError> {
+        Err(KvTransferError::Protocol { reason: format!("a chunk for {}", cx.id) })
+    }
+
+    fn notice(&mut self, _: &LeaseCx<'_>, n: Landed) -> Result<(), KvTransferError> {
+        self.notices.push(n);
+        Ok(())
+    }
+
+    fn complete(&mut self, cx: &LeaseCx<'_>) -> Result<Option<Expect>, KvTransferError> {
+        Ok(Some(Expect { at: self.link().unwrap(), chunks: vec![1; cx.layout.num_layers as usize] }))
+    }
+
+    fn landed(&mut self, cx: &LeaseCx<'_>, check: LandedCheck<'_>) -> Result<u64, KvTransferError> {
+        for n in &self.notices {
+            let got = check(&cx.blocks[..], n)?;
+            if got != n.crc32 {
+                return Err(KvTransferError::ChecksumMismatch {
+                    lease: cx.id,
+                    layer: n.layer,
+                    token_start: n.token_start,
+                    token_count: n.token_count,
+                    expected: n.crc32,
+                    got,
+                });
+            }
+        }
+        self.landed = true;
+        Ok(100)
+    }
+
+    fn ready(&self) -> bool {
+        self.landed
+    }
+}
+
+/// Binds stream 1 to a lease over link 3, with tag 9.
+fn bind_linked(r: &mut Receiver, now: Instant, lease: LeaseId, num_tokens: u32) {
     r.stream_opened(1);
-    let fx = r.on_frame(now, 1, open_rdma(lease, num_tokens, 1));
+    let fx = r.on_frame(now, 1, open_linked(lease, num_tokens, 1));
     assert!(
-        matches!(&fx[..], [Effect::BindRdma { link: 3, stream: 1, num_layers: 3, .. }]),
-        "an RDMA Open asks for a tag before it is accepted: {fx:?}"
+        matches!(&fx[..], [Effect::Bind { link: 3, stream: 1, num_layers: 3, .. }]),
+        "an Open naming a link asks the path to bind it before it is accepted: {fx:?}"
     );
-    let fx = r.rdma_bound(lease, 1, Ok(9));
+    let fx = r.bound(lease, 1, Ok(stand_in(9)));
     assert!(matches!(&fx[..], [Effect::Send { stream: 1, msg: Control::Accept { rdma_tag: Some(9), .. } }]), "{fx:?}");
 }
 
-/// Every layer of 6 tokens in two chunks (4 + 2): the notices the tests send.
-fn all_notices(lease: LeaseId) -> Vec<Frame> {
-    let mut v = Vec::new();
-    for (c, (start, n)) in [(0, 4), (4, 2)].into_iter().enumerate() {
-        for layer in 0..3 {
-            v.push(notice(lease, layer, start, n, c as u32));
-        }
-    }
-    v
-}
-
-/// What the pool holds, as the tests' `landed` callback sees it: the notice's own CRC unless
-/// `corrupt` names its (layer, token_start).
-fn pool_crc(corrupt: Option<(u32, u32)>) -> impl FnMut(&[u32], &Landed) -> Result<u32, KvTransferError> {
-    move |blocks, n| {
-        assert_eq!(blocks, &[10, 11][..]);
-        let good = 0x1000 * n.layer + n.token_start;
-        Ok(if corrupt == Some((n.layer, n.token_start)) { good ^ 1 } else { good })
-    }
-}
+const AT: LinkTag = LinkTag { link: 3, tag: 9 };
 
 #[test]
-fn rdma_lease_completes_only_after_every_group_landed_and_checked() {
+fn a_linked_lease_completes_only_once_its_path_says_it_landed() {
     let (mut r, now, lease) = setup(6);
-    bind_rdma(&mut r, now, lease, 6);
-    for f in all_notices(lease) {
-        assert!(r.on_frame(now, 1, f).is_empty());
-    }
+    bind_linked(&mut r, now, lease, 6);
+    assert!(r.on_frame(now, 1, notice(lease, 0, 0, 6, 0)).is_empty());
     let fx = r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
-    assert!(matches!(&fx[..], [Effect::SetChunks { tag: 9, link: 3, chunks, .. }] if chunks == &[2, 2, 2]), "{fx:?}");
-    assert_eq!(r.reserved_blocks(), 2, "still leased until the link reports every group landed");
-    let fx = r.rdma_landed(lease, pool_crc(None));
+    assert!(
+        matches!(&fx[..], [Effect::Expect { expect: Expect { at: AT, chunks }, .. }] if chunks == &[1, 1, 1]),
+        "{fx:?}"
+    );
+    assert_eq!(r.reserved_blocks(), 2, "still leased until the path reports it landed");
+    let fx = r.landed(lease, |blocks, _| {
+        assert_eq!(blocks, &[10, 11][..]);
+        Ok(0)
+    });
     assert!(fx.iter().any(|e| matches!(e, Effect::Completed { first_token: 5, .. })), "{fx:?}");
     assert!(fx.iter().any(|e| matches!(e, Effect::Send { msg: Control::Ack { .. }, .. })));
     assert_eq!(r.reserved_blocks(), 0);
-    assert_eq!(r.stats().bytes_written, 2 * 6 * 3 * 32, "K and V of 6 tokens of 3 layers landed");
+    assert_eq!(r.stats().bytes_written, 100, "the bytes the payload verified");
 }
 
 #[test]
-fn rdma_checksum_mismatch_releases_with_the_binding() {
+fn a_linked_lease_names_its_tag_when_released() {
+    // The payload's check fails.
     let (mut r, now, lease) = setup(6);
-    bind_rdma(&mut r, now, lease, 6);
-    for f in all_notices(lease) {
-        r.on_frame(now, 1, f);
-    }
+    bind_linked(&mut r, now, lease, 6);
+    r.on_frame(now, 1, notice(lease, 1, 0, 6, 0));
     r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
-    let fx = r.rdma_landed(lease, pool_crc(Some((1, 4))));
-    assert!(
-        matches!(released(&fx), Some(KvTransferError::ChecksumMismatch { layer: 1, token_start: 4, .. })),
-        "{fx:?}"
-    );
-    assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: Some((3, 9)), .. })), "{fx:?}");
+    let fx = r.landed(lease, |_, _| Ok(1));
+    assert!(matches!(released(&fx), Some(KvTransferError::ChecksumMismatch { layer: 1, .. })), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Released { link: Some(AT), .. })), "{fx:?}");
     assert_eq!(aborts(&fx), vec![AbortCode::Checksum]);
     assert_eq!(r.reserved_blocks(), 0);
-}
-
-#[test]
-fn rdma_notice_violations_release_the_lease() {
-    // setup() opens the first lease of a receiver seeded at 100.
-    let l = LeaseId(100);
-    let cases: Vec<(&str, Vec<Frame>)> = vec![
-        ("gap", vec![notice(l, 0, 0, 4, 0), notice(l, 0, 5, 1, 1)]),
-        ("out of bounds", vec![notice(l, 1, 4, 3, 0)]),
-        ("chunk index skipped", vec![notice(l, 0, 0, 4, 1)]),
-        ("payload chunk on an RDMA lease", vec![chunk_frame(&layout(), l, 0, 0, 4)]),
-        ("complete with a layer short", {
-            vec![
-                notice(l, 0, 0, 6, 0),
-                notice(l, 1, 0, 4, 0),
-                notice(l, 2, 0, 6, 0),
-                Frame::Control(Control::Complete { lease_id: l, first_token: 1 }),
-            ]
-        }),
+    // The payload refuses a frame; cancelled; expired; the stream ends: each names the tag.
+    type Case = Box<dyn Fn(&mut Receiver, Instant, LeaseId) -> Vec<Effect>>;
+    let cases: Vec<(&str, Case)> = vec![
+        (
+            "payload violation",
+            Box::new(|r: &mut Receiver, now: Instant, l: LeaseId| {
+                r.on_frame(now, 1, chunk_frame(&layout(), l, 0, 0, 4))
+            }),
+        ),
+        ("cancel", Box::new(|r: &mut Receiver, _: Instant, l: LeaseId| r.cancel(l))),
+        ("expiry", Box::new(|r: &mut Receiver, now: Instant, _: LeaseId| r.poll_expired(now + TTL))),
+        ("stream end", Box::new(|r: &mut Receiver, now: Instant, _: LeaseId| r.on_stream_closed(now, 1))),
     ];
-    for (what, frames) in cases {
+    for (what, case) in cases {
         let (mut r, now, lease) = setup(6);
-        assert_eq!(lease, LeaseId(100));
-        bind_rdma(&mut r, now, lease, 6);
-        let mut fx = Vec::new();
-        for f in frames {
-            fx.extend(r.on_frame(now, 1, f));
-        }
-        let e = released(&fx).unwrap_or_else(|| panic!("{what}: not released: {fx:?}"));
-        println!("{what}: {e}");
-        assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: Some((3, 9)), .. })), "{what}");
+        bind_linked(&mut r, now, lease, 6);
+        let fx = case(&mut r, now, lease);
+        assert!(fx.iter().any(|e| matches!(e, Effect::Released { link: Some(AT), .. })), "{what}: {fx:?}");
         assert_eq!(r.reserved_blocks(), 0, "{what}");
     }
 }
 
 #[test]
-fn rdma_open_is_refused_on_several_streams_or_without_a_tag() {
+fn a_linked_open_is_refused_on_several_streams_or_when_the_path_cannot_bind() {
     // Several streams: the payload needs none, so it is a broken sender.
     let (mut r, now, lease) = setup(6);
     r.stream_opened(1);
-    let fx = r.on_frame(now, 1, open_rdma(lease, 6, 2));
+    let fx = r.on_frame(now, 1, open_linked(lease, 6, 2));
     assert!(released(&fx).is_some(), "{fx:?}");
-    // The link could not take the lease (no such link, no tag free): released, no binding.
+    // The path could not take the lease (no such path, no tag free): released, no binding.
     let (mut r, now, lease) = setup(6);
     r.stream_opened(1);
-    r.on_frame(now, 1, open_rdma(lease, 6, 1));
-    let fx = r.rdma_bound(lease, 1, Err(KvTransferError::RdmaLink { link: 3, reason: "gone".into() }));
-    assert!(fx.iter().any(|e| matches!(e, Effect::Released { rdma: None, .. })), "{fx:?}");
+    r.on_frame(now, 1, open_linked(lease, 6, 1));
+    let fx = r.bound(lease, 1, Err(KvTransferError::RdmaLink { link: 3, reason: "gone".into() }));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Released { link: None, .. })), "{fx:?}");
     assert_eq!(aborts(&fx), vec![AbortCode::Internal]);
-    // A notice before the tag: a protocol violation.
+    assert_eq!(r.reserved_blocks(), 0);
+    // A notice before the binding: a protocol violation.
     let (mut r, now, lease) = setup(6);
     r.stream_opened(1);
-    r.on_frame(now, 1, open_rdma(lease, 6, 1));
+    r.on_frame(now, 1, open_linked(lease, 6, 1));
     let fx = r.on_frame(now, 1, notice(lease, 0, 0, 4, 0));
     assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
-    // A notice on a byte-stream lease.
+    // A binding nobody asked for.
+    let (mut r, _, lease) = setup(6);
+    let fx = r.bound(lease, 1, Ok(stand_in(9)));
+    assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
+    // A second Open for a linked lease, on another stream.
+    let (mut r, now, lease) = setup(6);
+    bind_linked(&mut r, now, lease, 6);
+    r.stream_opened(2);
+    let fx = r.on_frame(now, 2, open(lease, 6));
+    assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
+    // An Open naming a link for a lease that already streams its payload.
+    let (mut r, now, lease) = setup(6);
+    bind(&mut r, now, lease, 6);
+    r.stream_opened(2);
+    let fx = r.on_frame(now, 2, open_linked(lease, 6, 1));
+    assert!(matches!(released(&fx), Some(KvTransferError::Protocol { .. })), "{fx:?}");
+    // A notice on a lease whose payload travels on its streams.
     let (mut r, now, lease) = setup(6);
     bind(&mut r, now, lease, 6);
     let fx = r.on_frame(now, 1, notice(lease, 0, 0, 4, 0));
@@ -447,33 +492,27 @@ fn rdma_open_is_refused_on_several_streams_or_without_a_tag() {
 }
 
 #[test]
-fn rdma_layers_may_be_chunked_differently() {
-    // A prefill preempted between two layers resumes where each stopped: layer 1 arrives in two
-    // chunks, the others in one. The link is told each layer's count.
-    let (mut r, now, lease) = setup(6);
-    bind_rdma(&mut r, now, lease, 6);
-    for f in
-        [notice(lease, 0, 0, 6, 0), notice(lease, 1, 0, 4, 0), notice(lease, 1, 4, 2, 1), notice(lease, 2, 0, 6, 0)]
-    {
-        assert!(r.on_frame(now, 1, f).is_empty());
-    }
-    let fx = r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
-    assert!(matches!(&fx[..], [Effect::SetChunks { chunks, .. }] if chunks == &[1, 2, 1]), "{fx:?}");
-}
-
-#[test]
-fn rdma_open_naming_an_unknown_link_keeps_the_lease_for_a_new_link() {
+fn an_open_naming_an_unknown_link_keeps_the_lease_for_a_new_link() {
     let (mut r, now, lease) = setup(6);
     r.stream_opened(1);
-    r.on_frame(now, 1, open_rdma(lease, 6, 1));
-    let fx = r.rdma_bound(lease, 1, Err(KvTransferError::RdmaUnknownLink { link: 3 }));
+    r.on_frame(now, 1, open_linked(lease, 6, 1));
+    let fx = r.bound(lease, 1, Err(KvTransferError::RdmaUnknownLink { link: 3 }));
     assert_eq!(aborts(&fx), vec![AbortCode::UnknownLink]);
     assert!(released(&fx).is_none(), "the lease stays: {fx:?}");
     assert_eq!(r.reserved_blocks(), 2);
     // The sender comes back over another stream (and link) and completes.
     r.stream_opened(2);
-    let fx = r.on_frame(now, 2, open_rdma(lease, 6, 1));
-    assert!(matches!(&fx[..], [Effect::BindRdma { stream: 2, .. }]), "{fx:?}");
-    let fx = r.rdma_bound(lease, 2, Ok(5));
+    let fx = r.on_frame(now, 2, open_linked(lease, 6, 1));
+    assert!(matches!(&fx[..], [Effect::Bind { stream: 2, .. }]), "{fx:?}");
+    let fx = r.bound(lease, 2, Ok(stand_in(5)));
     assert!(matches!(&fx[..], [Effect::Send { stream: 2, msg: Control::Accept { rdma_tag: Some(5), .. } }]), "{fx:?}");
+    r.on_frame(now, 2, Frame::Control(Control::Complete { lease_id: lease, first_token: 1 }));
+    let fx = r.landed(lease, |_, _| Ok(0));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Completed { .. })), "{fx:?}");
+    // Or over the streams after all.
+    let (mut r, now, lease) = setup(6);
+    r.stream_opened(1);
+    r.on_frame(now, 1, open_linked(lease, 6, 1));
+    r.bound(lease, 1, Err(KvTransferError::RdmaUnknownLink { link: 3 }));
+    bind(&mut r, now, lease, 6);
 }

@@ -6,12 +6,15 @@
 //! Per pair of nodes, once: a link ([`super::setup`]) on a stream of its own that lives as long
 //! as the link. Per transfer:
 //! 1. the sender's `Open` names the link (`rdma_link`); the receiver opens a lease on the link's
-//!    queue pair ([`RecvPath::bind`]) and answers `Accept` with its tag;
+//!    queue pair ([`RecvPath::bind`]), which gives the lease's payload, an [`RdmaLease`], and
+//!    answers `Accept` with its tag;
 //! 2. per (layer, prefill chunk) the sender posts the writes (the last one WITH IMMEDIATE) and
-//!    sends a [`crate::frame::Landed`] notice with the chunk's CRC-32;
+//!    sends a [`crate::frame::Landed`] notice with the chunk's CRC-32, which the lease's
+//!    [`RdmaLease`] collects;
 //! 3. once every write completed the sender sends `Complete`; the receiver tells the link how
-//!    many groups to expect, and when every immediate arrived checks each notice's checksum
-//!    against the bytes in its pool ([`crate::KvSink::landed_checksum`]) and answers `Ack`.
+//!    many groups to expect ([`RecvPath::expect`]), and when every immediate arrived checks each
+//!    notice's checksum against the bytes in its pool ([`crate::KvSink::landed_checksum`]) and
+//!    answers `Ack`.
 //!
 //! Who frees the blocks of an RDMA lease that fails: the receiver, as for every transport, but
 //! only once no write of the lease can still land ([`super::link`]'s safe events): at once
@@ -35,12 +38,13 @@ use cleave_net::Listener;
 use cleave_protocol::{LeaseId, RequestId};
 
 use super::completion::{LeaseEvent, Outcome};
+use super::lease::RdmaLease;
 use super::link::RecvLinkConfig;
 use super::setup::{Acceptor, DynRecvLink};
 use crate::actor::{ReceiverConfig, ReceiverService};
 use crate::error::{KvTransferError, Result};
 use crate::frame::{AbortCode, Control, Frame};
-use crate::payload::{PathOutput, RecvPath, StreamId, StreamItem};
+use crate::payload::{Expect, LeasePayload, LinkTag, PathOutput, RecvPath, StreamId, StreamItem};
 use crate::sink::KvSink;
 
 /// A receiver's RDMA side: where its queue pairs come from and how they are sized.
@@ -347,23 +351,23 @@ impl RecvPath for RecvLinks {
         num_layers: u32,
         deadline: Instant,
         peer: Option<&str>,
-    ) -> Result<u16> {
-        self.open_tag(link, lease, num_layers, deadline, peer)
+    ) -> Result<Box<dyn LeasePayload>> {
+        let tag = self.open_tag(link, lease, num_layers, deadline, peer)?;
+        Ok(Box::new(RdmaLease::new(LinkTag { link, tag }, num_layers)))
     }
 
-    fn set_chunks(&mut self, link: u64, tag: u16, chunks: &[u32], now: Instant) -> Vec<PathOutput> {
-        self.set_link_chunks(link, tag, chunks, now)
+    fn expect(&mut self, expect: Expect, now: Instant) -> Vec<PathOutput> {
+        self.set_link_chunks(expect.at.link, expect.at.tag, &expect.chunks, now)
     }
 
     fn release(
         &mut self,
-        link: u64,
-        tag: u16,
+        at: LinkTag,
         request_id: RequestId,
         blocks: Vec<u32>,
         now: Instant,
     ) -> (Option<Vec<u32>>, Vec<PathOutput>) {
-        self.release_tag(link, tag, request_id, blocks, now)
+        self.release_tag(at.link, at.tag, request_id, blocks, now)
     }
 
     fn poll(&mut self, now: Instant) -> Vec<PathOutput> {

@@ -29,11 +29,13 @@
 //! in tests without a device. [`driver`] gives each link end an owner task with a handle (posting
 //! in order under back-pressure, `finish` and `cancel` that wait for the outcome or the drain).
 //!
-//! [`send`] and [`handoff`] make it a payload path a handoff can pick ([`crate::payload`]): the
-//! [`RdmaTransport`] gives each transfer an [`RdmaSendPath`] (the sender's
-//! [`crate::payload::SendPath`]), and a receiver spawned with [`RdmaReceive`]
-//! (`ReceiverService::spawn_rdma`) holds its links as its [`crate::payload::RecvPath`]. The
-//! generic sender, receiver and actor hold no RDMA logic; a build without this feature has no
+//! [`send`], [`handoff`] and [`lease`] make it a payload path a handoff can pick
+//! ([`crate::payload`]): the [`RdmaTransport`] gives each transfer an [`RdmaSendPath`] (the
+//! sender's [`crate::payload::SendPath`]), a receiver spawned with [`RdmaReceive`]
+//! (`ReceiverService::spawn_rdma`) holds its links as its [`crate::payload::RecvPath`], and that
+//! path gives each lease it binds an [`RdmaLease`] (the lease's
+//! [`crate::payload::LeasePayload`] in the receiver's state machine: its notices, checked once
+//! every group landed). The generic sender, receiver and actor hold no RDMA logic; a build without this feature has no
 //! RDMA code, and its receivers refuse an `Open` naming a link and a link offer.
 //!
 //! The pool an RDMA receiver exposes is a [`crate::MemoryPool`] registered whole
@@ -41,13 +43,14 @@
 //! copies each completed lease into the engine's cache: the engine keeps one buffer per layer
 //! (device memory on a GPU backend), which is not one registrable region.
 //!
-//! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`] and [`sim`]
-//! depend on no verbs type; [`verbs`] is the only module with `unsafe`.
+//! Module dependencies: [`layout`], [`plan`], [`meta`], [`completion`], [`link`], [`lease`]
+//! and [`sim`] depend on no verbs type; [`verbs`] is the only module with `unsafe`.
 
 pub mod completion;
 pub mod driver;
 pub mod handoff;
 pub mod layout;
+pub mod lease;
 pub mod link;
 pub mod meta;
 pub mod plan;
@@ -62,6 +65,7 @@ pub use completion::{
 pub use driver::{DriverConfig, RecvDriver, SendChunk, SendDriver};
 pub use handoff::RdmaReceive;
 pub use layout::{Half, Imm, PoolLayout};
+pub use lease::RdmaLease;
 pub use link::{RecvLink, RecvLinkConfig, RecvOps, SendLink, SendLinkConfig, SendOps};
 pub use meta::{AddressVector, GlobalRoute, PathMtu, QpMetadata};
 pub use plan::{landed_checksum, plan_chunk, source_len, ChunkWrite, RdmaWrite, RemoteRegion, SignalPolicy};
