@@ -14,10 +14,6 @@ use common::*;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
-}
-
 #[test]
 fn one_prefill_one_decode_matches_transformers() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

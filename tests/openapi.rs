@@ -154,7 +154,3 @@ fn the_openapi_document_is_true_of_the_running_coordinator() {
         }
     });
 }
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
-}

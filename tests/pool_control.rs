@@ -10,10 +10,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
-}
-
 /// The golden cases, repeated to `n` requests: (prompt, transformers' 32-token greedy text).
 fn load(n: usize) -> Vec<(String, String)> {
     let cases = golden();
