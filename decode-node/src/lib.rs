@@ -218,6 +218,8 @@ fn sink_err(e: cleave_engine::EngineError) -> KvTransferError {
 pub struct Decoder {
     shared: Arc<Shared>,
     kv_addr: SocketAddr,
+    /// Swaps the KV listener's certificate (rotation); None over plain TCP.
+    kv_reloader: Option<cleave_net::Reloader>,
     /// Stops the receiver when the decoder is dropped.
     _receiver: ReceiverService,
 }
@@ -227,6 +229,7 @@ impl Decoder {
     pub async fn start(engine: EngineHandle, cfg: DecodeConfig) -> Result<Self, NodeError> {
         let kv = Listener::bind(&cfg.net, cfg.kv_bind).await?;
         let kv_addr = kv.local_addr();
+        let kv_reloader = kv.reloader();
         let layout = engine.info().kv_layout.clone();
         let transport = match cfg.net.kind {
             NetKind::Quic => TransportKind::Quic,
@@ -235,6 +238,9 @@ impl Decoder {
         };
         let mut rcfg = ReceiverConfig::new(layout, kv_addr, transport);
         rcfg.lease_ttl = cfg.lease_ttl;
+        // Tickets name this node where links are authenticated: the sender checks the name.
+        rcfg.name =
+            cfg.net.identity.as_ref().filter(|_| cfg.net.kind != NetKind::TcpPlain).map(|i| i.name().to_string());
         #[cfg(feature = "rdma")]
         let receiver = match &cfg.rdma {
             None => ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv)),
@@ -250,12 +256,18 @@ impl Decoder {
         #[cfg(not(feature = "rdma"))]
         let receiver = ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv));
         let shared = Arc::new(Shared { engine, receiver: receiver.handle().clone(), cfg });
-        Ok(Self { shared, kv_addr, _receiver: receiver })
+        Ok(Self { shared, kv_addr, kv_reloader, _receiver: receiver })
     }
 
     /// Where prefill nodes push KV.
     pub fn kv_addr(&self) -> SocketAddr {
         self.kv_addr
+    }
+
+    /// Swaps the certificate the KV listener presents to new connections (a rotated node
+    /// certificate); None over plain TCP.
+    pub fn kv_reloader(&self) -> Option<cleave_net::Reloader> {
+        self.kv_reloader.clone()
     }
 
     /// Serves one request: prefills locally or receives its KV, then streams its tokens until

@@ -63,6 +63,10 @@ pub struct ReceiverConfig {
     pub write_timeout: Duration,
     /// Largest chunk payload accepted (K and V together).
     pub max_payload: usize,
+    /// The name in this node's certificate, put in tickets so that a sender can tell it is
+    /// talking to this node ([`crate::transport::check_receiver`]). None where links are not
+    /// authenticated.
+    pub name: Option<String>,
 }
 
 impl ReceiverConfig {
@@ -77,6 +81,7 @@ impl ReceiverConfig {
             stream_idle_timeout: Duration::from_secs(120),
             write_timeout: Duration::from_secs(10),
             max_payload: crate::frame::DEFAULT_MAX_PAYLOAD,
+            name: None,
         }
     }
 }
@@ -248,11 +253,11 @@ impl Transport for InProcessTransport {
         TransportKind::InProcess
     }
 
-    fn open(&self, _peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
+    fn open(&self, _peer: SocketAddr) -> BoxFuture<'_, Result<(DuplexStream, Option<PeerInfo>)>> {
         Box::pin(async move {
             let (a, b) = tokio::io::duplex(self.pipe_bytes);
             self.handle.attach(crate::transport::duplex_from(b), None).await?;
-            Ok(crate::transport::duplex_from(a))
+            Ok((crate::transport::duplex_from(a), None))
         })
     }
 
@@ -341,6 +346,11 @@ impl ReceiverService {
                         _ = &mut stopped => break,
                         r = l.accept() => match r {
                             None => return,
+                            Some(Ok((s, peer))) if !may_send_kv(&peer) => {
+                                tracing::warn!(peer = %peer.addr, name = ?peer.name, roles = ?peer.roles, "kv stream from a peer without the prefill role refused");
+                                metrics::counter!(m::STREAMS_REFUSED_TOTAL).increment(1);
+                                drop(s);
+                            }
                             Some(Ok((s, peer))) => {
                                 if h.attach(s, Some(peer)).await.is_err() {
                                     break;
@@ -371,6 +381,13 @@ impl ReceiverService {
             let _ = timeout(limit, &mut a.task).await;
         }
     }
+}
+
+/// Whether `peer` may push KV here: KV comes from prefill work, so over an authenticated link
+/// the certificate must allow the prefill role (a decode-only or coordinator certificate may
+/// not write into this node's blocks). Plain TCP passes: the operator declared it trusted.
+fn may_send_kv(peer: &PeerInfo) -> bool {
+    peer.allows(cleave_net::tls::Roles::PREFILL)
 }
 
 /// A stream's tasks. The writer task is detached: it ends once `writer` is dropped and what
@@ -555,6 +572,7 @@ impl<S: KvSink> Actor<S> {
                 block_ids: blocks,
                 num_tokens,
                 lease_ttl: ttl,
+                receiver_name: self.cfg.name.clone(),
             },
             done: LeaseWaiter { lease, rx },
         })

@@ -67,6 +67,10 @@ pub enum KvTransferError {
     SinkWrite { lease: cleave_protocol::LeaseId, reason: String },
     #[error("{what} is shut down")]
     Closed { what: &'static str },
+    /// The peer at a ticket's address is not the receiver the ticket names (or may not
+    /// receive KV at all): nothing was sent.
+    #[error("refusing to send KV to {addr}: {reason}")]
+    WrongReceiver { addr: SocketAddr, reason: String },
 
     // --- rdma transport (feature `rdma`; the variants exist in every build) ---
     #[error("rdma: {call} failed: errno {errno} ({message})")]

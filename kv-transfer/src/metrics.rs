@@ -29,6 +29,8 @@ pub const HANDOFF_SECONDS: &str = "cleave_kv_transfer_handoff_seconds";
 pub const THROUGHPUT_BYTES_PER_SECOND: &str = "cleave_kv_transfer_throughput_bytes_per_second";
 /// Chunks dropped without being written, by reason (`duplicate` | `late`).
 pub const CHUNKS_DROPPED_TOTAL: &str = "cleave_kv_transfer_chunks_dropped_total";
+/// Streams refused at accept because the peer's certificate does not allow the prefill role.
+pub const STREAMS_REFUSED_TOTAL: &str = "cleave_kv_transfer_streams_refused_total";
 /// Blocks currently held by leases on this receiver.
 pub const LEASED_BLOCKS: &str = "cleave_kv_transfer_leased_blocks";
 
@@ -73,6 +75,7 @@ pub fn cause(e: &KvTransferError) -> &'static str {
         E::SenderGone { .. } => "sender_gone",
         E::SinkWrite { .. } => "sink_write",
         E::Closed { .. } => "closed",
+        E::WrongReceiver { .. } => "wrong_receiver",
         E::RdmaLink { .. } | E::RdmaUnknownLink { .. } | E::RdmaCompletion { .. } | E::RdmaTracker { .. } => "rdma",
         _ => "other",
     }

@@ -243,10 +243,11 @@ impl KvSender {
                 tasks.push(AbortOnDrop(tokio::spawn(forward_events(i, recv, etx.clone()))));
                 StreamOut::frames(send)
             } else {
-                let DuplexStream { send, recv } =
+                let (DuplexStream { send, recv }, who) =
                     tokio::time::timeout_at(deadline, transport.open(ticket.receiver_addr))
                         .await
                         .map_err(|_| timed_out(format!("opening stream {i} to {}", ticket.receiver_addr)))??;
+                crate::transport::check_receiver(ticket, who.as_ref())?;
                 tasks.push(AbortOnDrop(tokio::spawn(read_events(i, recv, etx.clone()))));
                 StreamOut::bytes(send)
             };

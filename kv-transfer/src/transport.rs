@@ -28,16 +28,20 @@ use std::net::SocketAddr;
 use cleave_protocol::TransportKind;
 
 use crate::payload::{SendPath, StreamPath};
-use crate::Result;
-use cleave_net::{Connector, DuplexStream, NetConfig, NetKind};
+use crate::{KvTransferError, Result};
+use cleave_net::tls::Roles;
+use cleave_net::{Connector, DuplexStream, NetConfig, NetKind, PeerInfo};
+use cleave_protocol::HandoffTicket;
 
 pub use crate::payload::BoxFuture;
 
 /// Opens streams to receivers.
 pub trait Transport: Send + Sync {
     fn kind(&self) -> TransportKind;
-    /// Opens one new stream to the receiver at `peer`.
-    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>>;
+    /// Opens one new stream to the receiver at `peer`, with who answered where the link says
+    /// (its certificate; None in-process). The sender checks that against the ticket
+    /// ([`check_receiver`]).
+    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<(DuplexStream, Option<PeerInfo>)>>;
 
     /// Transports inside one process hand whole frames over (no encoding, payloads moved, not
     /// copied); the sender uses this instead of [`Transport::open`] when it is `Some`. The same
@@ -84,9 +88,38 @@ impl Transport for NetTransport {
         self.kind
     }
 
-    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
-        Box::pin(async move { Ok(self.connector.open(peer).await?) })
+    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<(DuplexStream, Option<PeerInfo>)>> {
+        Box::pin(async move {
+            let (stream, who) = self.connector.open_with_peer(peer).await?;
+            Ok((stream, Some(who)))
+        })
     }
+}
+
+/// Whether `peer`, who answered at the ticket's address, may receive the ticket's KV: over an
+/// authenticated link its certificate must name the node that issued the ticket and allow the
+/// decode role. Without this a sender would push a request's KV cache (the prompt, in effect)
+/// to whichever cluster member holds that address now: another node after a restart, or one
+/// that redirected the traffic. Plain TCP (no certificates) and in-process links pass: the
+/// operator declared them trusted.
+pub fn check_receiver(ticket: &HandoffTicket, peer: Option<&PeerInfo>) -> Result<()> {
+    let Some(peer) = peer else { return Ok(()) };
+    let wrong = |reason: String| Err(KvTransferError::WrongReceiver { addr: ticket.receiver_addr, reason });
+    if let (Some(want), Some(got)) = (&ticket.receiver_name, &peer.name) {
+        if want != got {
+            return wrong(format!("the ticket names {want:?}, the certificate at that address names {got:?}"));
+        }
+    }
+    if ticket.receiver_name.is_some() && peer.name.is_none() && peer.roles.is_some() {
+        return wrong(format!(
+            "the ticket names {:?}, the certificate at that address names no node",
+            ticket.receiver_name
+        ));
+    }
+    if !peer.allows(Roles::DECODE) {
+        return wrong(format!("its certificate ({:?}) does not allow the decode role", peer.name));
+    }
+    Ok(())
 }
 
 /// A [`DuplexStream`] from any tokio stream (tests, in-process pipes, plain sockets).

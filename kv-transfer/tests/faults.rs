@@ -60,7 +60,7 @@ impl Drop for RawLink {
 
 impl Raw {
     async fn open(pair: &Pair) -> Raw {
-        let s = bounded("open", pair.transport.open(pair.addr)).await.unwrap();
+        let (s, _) = bounded("open", pair.transport.open(pair.addr)).await.unwrap();
         #[cfg(feature = "rdma")]
         if let Some(side) = &pair.rdma {
             let link = bounded("link", side.transport.link(pair.addr)).await.unwrap();

@@ -322,7 +322,13 @@ impl Connector {
 
 /// See [`Listener::reloader`].
 #[derive(Clone)]
-pub struct Reloader(quic::QuicReloader);
+pub struct Reloader(ReloaderImpl);
+
+#[derive(Clone)]
+enum ReloaderImpl {
+    Quic(quic::QuicReloader),
+    Tcp(tcp::TcpReloader),
+}
 
 impl std::fmt::Debug for Reloader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -333,7 +339,10 @@ impl std::fmt::Debug for Reloader {
 impl Reloader {
     /// New connections are served with `identity`'s certificate.
     pub fn set_identity(&self, identity: &NodeIdentity) -> Result<()> {
-        self.0.set_identity(identity)
+        match &self.0 {
+            ReloaderImpl::Quic(r) => r.set_identity(identity),
+            ReloaderImpl::Tcp(r) => r.set_identity(identity),
+        }
     }
 }
 
@@ -378,12 +387,12 @@ impl Listener {
     }
 
     /// A handle that swaps the certificate this listener presents to new connections (a
-    /// rotated node certificate, without a restart). QUIC only: a TLS-TCP listener keeps its
-    /// certificate until the process restarts, and a plain one has none.
+    /// rotated node certificate, without a restart); connections already open keep theirs.
+    /// None for plain TCP, which has no certificate.
     pub fn reloader(&self) -> Option<Reloader> {
         match &self.inner {
-            ListenerImpl::Quic(l) => Some(Reloader(l.reloader())),
-            ListenerImpl::Tcp(_) => None,
+            ListenerImpl::Quic(l) => Some(Reloader(ReloaderImpl::Quic(l.reloader()))),
+            ListenerImpl::Tcp(l) => l.reloader().map(|r| Reloader(ReloaderImpl::Tcp(r))),
         }
     }
 

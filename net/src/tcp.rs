@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -75,6 +75,20 @@ pub(super) struct TcpListenerImpl {
     local: SocketAddr,
     rx: mpsc::Receiver<Accepted>,
     task: JoinHandle<()>,
+    /// The acceptor new connections are served with (None: plain TCP); see [`TcpReloader`].
+    tls: Option<watch::Sender<TlsAcceptor>>,
+}
+
+/// Swaps the certificate a TLS-TCP listener presents to new connections (those open keep
+/// theirs): the accept loop takes the acceptor from this watch for each connection.
+#[derive(Clone)]
+pub(super) struct TcpReloader(watch::Sender<TlsAcceptor>);
+
+impl TcpReloader {
+    pub(super) fn set_identity(&self, identity: &crate::tls::NodeIdentity) -> Result<()> {
+        self.0.send_replace(TlsAcceptor::from(Arc::new(identity.server_config()?)));
+        Ok(())
+    }
 }
 
 impl TcpListenerImpl {
@@ -86,8 +100,15 @@ impl TcpListenerImpl {
         let listener = TcpListener::bind(addr).await.map_err(io_err(format!("tcp bind {addr}")))?;
         let local = listener.local_addr().map_err(io_err("tcp local address"))?;
         let (tx, rx) = mpsc::channel(64);
-        let task = tokio::spawn(accept_loop(listener, tls, tx, cfg.connect_timeout));
-        Ok(Self { local, rx, task })
+        let tls = tls.map(|a| watch::channel(a).0);
+        let task =
+            tokio::spawn(accept_loop(listener, tls.as_ref().map(watch::Sender::subscribe), tx, cfg.connect_timeout));
+        Ok(Self { local, rx, task, tls })
+    }
+
+    /// None for plain TCP (no certificate to swap).
+    pub(super) fn reloader(&self) -> Option<TcpReloader> {
+        self.tls.clone().map(TcpReloader)
     }
 
     pub(super) fn local_addr(&self) -> SocketAddr {
@@ -108,7 +129,7 @@ impl Drop for TcpListenerImpl {
 
 async fn accept_loop(
     listener: TcpListener,
-    tls: Option<TlsAcceptor>,
+    tls: Option<watch::Receiver<TlsAcceptor>>,
     tx: mpsc::Sender<Accepted>,
     handshake_timeout: Duration,
 ) {
@@ -136,7 +157,7 @@ async fn accept_loop(
                         }
                     }
                     Some(acceptor) => {
-                        let acceptor = acceptor.clone();
+                        let acceptor = acceptor.borrow().clone();
                         let tx = tx.clone();
                         handshakes.spawn(async move {
                             match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {

@@ -409,3 +409,28 @@ async fn write_bytes_and_read_chunk_keep_order_on_every_transport() {
         assert_eq!(got, sent, "{kind:?}");
     }
 }
+
+/// A listener's reloader swaps the certificate new connections see, on both TLS kinds;
+/// connections already open keep theirs. Plain TCP has nothing to swap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_listener_presents_the_new_certificate_to_new_connections() {
+    let ca = cleave_net::tls::ClusterCa::generate().unwrap();
+    let (old, new, client) =
+        (ca.issue("node-old").unwrap(), ca.issue("node-new").unwrap(), ca.issue("client").unwrap());
+    for kind in [NetKind::Quic, NetKind::TcpTls] {
+        let l = bounded("bind", Listener::bind(&cfg(kind, Some(&old)), local())).await.unwrap();
+        let (addr, reloader) = (l.local_addr(), l.reloader().expect("a TLS listener has a reloader"));
+        let _peers = spawn_echo_server(l);
+        let first = Connector::new(&cfg(kind, Some(&client))).unwrap();
+        let (_s, peer) = bounded("open", first.open_with_peer(addr)).await.unwrap();
+        assert_eq!(peer.name.as_deref(), Some("node-old"), "{kind:?}");
+        reloader.set_identity(&new).unwrap();
+        // A fresh connector makes a new connection (the first one caches its QUIC connection).
+        let second = Connector::new(&cfg(kind, Some(&client))).unwrap();
+        let (_s, peer) = bounded("open", second.open_with_peer(addr)).await.unwrap();
+        assert_eq!(peer.name.as_deref(), Some("node-new"), "{kind:?}: the reloaded certificate");
+        assert_eq!(bounded("echo", echo_roundtrip(&second, addr, b"after")).await.unwrap(), b"after");
+    }
+    let l = bounded("bind", Listener::bind(&cfg(NetKind::TcpPlain, None), local())).await.unwrap();
+    assert!(l.reloader().is_none());
+}

@@ -166,6 +166,7 @@ impl Node {
         )
         .await?;
         let kv_addr = decode.kv_addr();
+        let listeners: Vec<cleave_net::Reloader> = rpc_reloader.into_iter().chain(decode.kv_reloader()).collect();
         let prefill = Prefiller::new(
             engine.clone(),
             PrefillConfig {
@@ -202,7 +203,7 @@ impl Node {
                 dir: dir.clone(),
                 name: cfg.name.clone(),
                 net: cfg.net.clone(),
-                listeners: rpc_reloader.iter().cloned().collect(),
+                listeners: listeners.clone(),
             });
         let (reg_tx, reg_rx) = oneshot::channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(16);

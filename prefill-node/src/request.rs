@@ -259,6 +259,7 @@ mod tests {
             block_ids: vec![1],
             num_tokens: 3,
             lease_ttl: Duration::from_secs(5),
+            receiver_name: None,
         }
     }
 

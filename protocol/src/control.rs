@@ -384,6 +384,7 @@ fn ticket_to_fb(t: &HandoffTicket) -> fb::TicketT {
         block_ids: Some(t.block_ids.clone()),
         num_tokens: t.num_tokens,
         lease_ms: u32::try_from(t.lease_ttl.as_millis()).unwrap_or(u32::MAX),
+        receiver_name: t.receiver_name.clone(),
     }
 }
 
@@ -620,6 +621,7 @@ fn ticket_from_fb(t: &fb::TicketT) -> Result<HandoffTicket, WireError> {
         block_ids,
         num_tokens: t.num_tokens,
         lease_ttl: std::time::Duration::from_millis(u64::from(t.lease_ms)),
+        receiver_name: t.receiver_name.clone(),
     })
 }
 

@@ -64,6 +64,11 @@ pub struct HandoffTicket {
     pub num_tokens: u32,
     /// How long the lease lives from issue; the sender should finish well within it.
     pub lease_ttl: Duration,
+    /// The name in the receiver's certificate. A sender whose link is authenticated refuses a
+    /// peer at `receiver_addr` that presents any other name (a redirected address, a stale
+    /// ticket naming an address now held by another node). None where links are not
+    /// authenticated (plain TCP, in-process).
+    pub receiver_name: Option<String>,
 }
 
 impl HandoffTicket {
@@ -106,6 +111,7 @@ mod tests {
             block_ids: vec![0, 1],
             num_tokens: 17,
             lease_ttl: Duration::from_secs(1),
+            receiver_name: None,
         };
         assert!(t.is_consistent());
         t.num_tokens = 33;

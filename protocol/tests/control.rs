@@ -37,6 +37,7 @@ fn ticket(num_tokens: u32) -> HandoffTicket {
         block_ids: (0..num_tokens.div_ceil(4)).map(|b| b * 3).collect(),
         num_tokens,
         lease_ttl: std::time::Duration::from_millis(5000),
+        receiver_name: Some("decode-1".into()),
     }
 }
 

@@ -31,7 +31,7 @@ use crate::error::{KvTransferError, Result};
 use crate::frame::{checksum, read_frame, write_control, AbortCode, ChunkHeader, Control, Landed, Limits};
 use crate::payload::{Accepted, BoxFuture, PayloadWriter, SendPath, StreamOut};
 use crate::transport::Transport;
-use cleave_net::{Connector, DuplexStream, NetConfig};
+use cleave_net::{Connector, DuplexStream, NetConfig, PeerInfo};
 
 /// Sizes and limits of the sending side.
 #[derive(Debug, Clone, Copy)]
@@ -168,8 +168,11 @@ impl<P: Provider + 'static> Transport for RdmaTransport<P> {
         TransportKind::Rdma
     }
 
-    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<DuplexStream>> {
-        Box::pin(async move { Ok(self.connector.open(peer).await?) })
+    fn open(&self, peer: SocketAddr) -> BoxFuture<'_, Result<(DuplexStream, Option<PeerInfo>)>> {
+        Box::pin(async move {
+            let (stream, who) = self.connector.open_with_peer(peer).await?;
+            Ok((stream, Some(who)))
+        })
     }
 
     fn send_path(&self, peer: SocketAddr) -> BoxFuture<'_, Result<Box<dyn SendPath>>> {

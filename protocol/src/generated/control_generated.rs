@@ -2429,6 +2429,7 @@ impl<'a> Ticket<'a> {
   pub const VT_BLOCK_IDS: ::flatbuffers::VOffsetT = 14;
   pub const VT_NUM_TOKENS: ::flatbuffers::VOffsetT = 16;
   pub const VT_LEASE_MS: ::flatbuffers::VOffsetT = 18;
+  pub const VT_RECEIVER_NAME: ::flatbuffers::VOffsetT = 20;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -2442,6 +2443,7 @@ impl<'a> Ticket<'a> {
     let mut builder = TicketBuilder::new(_fbb);
     builder.add_lease_id(args.lease_id);
     builder.add_request_id(args.request_id);
+    if let Some(x) = args.receiver_name { builder.add_receiver_name(x); }
     builder.add_lease_ms(args.lease_ms);
     builder.add_num_tokens(args.num_tokens);
     if let Some(x) = args.block_ids { builder.add_block_ids(x); }
@@ -2466,6 +2468,9 @@ impl<'a> Ticket<'a> {
     });
     let num_tokens = self.num_tokens();
     let lease_ms = self.lease_ms();
+    let receiver_name = self.receiver_name().map(|x| {
+      alloc::string::ToString::to_string(x)
+    });
     TicketT {
       request_id,
       lease_id,
@@ -2475,6 +2480,7 @@ impl<'a> Ticket<'a> {
       block_ids,
       num_tokens,
       lease_ms,
+      receiver_name,
     }
   }
 
@@ -2534,6 +2540,15 @@ impl<'a> Ticket<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u32>(Ticket::VT_LEASE_MS, Some(0)).unwrap()}
   }
+  /// The receiver's certificate name: the sender refuses a peer presenting another. Absent
+  /// where links are not authenticated (plain TCP, in-process).
+  #[inline]
+  pub fn receiver_name(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Ticket::VT_RECEIVER_NAME, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Ticket<'_> {
@@ -2550,6 +2565,7 @@ impl ::flatbuffers::Verifiable for Ticket<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("block_ids", Self::VT_BLOCK_IDS, false)?
      .visit_field::<u32>("num_tokens", Self::VT_NUM_TOKENS, false)?
      .visit_field::<u32>("lease_ms", Self::VT_LEASE_MS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("receiver_name", Self::VT_RECEIVER_NAME, false)?
      .finish();
     Ok(())
   }
@@ -2563,6 +2579,7 @@ pub struct TicketArgs<'a> {
     pub block_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
     pub num_tokens: u32,
     pub lease_ms: u32,
+    pub receiver_name: Option<::flatbuffers::WIPOffset<&'a str>>,
 }
 impl<'a> Default for TicketArgs<'a> {
   #[inline]
@@ -2576,6 +2593,7 @@ impl<'a> Default for TicketArgs<'a> {
       block_ids: None,
       num_tokens: 0,
       lease_ms: 0,
+      receiver_name: None,
     }
   }
 }
@@ -2618,6 +2636,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> TicketBuilder<'a, 'b, A> {
     self.fbb_.push_slot::<u32>(Ticket::VT_LEASE_MS, lease_ms, 0);
   }
   #[inline]
+  pub fn add_receiver_name(&mut self, receiver_name: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Ticket::VT_RECEIVER_NAME, receiver_name);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> TicketBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     TicketBuilder {
@@ -2643,6 +2665,7 @@ impl ::core::fmt::Debug for Ticket<'_> {
       ds.field("block_ids", &self.block_ids());
       ds.field("num_tokens", &self.num_tokens());
       ds.field("lease_ms", &self.lease_ms());
+      ds.field("receiver_name", &self.receiver_name());
       ds.finish()
   }
 }
@@ -2657,6 +2680,7 @@ pub struct TicketT {
   pub block_ids: Option<alloc::vec::Vec<u32>>,
   pub num_tokens: u32,
   pub lease_ms: u32,
+  pub receiver_name: Option<alloc::string::String>,
 }
 impl Default for TicketT {
   fn default() -> Self {
@@ -2669,6 +2693,7 @@ impl Default for TicketT {
       block_ids: None,
       num_tokens: 0,
       lease_ms: 0,
+      receiver_name: None,
     }
   }
 }
@@ -2691,6 +2716,9 @@ impl TicketT {
     });
     let num_tokens = self.num_tokens;
     let lease_ms = self.lease_ms;
+    let receiver_name = self.receiver_name.as_ref().map(|x|{
+      _fbb.create_string(x)
+    });
     Ticket::create(_fbb, &TicketArgs{
       request_id,
       lease_id,
@@ -2700,6 +2728,7 @@ impl TicketT {
       block_ids,
       num_tokens,
       lease_ms,
+      receiver_name,
     })
   }
 }

@@ -80,6 +80,7 @@ fn ticket() -> HandoffTicket {
         block_ids: vec![1, 2],
         num_tokens: 4,
         lease_ttl: Duration::from_secs(5),
+        receiver_name: None,
     }
 }
 
