@@ -12,12 +12,24 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::netns::{self, Net};
+use common::relay;
 use common::*;
 use serde_json::json;
 
 /// A cluster whose processes live in `net`'s namespaces: `coordinator` on the first host, one
 /// node per further host with the role after its name.
 fn cluster_in(net: &Net, nodes: &[(&str, &str)], coordinator_args: &[&str]) -> TestCluster {
+    let mut c = coordinator_in(net, nodes, coordinator_args);
+    let cluster = c.cluster.clone();
+    for (name, role) in nodes {
+        c.nodes.push(node_in(net, &c, name, role, &cluster, (0, 0), &[]));
+    }
+    c
+}
+
+/// The coordinator of a cluster in `net` (on the host named "coordinator"), with certificates
+/// for it and for `nodes`; no node started yet.
+fn coordinator_in(net: &Net, nodes: &[(&str, &str)], coordinator_args: &[&str]) -> TestCluster {
     let mut names: Vec<String> = vec!["coordinator".into()];
     names.extend(nodes.iter().map(|(n, _)| n.to_string()));
     let certs = certs_dir(&names);
@@ -40,48 +52,59 @@ fn cluster_in(net: &Net, nodes: &[(&str, &str)], coordinator_args: &[&str]) -> T
     ];
     args.extend(coordinator_args.iter().map(|s| s.to_string()));
     let coordinator = Proc::start_in(&net.host("coordinator").ns, "coordinator", &args).unwrap();
-    let cluster = coordinator.ready["cluster"].clone();
-    let mut procs = Vec::new();
-    for (name, role) in nodes {
-        let h = net.host(name);
-        let args: Vec<String> = [
-            "node",
-            "--role",
-            role,
-            "--model",
-            tiny_llama().to_str().unwrap(),
-            "--coordinator",
-            &cluster,
-            "--name",
-            name,
-            "--certs",
-            certs.to_str().unwrap(),
-            "--threads",
-            "1",
-            "--kv-cache-memory",
-            "64m",
-            "--rpc-listen",
-            &format!("{}:0", h.ip),
-            "--kv-listen",
-            &format!("{}:0", h.ip),
-            "--metrics-listen",
-            &format!("{}:0", h.ip),
-            "--exit-with-parent",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        procs.push(Proc::start_in(&h.ns, name, &args).unwrap());
-    }
     TestCluster {
         http: format!("http://{}", coordinator.ready["http"]),
-        cluster,
+        cluster: coordinator.ready["cluster"].clone(),
         certs,
         model: tiny_llama(),
         coordinator,
-        nodes: procs,
+        nodes: Vec::new(),
         client: reqwest::Client::builder().timeout(WAIT).build().unwrap(),
     }
+}
+
+/// A node on host `name` of `net` with `role`, registering at `coordinator` (the coordinator's
+/// cluster address, or a relay to it), its RPC and KV listeners on `ports` (0: any), `extra`
+/// arguments last.
+fn node_in(
+    net: &Net,
+    c: &TestCluster,
+    name: &str,
+    role: &str,
+    coordinator: &str,
+    ports: (u16, u16),
+    extra: &[String],
+) -> Proc {
+    let h = net.host(name);
+    let mut args: Vec<String> = [
+        "node",
+        "--role",
+        role,
+        "--model",
+        tiny_llama().to_str().unwrap(),
+        "--coordinator",
+        coordinator,
+        "--name",
+        name,
+        "--certs",
+        c.certs.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "64m",
+        "--rpc-listen",
+        &format!("{}:{}", h.ip, ports.0),
+        "--kv-listen",
+        &format!("{}:{}", h.ip, ports.1),
+        "--metrics-listen",
+        &format!("{}:0", h.ip),
+        "--exit-with-parent",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().cloned());
+    Proc::start_in(&h.ns, name, &args).unwrap()
 }
 
 /// A decode node cut off mid-stream: the coordinator declares it dead after its dead-after time
@@ -325,4 +348,96 @@ fn a_rotated_certificate_is_picked_up_at_the_next_reconnect() {
     let v = rt.block_on(c.complete(greedy("Served with a new certificate", 6)));
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     let _ = std::fs::remove_file(&revoked);
+}
+
+/// Delay and jitter (20 ms ± 10 ms each way, through relays in the test process: this kernel
+/// has no netem) on every link of the decode node: its control link to the coordinator, the
+/// coordinator's request streams to it, and the prefill node's KV pushes (the node advertises
+/// the relays' addresses). Over QUIC and over TLS-TCP: greedy text equals that of the same
+/// cluster with the relays at zero delay, every relay carried traffic, and no block stays in use.
+#[test]
+fn greedy_text_survives_delay_and_jitter_on_a_decode_node_s_links() {
+    if !available(
+        netns::supported(),
+        "CLEAVE_REQUIRE_NETNS",
+        "network namespaces need root and iproute2",
+        "run as root",
+    ) {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for transport in ["quic", "tcp-tls"] {
+        let net = Net::new(&["coordinator", "prefill", "decode"]);
+        let nodes = [("prefill", "prefill"), ("decode", "decode")];
+        let mut c = coordinator_in(&net, &nodes, &["--local-prefill-max-tokens", "0", "--transport", transport]);
+        let rt = runtime();
+        let (d, root) = (net.host("decode").ip, net.root_ip);
+        let (rpc_port, kv_port) = (7101, 7102);
+        let cluster: std::net::SocketAddr = c.cluster.parse().unwrap();
+        let relays = rt.block_on(async {
+            let relay = |target: std::net::SocketAddr| async move {
+                let listen = std::net::SocketAddr::new(root.into(), 0);
+                let none = relay::Delay::new(0, 0);
+                if transport == "quic" {
+                    relay::Relay::udp(listen, target, none).await
+                } else {
+                    relay::Relay::tcp(listen, target, none).await
+                }
+            };
+            [relay(cluster).await, relay((d, rpc_port).into()).await, relay((d, kv_port).into()).await]
+        });
+        let [control, rpc, kv] = &relays;
+        let t = ["--transport".to_string(), transport.into()];
+        c.nodes.push(node_in(&net, &c, "prefill", "prefill", &c.cluster, (0, 0), &t));
+        let advertise = [
+            t[0].clone(),
+            t[1].clone(),
+            "--rpc-advertise".into(),
+            rpc.addr.to_string(),
+            "--kv-advertise".into(),
+            kv.addr.to_string(),
+        ];
+        c.nodes.push(node_in(&net, &c, "decode", "decode", &control.addr.to_string(), (rpc_port, kv_port), &advertise));
+        rt.block_on(c.wait_nodes(2));
+        let prompts: Vec<String> =
+            (0..4).map(|i| format!("Request {i} waits on a slow link: {}", "words of prompt ".repeat(12))).collect();
+        let run = || -> Vec<String> {
+            rt.block_on(async {
+                let reqs = prompts.iter().map(|p| {
+                    let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": true});
+                    c.complete(body)
+                });
+                futures::future::join_all(reqs)
+                    .await
+                    .into_iter()
+                    .map(|v| v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{v}")).to_string())
+                    .collect()
+            })
+        };
+        let want = run();
+        for r in &relays {
+            r.set_delay(relay::Delay::new(20, 10));
+        }
+        let t0 = std::time::Instant::now();
+        let lone = rt.block_on(c.complete(greedy("One request, four slow legs", 4)));
+        let lone_took = t0.elapsed();
+        assert_eq!(lone["choices"][0]["finish_reason"], "length", "{lone}");
+        // Request to the decode node, its ticket back, the KV in, the tokens out: at least four
+        // one-way legs of at least 10 ms each.
+        assert!(lone_took >= Duration::from_millis(40), "{transport}: {lone_took:?}: is the relay in the path?");
+        let t0 = std::time::Instant::now();
+        assert_eq!(run(), want, "{transport}: greedy text changed under 20 ± 10 ms delay");
+        eprintln!(
+            "{transport}: 20±10 ms on the decode node's links: a lone request {:.0} ms, 4 requests in {:.2} s; relayed {:?}",
+            lone_took.as_secs_f64() * 1e3,
+            t0.elapsed().as_secs_f64(),
+            relays.iter().map(relay::Relay::forwarded).collect::<Vec<_>>()
+        );
+        for (r, what) in relays.iter().zip(["control", "rpc", "kv"]) {
+            assert!(r.forwarded() > 0, "{transport}: nothing went through the {what} relay");
+        }
+        rt.block_on(c.wait_blocks_free());
+        drop(c);
+        drop(relays);
+    }
 }

@@ -81,6 +81,13 @@ pub enum NodeError {
 pub struct DecodeConfig {
     /// Where prefill nodes push KV (port 0: any), and over what.
     pub kv_bind: SocketAddr,
+    /// The address put in tickets, when peers reach the listener at another address than the
+    /// one bound (NAT, a proxy, a Kubernetes Service, an unspecified bind address). None: the
+    /// bound address, an unspecified IP replaced by this host's address toward `route_to`.
+    pub kv_advertise: Option<SocketAddr>,
+    /// A peer whose route picks the advertised IP when the bind IP is unspecified (the
+    /// coordinator).
+    pub route_to: SocketAddr,
     pub net: NetConfig,
     /// How long a lease waits for its KV before the blocks are freed.
     pub lease_ttl: Duration,
@@ -236,7 +243,8 @@ impl Decoder {
             NetKind::TcpTls => TransportKind::TcpTls,
             NetKind::TcpPlain => TransportKind::TcpPlain,
         };
-        let mut rcfg = ReceiverConfig::new(layout, kv_addr, transport);
+        let advertise = cleave_net::advertised(kv_addr, cfg.kv_advertise, cfg.route_to);
+        let mut rcfg = ReceiverConfig::new(layout, advertise, transport);
         rcfg.lease_ttl = cfg.lease_ttl;
         // Tickets name this node where links are authenticated: the sender checks the name.
         rcfg.name =
@@ -256,10 +264,10 @@ impl Decoder {
         #[cfg(not(feature = "rdma"))]
         let receiver = ReceiverService::spawn(rcfg, EngineSink { engine: engine.clone() }, Some(kv));
         let shared = Arc::new(Shared { engine, receiver: receiver.handle().clone(), cfg });
-        Ok(Self { shared, kv_addr, kv_reloader, _receiver: receiver })
+        Ok(Self { shared, kv_addr: advertise, kv_reloader, _receiver: receiver })
     }
 
-    /// Where prefill nodes push KV.
+    /// Where prefill nodes push KV (the advertised address: what tickets carry).
     pub fn kv_addr(&self) -> SocketAddr {
         self.kv_addr
     }

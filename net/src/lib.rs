@@ -234,6 +234,30 @@ impl NetConfig {
     }
 }
 
+/// The address peers should use for a listener bound at `bound`: `explicit` when given (NAT,
+/// a proxy, a Service address), else `bound` with an unspecified IP (`0.0.0.0`, `::`), which
+/// no peer can connect to, replaced by this host's source address on the route to `toward`
+/// (asked of the kernel by connecting a UDP socket: no packet is sent). When the kernel has
+/// no route, `bound` is kept and the failure logged: the peer's connects will say the rest.
+pub fn advertised(bound: SocketAddr, explicit: Option<SocketAddr>, toward: SocketAddr) -> SocketAddr {
+    if let Some(a) = explicit {
+        return a;
+    }
+    if !bound.ip().is_unspecified() {
+        return bound;
+    }
+    let any: SocketAddr =
+        if toward.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    let routed = std::net::UdpSocket::bind(any).and_then(|s| s.connect(toward).and_then(|()| s.local_addr()));
+    match routed {
+        Ok(local) => SocketAddr::new(local.ip(), bound.port()),
+        Err(e) => {
+            tracing::warn!(%bound, %toward, error = %e, "no route to find this host's address; advertising the bound one");
+            bound
+        }
+    }
+}
+
 /// Who is on the other end of a stream.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {

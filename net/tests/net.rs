@@ -434,3 +434,16 @@ async fn a_reloaded_listener_presents_the_new_certificate_to_new_connections() {
     let l = bounded("bind", Listener::bind(&cfg(NetKind::TcpPlain, None), local())).await.unwrap();
     assert!(l.reloader().is_none());
 }
+
+#[test]
+fn the_advertised_address_is_the_explicit_one_or_a_routable_bound_one() {
+    let coordinator: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+    let explicit: SocketAddr = "192.0.2.7:9000".parse().unwrap();
+    let bound: SocketAddr = "127.0.0.1:4321".parse().unwrap();
+    assert_eq!(cleave_net::advertised(bound, Some(explicit), coordinator), explicit);
+    assert_eq!(cleave_net::advertised(bound, None, coordinator), bound);
+    // 0.0.0.0 is not an address a peer can connect to: the source address toward the
+    // coordinator (loopback here) with the bound port.
+    let any: SocketAddr = "0.0.0.0:4321".parse().unwrap();
+    assert_eq!(cleave_net::advertised(any, None, coordinator), bound);
+}

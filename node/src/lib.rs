@@ -73,6 +73,12 @@ pub struct NodeConfig {
     pub rpc_bind: SocketAddr,
     /// Where prefill nodes push KV (port 0: any).
     pub kv_bind: SocketAddr,
+    /// Where the coordinator reaches the RPC listener, when not at the bound address (NAT, a
+    /// proxy). None: the bound address, an unspecified IP (0.0.0.0) replaced by this host's
+    /// address on the route to the coordinator.
+    pub rpc_advertise: Option<SocketAddr>,
+    /// Where prefill nodes reach the KV listener, likewise.
+    pub kv_advertise: Option<SocketAddr>,
     pub net: NetConfig,
     pub report_interval: Duration,
     /// Bound on reading a request's first message, and on a prefill waiting for its ticket.
@@ -103,6 +109,8 @@ impl NodeConfig {
             coordinator,
             rpc_bind: any,
             kv_bind: any,
+            rpc_advertise: None,
+            kv_advertise: None,
             net,
             report_interval: Duration::from_millis(200),
             request_timeout: Duration::from_secs(60),
@@ -152,12 +160,14 @@ impl Node {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<Self, NodeError> {
         let rpc = Listener::bind(&cfg.net, cfg.rpc_bind).await?;
-        let rpc_addr = rpc.local_addr();
+        let rpc_addr = cleave_net::advertised(rpc.local_addr(), cfg.rpc_advertise, cfg.coordinator);
         let rpc_reloader = rpc.reloader();
         let decode = Decoder::start(
             engine.clone(),
             DecodeConfig {
                 kv_bind: cfg.kv_bind,
+                kv_advertise: cfg.kv_advertise,
+                route_to: cfg.coordinator,
                 net: cfg.net.clone(),
                 lease_ttl: cfg.lease_ttl,
                 #[cfg(feature = "rdma")]

@@ -212,6 +212,14 @@ pub struct NodeCmd {
     /// Where prefill nodes push KV (decode and colocated nodes).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub kv_listen: SocketAddr,
+    /// The address the coordinator is told to reach --rpc-listen at, when peers see this node
+    /// at another address (NAT, a proxy, a Service). Default: the bound address, with an
+    /// unspecified IP (0.0.0.0) replaced by this host's address on the route to the coordinator.
+    #[arg(long)]
+    pub rpc_advertise: Option<SocketAddr>,
+    /// The address put in KV tickets for --kv-listen, likewise.
+    #[arg(long)]
+    pub kv_advertise: Option<SocketAddr>,
     /// Name of the served model (must match the coordinator's).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -429,6 +437,8 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         cfg.model_name = model_name;
         cfg.rpc_bind = cmd.rpc_listen;
         cfg.kv_bind = cmd.kv_listen;
+        cfg.rpc_advertise = cmd.rpc_advertise;
+        cfg.kv_advertise = cmd.kv_advertise;
         cfg.step_budget = u32::try_from(cmd.engine.max_num_batched_tokens).ok();
         cfg.metrics_addr = Some(metrics_addr);
         cfg.identity_dir = cmd.net.certs.clone();

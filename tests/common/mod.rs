@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub mod netns;
+pub mod relay;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
