@@ -40,10 +40,7 @@ fn limits(mode: u8) -> Limits {
         head_dim: 4,
         block_size: 4,
     };
-    Limits {
-        max_payload: if mode & 2 == 0 { 1 << 16 } else { 64 },
-        layout: (mode & 1 == 1).then_some(layout),
-    }
+    Limits { max_payload: if mode & 2 == 0 { 1 << 16 } else { 64 }, layout: (mode & 1 == 1).then_some(layout) }
 }
 
 fn decode_one(bytes: &[u8], limits: &Limits) -> Frame {

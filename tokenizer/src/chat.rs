@@ -323,8 +323,9 @@ fn tojson(value: Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::R
             (Some(n), _) => {
                 let n = usize::try_from(n).unwrap_or(0);
                 if n > MAX_TOJSON_INDENT {
-                    return Err(LimitExceeded { what: "spaces of tojson indent", limit: MAX_TOJSON_INDENT as u64 }
-                        .into_error());
+                    return Err(
+                        LimitExceeded { what: "spaces of tojson indent", limit: MAX_TOJSON_INDENT as u64 }.into_error()
+                    );
                 }
                 Some(" ".repeat(n))
             }

@@ -36,7 +36,8 @@ impl TensorSource for GgufSource {
 }
 
 pub(super) fn open_gguf(path: &Path) -> Result<ModelFiles> {
-    let gguf = GgufModel::open(path).map_err(|e| EngineError::ModelFile { path: path.to_path_buf(), detail: e.to_string() })?;
+    let gguf = GgufModel::open(path)
+        .map_err(|e| EngineError::ModelFile { path: path.to_path_buf(), detail: e.to_string() })?;
     model_files(path, gguf)
 }
 
