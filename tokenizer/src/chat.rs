@@ -20,7 +20,8 @@
 //! outputs at most [`MAX_RENDERED_BYTES`], recurses at most [`MAX_RECURSION`] deep (macros,
 //! includes), and `tojson` nests at most [`MAX_TOJSON_DEPTH`] deep with an indent of at most
 //! [`MAX_TOJSON_INDENT`]; past any of them the render fails with
-//! [`TokenizerError::TemplateLimit`]. (One value can still be built up to minijinja's own
+//! [`TokenizerError::TemplateLimit`]. It runs on a thread of its own whose stack
+//! ([`RENDER_STACK_BYTES`]) holds the deepest value the fuel can build. (One value can still be built up to minijinja's own
 //! bound of 100 MB per string repetition, and concatenation within the fuel; the bounds are
 //! against hangs and runaway output, not a memory quota.)
 
@@ -47,7 +48,15 @@ pub const FALLBACK_TEMPLATE_NAME: &str = "cleave_chatml_fallback";
 /// Instructions one render may execute. Real templates spend tens per message (SmolLM2's
 /// ChatML about 20, Llama 3's with tools a few hundred); this leaves room for conversations of
 /// tens of thousands of turns while stopping a runaway loop in well under a second.
-pub const RENDER_FUEL: u64 = 5_000_000;
+pub const RENDER_FUEL: u64 = 1_000_000;
+
+/// Stack of the thread each render runs on. A template can nest a value one level deeper per
+/// instruction (`{% set ns.x = [[[ns.x]]] %}` in a loop), and dropping, printing or comparing
+/// that value recurses once per level: about 190 bytes of stack each in an optimised build, so
+/// a render on the caller's thread (2 MiB on a tokio worker) could overflow it and abort the
+/// process. This stack holds [`RENDER_FUEL`] levels with room to spare. It is address space,
+/// not memory: only the pages a render touches are ever backed.
+pub const RENDER_STACK_BYTES: usize = 256 << 20;
 
 /// Bytes one render may output: far more than any prompt a model's context holds (and than the
 /// API accepts as a request body), small enough that a runaway template cannot exhaust memory
@@ -247,19 +256,33 @@ impl ChatTemplates {
             pad_token => t.pad.as_deref(),
             __cleave_now_unix_secs => now,
         };
-        let mut out = BoundedOutput { buf: Vec::new(), max: MAX_RENDERED_BYTES, overflowed: false };
-        match template.render_to_write(ctx, &mut out) {
-            Ok(_) => String::from_utf8(out.buf).map_err(|e| TokenizerError::TemplateRender {
-                name: name.to_owned(),
-                reason: format!("output is not UTF-8: {e}"),
-            }),
-            Err(_) if out.overflowed => Err(TokenizerError::TemplateLimit {
-                name: name.to_owned(),
-                what: "bytes of output",
-                limit: MAX_RENDERED_BYTES as u64,
-            }),
-            Err(e) => Err(classify(name, e)),
-        }
+        // Everything the render builds is also dropped inside `run`, on the render thread.
+        let run = move || {
+            let mut out = BoundedOutput { buf: Vec::new(), max: MAX_RENDERED_BYTES, overflowed: false };
+            match template.render_captured_to(ctx, &mut out) {
+                Ok(_) => String::from_utf8(out.buf).map_err(|e| TokenizerError::TemplateRender {
+                    name: name.to_owned(),
+                    reason: format!("output is not UTF-8: {e}"),
+                }),
+                Err(_) if out.overflowed => Err(TokenizerError::TemplateLimit {
+                    name: name.to_owned(),
+                    what: "bytes of output",
+                    limit: MAX_RENDERED_BYTES as u64,
+                }),
+                Err(e) => Err(classify(name, e)),
+            }
+        };
+        std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, run)
+                .map_err(|e| TokenizerError::TemplateRender {
+                    name: name.to_owned(),
+                    reason: format!("cannot start the render thread: {e}"),
+                })?;
+            thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
     }
 }
 
@@ -614,6 +637,26 @@ mod tests {
             .expect("the render thread survives");
         let err = out.unwrap_err();
         assert!(err.contains("recursion"), "{err}");
+    }
+
+    #[test]
+    fn a_deeply_nested_value_does_not_overflow_the_callers_stack() {
+        // 200,000 levels of lists (10 per iteration, within the fuel): dropping them recurses
+        // once per level, tens of MB of stack; the caller has tokio's 2 MiB.
+        let src = "{% set ns = namespace(x=1) %}{% for i in range(20000) %}\
+                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}{{ ns.x | length }}";
+        let out = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || render(src).map_err(|e| e.to_string()))
+            .unwrap()
+            .join()
+            .expect("the caller's thread survives");
+        assert_eq!(out.unwrap(), "1");
+        // And when the fuel runs out mid-way, the value built so far is dropped safely too.
+        let src = "{% set ns = namespace(x=1) %}{% for i in range(1000000) %}\
+                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}";
+        let out = std::thread::Builder::new().stack_size(2 << 20).spawn(move || render(src)).unwrap().join();
+        assert_limit(out.expect("the caller's thread survives"), "instructions");
     }
 
     #[test]

@@ -295,6 +295,19 @@ fn llama3_style_template_features() {
 }
 
 #[test]
+fn long_conversations_fit_the_render_budget() {
+    // RENDER_FUEL must not refuse real use: 5,000 turns through the heaviest template here.
+    let conversation: Vec<ChatMessage> = (0..5000)
+        .map(|i| if i % 2 == 0 { ChatMessage::user(format!("question {i}")) } else { ChatMessage::assistant("answer") })
+        .collect();
+    let opts = ChatOptions { add_generation_prompt: true, now_unix_secs: Some(0), ..Default::default() };
+    for template in [SMOLLM2_TEMPLATE, LLAMA3_STYLE_TEMPLATE] {
+        let out = with_template(template).render_chat_with(&conversation, &opts).unwrap();
+        assert!(out.contains("question 4998"));
+    }
+}
+
+#[test]
 fn raise_exception_template_is_an_error_not_a_panic() {
     let tok = with_template(
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
