@@ -653,8 +653,8 @@ mod tests {
             .expect("the caller's thread survives");
         assert_eq!(out.unwrap(), "1");
         // And when the fuel runs out mid-way, the value built so far is dropped safely too.
-        let src = "{% set ns = namespace(x=1) %}{% for i in range(1000000) %}\
-                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}";
+        let src = "{% set ns = namespace(x=1) %}{% for i in range(1000) %}{% for j in range(1000) %}\
+                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}{% endfor %}";
         let out = std::thread::Builder::new().stack_size(2 << 20).spawn(move || render(src)).unwrap().join();
         assert_limit(out.expect("the caller's thread survives"), "instructions");
     }
