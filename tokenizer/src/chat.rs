@@ -16,14 +16,15 @@
 //! Rendering is bounded. A template comes with a model file (GGUF metadata,
 //! `tokenizer_config.json`) and is code we did not write, run on every chat request; Jinja has
 //! loops over ranges and recursive macros, so a careless or hostile template could otherwise
-//! hang a request or fill memory. One render executes at most [`RENDER_FUEL`] instructions,
-//! outputs at most [`MAX_RENDERED_BYTES`], recurses at most [`MAX_RECURSION`] deep (macros,
-//! includes), and `tojson` nests at most [`MAX_TOJSON_DEPTH`] deep with an indent of at most
-//! [`MAX_TOJSON_INDENT`]; past any of them the render fails with
-//! [`TokenizerError::TemplateLimit`]. It runs on a thread of its own whose stack
-//! ([`RENDER_STACK_BYTES`]) holds the deepest value the fuel can build. (One value can still be built up to minijinja's own
-//! bound of 100 MB per string repetition, and concatenation within the fuel; the bounds are
-//! against hangs and runaway output, not a memory quota.)
+//! hang a request, fill memory or overflow a stack. One render executes at most
+//! [`RENDER_FUEL`] instructions and outputs at most [`MAX_RENDERED_BYTES`]; `tojson` nests at
+//! most [`MAX_TOJSON_DEPTH`] deep with an indent of at most [`MAX_TOJSON_INDENT`]; past any of
+//! them the render fails with [`TokenizerError::TemplateLimit`]. Macro calls nest at most
+//! minijinja's 500 deep (a render error). The render runs on a thread of its own whose stack
+//! ([`RENDER_STACK_BYTES`]) holds the deepest value the fuel can build. What these bounds do
+//! not make is a memory quota: within the fuel a template can still concatenate a string to a
+//! few GB (minijinja caps one repetition, `'x' * n`, at 100 MB, but not `s ~ s` doubled in a
+//! loop); that takes a template written to do it.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -45,28 +46,25 @@ pub const CHATML_FALLBACK_TEMPLATE: &str = "{% for message in messages %}\
 /// Name under which [`CHATML_FALLBACK_TEMPLATE`] is registered when a model has no template.
 pub const FALLBACK_TEMPLATE_NAME: &str = "cleave_chatml_fallback";
 
-/// Instructions one render may execute. Real templates spend tens per message (SmolLM2's
-/// ChatML about 20, Llama 3's with tools a few hundred); this leaves room for conversations of
-/// tens of thousands of turns while stopping a runaway loop in well under a second.
+/// Instructions one render may execute. Measured: SmolLM2's template, the Llama 3 style one of
+/// `tests/golden.rs` and the tiny model's each spend 20 to 23 per turn, so 40,000 turns fit
+/// (`long_conversations_fit_the_render_budget` holds 5,000 to it); a runaway loop stops within
+/// a fraction of a second.
 pub const RENDER_FUEL: u64 = 1_000_000;
 
 /// Stack of the thread each render runs on. A template can nest a value one level deeper per
 /// instruction (`{% set ns.x = [[[ns.x]]] %}` in a loop), and dropping, printing or comparing
-/// that value recurses once per level: about 190 bytes of stack each in an optimised build, so
-/// a render on the caller's thread (2 MiB on a tokio worker) could overflow it and abort the
-/// process. This stack holds [`RENDER_FUEL`] levels with room to spare. It is address space,
-/// not memory: only the pages a render touches are ever backed.
+/// that value recurses once per level: 140 to 280 bytes of stack each in an optimised build
+/// (measured: 8 MiB overflowed between 30,000 and 60,000 levels), so a render on the caller's
+/// thread (2 MiB on a tokio worker) could overflow it and abort the process. This stack holds
+/// the levels [`RENDER_FUEL`] can build. It is address space, not memory: only the pages a
+/// render touches are ever backed.
 pub const RENDER_STACK_BYTES: usize = 256 << 20;
 
 /// Bytes one render may output: far more than any prompt a model's context holds (and than the
 /// API accepts as a request body), small enough that a runaway template cannot exhaust memory
 /// through its output.
 pub const MAX_RENDERED_BYTES: usize = 64 << 20;
-
-/// Deepest nesting of macro calls and includes. minijinja's own default is 500, whose frames
-/// can overflow a 2 MiB thread stack (tokio's worker default) in an unoptimised build; HF
-/// templates recurse only over tool schemas, a handful of levels.
-pub const MAX_RECURSION: usize = 100;
 
 /// Deepest value `tojson` writes (Python's `json.dumps` stops at its recursion limit too); a
 /// deeper value is refused rather than overflowing the stack.
@@ -318,7 +316,6 @@ fn hf_environment() -> Environment<'static> {
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_fuel(Some(RENDER_FUEL));
-    env.set_recursion_limit(MAX_RECURSION);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
@@ -627,8 +624,8 @@ mod tests {
 
     #[test]
     fn deep_recursion_is_an_error_on_a_small_stack() {
-        // tokio's worker threads have 2 MiB of stack; minijinja's default limit of 500 nested
-        // macro calls is deeper than that holds in an unoptimised build.
+        // Unbounded macro recursion ends at minijinja's limit, on the render thread's stack,
+        // whatever the caller's (tokio's workers have 2 MiB).
         let out = std::thread::Builder::new()
             .stack_size(2 << 20)
             .spawn(|| render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").map_err(|e| e.to_string()))
