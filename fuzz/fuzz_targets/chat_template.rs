@@ -4,8 +4,11 @@
 //! The first byte picks what the rest is:
 //! - even: a template source, rendered against a fixed conversation. Whatever the template
 //!   does (loops, recursion, `tojson`, Python methods), the render ends with a string or a
-//!   [`TokenizerError`], never a panic, a hang or unbounded memory (libFuzzer's timeout and
-//!   malloc limit catch those); a string is at most `MAX_RENDERED_BYTES`.
+//!   [`TokenizerError`], never a panic, a hang (libFuzzer's `-timeout`) or a stack overflow;
+//!   a string is at most `MAX_RENDERED_BYTES`. Memory is watched by the RSS limit and, per
+//!   allocation, at 1 GiB here: legitimate renders hold up to 64 MiB of output plus strings of
+//!   minijinja's 100 MB, and a template may still concatenate strings past that within its
+//!   fuel (the renderer's documented limit), which this target reports only when it is large.
 //! - odd: a conversation (fields separated by NUL: role, content, role, content, ...) rendered
 //!   with real templates: the ChatML fallback, whose output is known exactly; SmolLM2-135M-
 //!   Instruct's template, which accepts any conversation; and the tiny reference model's
@@ -57,7 +60,9 @@ fn conversation(bytes: &[u8]) -> Vec<ChatMessage> {
     fields.chunks(2).take(64).map(|p| ChatMessage::new(p[0].clone(), p.get(1).cloned().unwrap_or_default())).collect()
 }
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: {
+    cleave_fuzz::MAX_ALLOC_BYTES.store(1 << 30, std::sync::atomic::Ordering::Relaxed);
+}, |data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
     let opts = opts(mode);
     if mode % 2 == 0 {

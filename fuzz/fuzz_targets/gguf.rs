@@ -3,8 +3,8 @@
 //!
 //! The input is a whole GGUF image. What must hold:
 //! - nothing panics and no allocation outgrows the input by more than the largest
-//!   quantization ratio (the reader bounds every count by the bytes left; libFuzzer's malloc
-//!   limit catches one that is not);
+//!   quantization ratio (the reader bounds every count by the bytes left; the fuzz crate's
+//!   allocator aborts on a single allocation past 256 MiB);
 //! - every tensor the reader accepts lies inside the image and has as many bytes as its type and
 //!   shape need, and dequantizing it either works or says why;
 //! - a file the engine accepts as a model yields every tensor its config implies with the

@@ -3,8 +3,8 @@
 //!
 //! The first byte picks the limits (with or without the receiver's layout, and the payload
 //! bound); the rest is a stream of frames. What must hold:
-//! - nothing panics and nothing is allocated past the limits (libFuzzer's malloc limit catches
-//!   a payload buffer sized by an unchecked length);
+//! - nothing panics and nothing is allocated past the limits (the fuzz crate's allocator
+//!   aborts on a buffer sized by an unchecked length);
 //! - every frame decoded satisfies the module's invariants: lengths within the limits, a chunk's
 //!   `k`/`v` of `k_len` bytes each, control frames without payload;
 //! - a control frame is canonical after one trip through `encode_control`, and a chunk
