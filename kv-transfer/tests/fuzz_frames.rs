@@ -223,3 +223,20 @@ fn oversized_lengths_are_refused_before_allocating() {
     let err = decode_frame(&mut BytesMut::from(&bytes[..]), &limits()).unwrap_err();
     assert!(matches!(err, KvTransferError::FrameTooLarge { what: "header", .. }), "{err}");
 }
+
+/// Writes the seed corpus of the `handoff_frame` fuzz target (`fuzz/`): every valid frame,
+/// alone and all in one stream, under each mode byte the target reads (bit 0: the receiver
+/// knows the layout). Run by `scripts/fuzz --seeds`.
+#[test]
+#[ignore = "writes fuzz/corpus/handoff_frame; run by scripts/fuzz --seeds"]
+fn write_fuzz_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/handoff_frame");
+    std::fs::create_dir_all(&dir).unwrap();
+    let frames = valid_frames();
+    for mode in [0u8, 1] {
+        for (i, f) in frames.iter().enumerate() {
+            std::fs::write(dir.join(format!("seed-{mode}-{i}")), [&[mode][..], f].concat()).unwrap();
+        }
+        std::fs::write(dir.join(format!("seed-{mode}-stream")), [vec![mode], frames.concat()].concat()).unwrap();
+    }
+}

@@ -243,3 +243,21 @@ proptest! {
         prop_assert_eq!(decode(&encode(&m)).unwrap(), m);
     }
 }
+
+/// Writes the seed corpus of the `control` fuzz target (`fuzz/`): each sample message as a bare
+/// body (mode byte 0) and all of them as one stream of frames (mode byte 1). Run by
+/// `scripts/fuzz --seeds`.
+#[test]
+#[ignore = "writes fuzz/corpus/control; run by scripts/fuzz --seeds"]
+fn write_fuzz_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/control");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut stream = vec![1u8];
+    for (i, m) in samples().iter().enumerate() {
+        let body = encode(m);
+        std::fs::write(dir.join(format!("seed-msg-{i}")), [&[0u8][..], &body].concat()).unwrap();
+        stream.extend((body.len() as u32).to_le_bytes());
+        stream.extend(body);
+    }
+    std::fs::write(dir.join("seed-stream"), stream).unwrap();
+}

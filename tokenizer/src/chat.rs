@@ -12,6 +12,19 @@
 //! No wall clock is read unless the caller leaves [`ChatOptions::now_unix_secs`] unset.
 //! A template that fails to compile does not prevent the tokenizer from loading: the
 //! error is kept and returned by every render that selects that template.
+//!
+//! Rendering is bounded. A template comes with a model file (GGUF metadata,
+//! `tokenizer_config.json`) and is code we did not write, run on every chat request; Jinja has
+//! loops over ranges and recursive macros, so a careless or hostile template could otherwise
+//! hang a request, fill memory or overflow a stack. One render executes at most
+//! [`RENDER_FUEL`] instructions and outputs at most [`MAX_RENDERED_BYTES`]; `tojson` nests at
+//! most [`MAX_TOJSON_DEPTH`] deep with an indent of at most [`MAX_TOJSON_INDENT`]; past any of
+//! them the render fails with [`TokenizerError::TemplateLimit`]. Macro calls nest at most
+//! minijinja's 500 deep (a render error). The render runs on a thread of its own whose stack
+//! ([`RENDER_STACK_BYTES`]) holds the deepest value the fuel can build. What these bounds do
+//! not make is a memory quota: within the fuel a template can still concatenate a string to a
+//! few GB (minijinja caps one repetition, `'x' * n`, at 100 MB, but not `s ~ s` doubled in a
+//! loop); that takes a template written to do it.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -32,6 +45,33 @@ pub const CHATML_FALLBACK_TEMPLATE: &str = "{% for message in messages %}\
 
 /// Name under which [`CHATML_FALLBACK_TEMPLATE`] is registered when a model has no template.
 pub const FALLBACK_TEMPLATE_NAME: &str = "cleave_chatml_fallback";
+
+/// Instructions one render may execute. Measured: SmolLM2's template, the Llama 3 style one of
+/// `tests/golden.rs` and the tiny model's each spend 20 to 23 per turn, so 40,000 turns fit
+/// (`long_conversations_fit_the_render_budget` holds 5,000 to it); a runaway loop stops within
+/// a fraction of a second.
+pub const RENDER_FUEL: u64 = 1_000_000;
+
+/// Stack of the thread each render runs on. A template can nest a value one level deeper per
+/// instruction (`{% set ns.x = [[[ns.x]]] %}` in a loop), and dropping, printing or comparing
+/// that value recurses once per level: 140 to 280 bytes of stack each in an optimised build
+/// (measured: 8 MiB overflowed between 30,000 and 60,000 levels), so a render on the caller's
+/// thread (2 MiB on a tokio worker) could overflow it and abort the process. This stack holds
+/// the levels [`RENDER_FUEL`] can build. It is address space, not memory: only the pages a
+/// render touches are ever backed.
+pub const RENDER_STACK_BYTES: usize = 256 << 20;
+
+/// Bytes one render may output: far more than any prompt a model's context holds (and than the
+/// API accepts as a request body), small enough that a runaway template cannot exhaust memory
+/// through its output.
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+
+/// Deepest value `tojson` writes (Python's `json.dumps` stops at its recursion limit too); a
+/// deeper value is refused rather than overflowing the stack.
+pub const MAX_TOJSON_DEPTH: usize = 128;
+
+/// Largest `tojson` indent, in spaces (templates use 2 or 4).
+pub const MAX_TOJSON_INDENT: usize = 64;
 
 /// Context variable carrying the render's clock for `strftime_now`. Reserved: a
 /// template reading it gets seconds since the Unix epoch.
@@ -114,6 +154,50 @@ impl std::fmt::Display for RaisedException {
 
 impl std::error::Error for RaisedException {}
 
+/// Marker attached to the minijinja error of a render stopped by one of this module's bounds.
+#[derive(Debug)]
+struct LimitExceeded {
+    what: &'static str,
+    limit: u64,
+}
+
+impl std::fmt::Display for LimitExceeded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "more than {} {}", self.limit, self.what)
+    }
+}
+
+impl std::error::Error for LimitExceeded {}
+
+impl LimitExceeded {
+    fn into_error(self) -> minijinja::Error {
+        minijinja::Error::new(ErrorKind::InvalidOperation, "template exceeded a rendering limit").with_source(self)
+    }
+}
+
+/// The render's output, refusing any write that would take it past `max` bytes (a refused
+/// write appends nothing, so the buffer stays valid UTF-8: minijinja writes whole `str`s).
+struct BoundedOutput {
+    buf: Vec<u8>,
+    max: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.max {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output limit reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplates {
     pub(crate) fn new(templates: &[NamedTemplate], tokens: TemplateTokens) -> Self {
         let mut env = hf_environment();
@@ -170,16 +254,48 @@ impl ChatTemplates {
             pad_token => t.pad.as_deref(),
             __cleave_now_unix_secs => now,
         };
-        template.render(ctx).map_err(|e| classify(name, e))
+        // Everything the render builds is also dropped inside `run`, on the render thread.
+        let run = move || {
+            let mut out = BoundedOutput { buf: Vec::new(), max: MAX_RENDERED_BYTES, overflowed: false };
+            match template.render_captured_to(ctx, &mut out) {
+                Ok(_) => String::from_utf8(out.buf).map_err(|e| TokenizerError::TemplateRender {
+                    name: name.to_owned(),
+                    reason: format!("output is not UTF-8: {e}"),
+                }),
+                Err(_) if out.overflowed => Err(TokenizerError::TemplateLimit {
+                    name: name.to_owned(),
+                    what: "bytes of output",
+                    limit: MAX_RENDERED_BYTES as u64,
+                }),
+                Err(e) => Err(classify(name, e)),
+            }
+        };
+        std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, run)
+                .map_err(|e| TokenizerError::TemplateRender {
+                    name: name.to_owned(),
+                    reason: format!("cannot start the render thread: {e}"),
+                })?;
+            thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
     }
 }
 
-/// Turns a render error into ours, recognizing `raise_exception`.
+/// Turns a render error into ours, recognizing `raise_exception` and the render bounds.
 fn classify(name: &str, err: minijinja::Error) -> TokenizerError {
+    if err.kind() == ErrorKind::OutOfFuel {
+        return TokenizerError::TemplateLimit { name: name.to_owned(), what: "instructions", limit: RENDER_FUEL };
+    }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
             return TokenizerError::TemplateException { name: name.to_owned(), message: raised.0.clone() };
+        }
+        if let Some(limit) = e.downcast_ref::<LimitExceeded>() {
+            return TokenizerError::TemplateLimit { name: name.to_owned(), what: limit.what, limit: limit.limit };
         }
         source = e.source();
     }
@@ -199,6 +315,7 @@ fn hf_environment() -> Environment<'static> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
+    env.set_fuel(Some(RENDER_FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
@@ -223,7 +340,20 @@ fn tojson(value: Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::R
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => match (v.as_i64(), v.as_str()) {
-            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            (Some(n), _) => {
+                let n = usize::try_from(n).unwrap_or(0);
+                if n > MAX_TOJSON_INDENT {
+                    return Err(
+                        LimitExceeded { what: "spaces of tojson indent", limit: MAX_TOJSON_INDENT as u64 }.into_error()
+                    );
+                }
+                Some(" ".repeat(n))
+            }
+            (None, Some(s)) if s.len() > MAX_TOJSON_INDENT => {
+                return Err(
+                    LimitExceeded { what: "bytes of tojson indent", limit: MAX_TOJSON_INDENT as u64 }.into_error()
+                )
+            }
             (None, Some(s)) => Some(s.to_owned()),
             _ => {
                 return Err(minijinja::Error::new(
@@ -279,7 +409,17 @@ impl JsonStyle {
         }
     }
 
+    /// Writes `v` at nesting `depth`. Stops with [`LimitExceeded`] past [`MAX_TOJSON_DEPTH`]
+    /// (recursion is one stack frame per level) and once `out` is past [`MAX_RENDERED_BYTES`]
+    /// (checked before every value, so `out` outgrows the bound by at most one scalar or one
+    /// indented newline).
     fn write(&self, out: &mut String, v: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
+        if depth > MAX_TOJSON_DEPTH {
+            return Err(LimitExceeded { what: "levels of tojson nesting", limit: MAX_TOJSON_DEPTH as u64 }.into_error());
+        }
+        if out.len() > MAX_RENDERED_BYTES {
+            return Err(LimitExceeded { what: "bytes of output", limit: MAX_RENDERED_BYTES as u64 }.into_error());
+        }
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -457,6 +597,78 @@ mod tests {
             .render(&[], &ChatOptions { template_name: Some("tool_use".into()), ..Default::default() })
             .unwrap_err();
         assert!(err.to_string().contains("tool_use") && err.to_string().contains("default"));
+    }
+
+    fn assert_limit(result: Result<String>, want_what: &str) {
+        match result {
+            Err(TokenizerError::TemplateLimit { name, what, .. }) => {
+                assert_eq!(name, "default");
+                assert_eq!(what, want_what);
+            }
+            other => panic!("expected a {want_what} limit, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_runaway_loop_runs_out_of_fuel() {
+        // 10^10 iterations: without fuel this render would not end.
+        let src = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        assert_limit(render(src), "instructions");
+    }
+
+    #[test]
+    fn output_is_bounded() {
+        // 100 x 10 MB: a gigabyte unless the output stops at MAX_RENDERED_BYTES.
+        assert_limit(render("{% for i in range(100) %}{{ 'x' * 10000000 }}{% endfor %}"), "bytes of output");
+    }
+
+    #[test]
+    fn deep_recursion_is_an_error_on_a_small_stack() {
+        // Unbounded macro recursion ends at minijinja's limit, on the render thread's stack,
+        // whatever the caller's (tokio's workers have 2 MiB).
+        let out = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").map_err(|e| e.to_string()))
+            .unwrap()
+            .join()
+            .expect("the render thread survives");
+        let err = out.unwrap_err();
+        assert!(err.contains("recursion"), "{err}");
+    }
+
+    #[test]
+    fn a_deeply_nested_value_does_not_overflow_the_callers_stack() {
+        // 200,000 levels of lists (10 per iteration, within the fuel): dropping them recurses
+        // once per level, tens of MB of stack; the caller has tokio's 2 MiB.
+        let src = "{% set ns = namespace(x=1) %}{% for i in range(20000) %}\
+                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}{{ ns.x | length }}";
+        let out = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || render(src).map_err(|e| e.to_string()))
+            .unwrap()
+            .join()
+            .expect("the caller's thread survives");
+        assert_eq!(out.unwrap(), "1");
+        // And when the fuel runs out mid-way, the value built so far is dropped safely too.
+        let src = "{% set ns = namespace(x=1) %}{% for i in range(1000) %}{% for j in range(1000) %}\
+                   {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}{% endfor %}";
+        let out = std::thread::Builder::new().stack_size(2 << 20).spawn(move || render(src)).unwrap().join();
+        assert_limit(out.expect("the caller's thread survives"), "instructions");
+    }
+
+    #[test]
+    fn tojson_is_bounded() {
+        // A huge indent used to reach `" ".repeat(n)`: a capacity-overflow panic or an abort.
+        assert_limit(render("{{ [1] | tojson(indent=1000000000000000000) }}"), "spaces of tojson indent");
+        let long_indent = format!("{{{{ [1] | tojson(indent='{}') }}}}", " ".repeat(100));
+        assert_limit(render(&long_indent), "bytes of tojson indent");
+        // Nesting deeper than the limit is refused instead of recursing once per level.
+        let deep = "{% set ns = namespace(x=1) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}\
+                    {{ ns.x | tojson }}";
+        assert_limit(render(deep), "levels of tojson nesting");
+        // A shallow value still renders.
+        let out = render("{{ [[1, [2]], {'a': [3]}] | tojson(indent=2) }}").unwrap();
+        assert!(out.starts_with("[\n  [\n    1,"), "{out}");
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub enum TokenizerError {
     /// is malformed for this model (e.g. a `system` role the model does not support).
     #[error("chat template {name:?} rejected the conversation: {message}")]
     TemplateException { name: String, message: String },
+    /// Rendering ran past one of the bounds that keep a template (a model file, not
+    /// client input, but still untrusted) from hanging a request or exhausting memory: the
+    /// instructions one render may execute, the bytes it may output, or how deep `tojson` nests.
+    #[error("chat template {name:?} exceeded its limit of {limit} {what}")]
+    TemplateLimit { name: String, what: &'static str, limit: u64 },
     /// A template was requested by name but the model has no template of that name.
     #[error("no chat template named {name:?}; available: {available:?}")]
     UnknownTemplate { name: String, available: Vec<String> },

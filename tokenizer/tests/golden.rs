@@ -248,11 +248,9 @@ fn chatml_template_smollm2_style() {
     );
 }
 
-#[test]
-fn llama3_style_template_features() {
-    // Exercises what Llama 3.x / Mistral templates use: namespace, strftime_now,
-    // pycompat string methods, loop controls, `is defined` on tools, tojson.
-    let template = r#"{{- bos_token }}
+/// What Llama 3.x / Mistral templates use: namespace, strftime_now, pycompat string methods,
+/// loop controls, `is defined` on tools, tojson.
+const LLAMA3_STYLE_TEMPLATE: &str = r#"{{- bos_token }}
 {%- set ns = namespace(system='') %}
 {%- if messages[0]['role'] == 'system' %}
     {%- set ns.system = messages[0]['content'] | trim %}
@@ -267,6 +265,10 @@ fn llama3_style_template_features() {
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 {{- {"n": messages | length} | tojson }}"#;
+
+#[test]
+fn llama3_style_template_features() {
+    let template = LLAMA3_STYLE_TEMPLATE;
     let tok = with_template(template);
     let opts = ChatOptions {
         add_generation_prompt: true,
@@ -290,6 +292,19 @@ fn llama3_style_template_features() {
          <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
          <|start_header_id|>assistant<|end_header_id|>\n\n{\"n\": 3}"
     );
+}
+
+#[test]
+fn long_conversations_fit_the_render_budget() {
+    // RENDER_FUEL must not refuse real use: 5,000 turns through the heaviest template here.
+    let conversation: Vec<ChatMessage> = (0..5000)
+        .map(|i| if i % 2 == 0 { ChatMessage::user(format!("question {i}")) } else { ChatMessage::assistant("answer") })
+        .collect();
+    let opts = ChatOptions { add_generation_prompt: true, now_unix_secs: Some(0), ..Default::default() };
+    for template in [SMOLLM2_TEMPLATE, LLAMA3_STYLE_TEMPLATE] {
+        let out = with_template(template).render_chat_with(&conversation, &opts).unwrap();
+        assert!(out.contains("question 4998"));
+    }
 }
 
 #[test]
@@ -341,4 +356,38 @@ fn out_of_vocabulary_ids_do_not_fail() {
     let mut dec = IncrementalDecoder::new(tok.clone(), &[1]);
     assert_eq!(dec.push(4_000_000).unwrap(), "");
     assert_eq!(dec.push(hello[0]).unwrap(), "Hello");
+}
+
+/// Writes the seed corpus of the `chat_template` fuzz target (`fuzz/`): the real templates
+/// (the tiny model's, SmolLM2's, the ChatML fallback, the Llama 3 style one above) as template
+/// sources (mode bytes 0 and 2), and conversations in the target's NUL-separated form (mode
+/// bytes 1 and 3). Run by `scripts/fuzz --seeds`.
+#[test]
+#[ignore = "writes fuzz/corpus/chat_template; run by scripts/fuzz --seeds"]
+fn write_fuzz_seeds() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/chat_template");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tiny = tokenizer().config().chat_templates[0].template.clone();
+    let templates = [
+        ("tiny", tiny.as_str()),
+        ("smollm2", SMOLLM2_TEMPLATE),
+        ("chatml", cleave_tokenizer::CHATML_FALLBACK_TEMPLATE),
+        ("llama3", LLAMA3_STYLE_TEMPLATE),
+    ];
+    for (name, t) in templates {
+        for mode in [0u8, 2] {
+            std::fs::write(dir.join(format!("seed-{name}-{mode}")), [&[mode][..], t.as_bytes()].concat()).unwrap();
+        }
+    }
+    let conversations: [&[&str]; 3] = [
+        &["user", "Hi!", "assistant", "Hello.", "user", "2+2?"],
+        &["system", "Be terse.", "user", "é🎉 <|im_end|> {{ x }}"],
+        &["tool", "{\"a\": 1}", "developer", ""],
+    ];
+    for (i, c) in conversations.iter().enumerate() {
+        for mode in [1u8, 3] {
+            std::fs::write(dir.join(format!("seed-conv{i}-{mode}")), [&[mode][..], c.join("\0").as_bytes()].concat())
+                .unwrap();
+        }
+    }
 }

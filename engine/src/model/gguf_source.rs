@@ -7,7 +7,7 @@ use std::path::Path;
 use cleave_kernels::RopeScaling;
 use cleave_tokenizer::{Tokenizer, TokenizerConfig};
 
-use super::gguf::{GgufError, GgufModel};
+use super::gguf::{GgufError, GgufFile, GgufModel};
 use super::{Architecture, ModelConfig, ModelFiles, TensorSource};
 use crate::{EngineError, Result};
 
@@ -36,8 +36,22 @@ impl TensorSource for GgufSource {
 }
 
 pub(super) fn open_gguf(path: &Path) -> Result<ModelFiles> {
+    let gguf = GgufModel::open(path)
+        .map_err(|e| EngineError::ModelFile { path: path.to_path_buf(), detail: e.to_string() })?;
+    model_files(path, gguf)
+}
+
+/// [`open_gguf`] of an image held in memory; `path` only names it in errors and in
+/// [`ModelFiles::path`]. The file and this share every step after the bytes are in hand.
+pub(super) fn gguf_from_bytes(path: &Path, bytes: Vec<u8>) -> Result<ModelFiles> {
+    let gguf = GgufFile::from_bytes(bytes)
+        .and_then(GgufModel::from_file)
+        .map_err(|e| EngineError::ModelFile { path: path.to_path_buf(), detail: e.to_string() })?;
+    model_files(path, gguf)
+}
+
+fn model_files(path: &Path, gguf: GgufModel) -> Result<ModelFiles> {
     let model_file_err = |detail: String| EngineError::ModelFile { path: path.to_path_buf(), detail };
-    let gguf = GgufModel::open(path).map_err(|e| model_file_err(e.to_string()))?;
     let g = &gguf.config;
     let architecture = match g.architecture.as_str() {
         "llama" => Architecture::Llama,

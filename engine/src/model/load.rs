@@ -34,6 +34,13 @@ impl ModelFiles {
         }
     }
 
+    /// A GGUF image held in memory, loaded exactly as [`ModelFiles::open`] loads a `.gguf` file
+    /// (the fuzzer's entry point, and for callers that already hold the bytes). `name` stands
+    /// for the path in errors and in [`ModelFiles::path`].
+    pub fn from_gguf_bytes(name: &Path, bytes: Vec<u8>) -> Result<Self> {
+        super::gguf_source::gguf_from_bytes(name, bytes)
+    }
+
     /// The model's EOS ids: from the config, or the tokenizer's EOS token when the config has none.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         let mut ids = self.config.eos_token_ids.clone();

@@ -395,3 +395,15 @@ fn name_mapping_round_trips_and_unpermute_inverts_permute() {
     assert_eq!(unpermute_rows(&w, 24, 5), None);
     assert_eq!(unpermute_rows(&w, 24, 0), None);
 }
+
+/// Writes the seed corpus of the `gguf` fuzz target (`fuzz/`): the every-type sample and the
+/// one-layer llama above (a whole model: config, tokenizer, chat template, F32 and Q8_0
+/// tensors). Run by `scripts/fuzz --seeds`.
+#[test]
+#[ignore = "writes fuzz/corpus/gguf; run by scripts/fuzz --seeds"]
+fn write_fuzz_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/gguf");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("seed-sample"), sample().build()).unwrap();
+    std::fs::write(dir.join("seed-tiny-llama"), tiny_llama().build()).unwrap();
+}
