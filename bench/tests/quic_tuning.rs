@@ -23,6 +23,7 @@ fn quic_tuning_sweep() {
         ("no gso mtu 16k", QuicTuning { mtu_discovery_upper_bound: Some(16384), ..nogso.clone() }),
         ("no gso mtu 32k", QuicTuning { mtu_discovery_upper_bound: Some(32768), ..nogso.clone() }),
         ("no gso bbr", QuicTuning { congestion: cleave_net::Congestion::Bbr, ..nogso.clone() }),
+        ("cubic", QuicTuning { congestion: cleave_net::Congestion::Cubic, ..base.clone() }),
         ("no gso init window 16M", QuicTuning { initial_window: Some(16 << 20), ..nogso.clone() }),
         (
             "no gso quinn windows",

@@ -5,10 +5,11 @@
 //! (`--rpc-advertise`, `--kv-advertise`) or to reach its coordinator through one, so that every
 //! packet of that link crosses the bridge twice and waits in between.
 //!
-//! UDP (QUIC) datagrams are delayed independently, so jitter reorders them as netem does; TCP
-//! chunks keep their order (a chunk never leaves before the one read before it), as a TCP
-//! receiver would see them. Each UDP client gets its own upstream socket, so the target sees
-//! one peer per client.
+//! Jitter varies the delay without reordering (a datagram or chunk never leaves before the one
+//! that arrived before it in the same direction), as on most real paths and as netem does with
+//! a rate limit: with reordering, QUIC (like TCP) takes out-of-order packets for lost ones and
+//! collapses its window, which is a different fault. Each UDP client gets its own upstream
+//! socket, so the target sees one peer per client.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::net::SocketAddr;
@@ -148,8 +149,10 @@ impl Relay {
         let task = tokio::spawn(async move {
             let mut draw = Draw::new(delay_rx.clone(), addr.port() as u64 * 7919);
             let mut seq = 0u64;
-            // Per client: the upstream socket's delay line, and the task reading its answers.
-            let mut upstream: HashMap<SocketAddr, (mpsc::UnboundedSender<Due>, Vec<JoinHandle<()>>)> = HashMap::new();
+            // Per client: the upstream socket's delay line, the due time of the last datagram
+            // queued on it, and the tasks (its sender, and the reader of its answers).
+            type Upstream = (mpsc::UnboundedSender<Due>, Instant, Vec<JoinHandle<()>>);
+            let mut upstream: HashMap<SocketAddr, Upstream> = HashMap::new();
             let mut buf = vec![0u8; 65_536];
             loop {
                 let Ok((n, client)) = front.recv_from(&mut buf).await else { return };
@@ -162,22 +165,25 @@ impl Relay {
                     let read_task = tokio::spawn(async move {
                         let mut buf = vec![0u8; 65_536];
                         let mut seq = 0u64;
+                        let mut last = Instant::now();
                         while let Ok((n, from)) = sock.recv_from(&mut buf).await {
                             if from != target {
                                 continue;
                             }
                             seq += 1;
-                            let due = Instant::now() + back_draw.next();
+                            last = last.max(Instant::now() + back_draw.next());
+                            let due = last;
                             if back.send(Due { due, seq, to: client, data: buf[..n].to_vec() }).is_err() {
                                 return;
                             }
                         }
                     });
-                    upstream.insert(client, (tx, vec![send_task, read_task]));
+                    upstream.insert(client, (tx, Instant::now(), vec![send_task, read_task]));
                 }
-                let entry = &upstream[&client];
+                let entry = upstream.get_mut(&client).unwrap();
                 seq += 1;
-                let due = Instant::now() + draw.next();
+                entry.1 = entry.1.max(Instant::now() + draw.next());
+                let due = entry.1;
                 let _ = entry.0.send(Due { due, seq, to: target, data: buf[..n].to_vec() });
             }
         });

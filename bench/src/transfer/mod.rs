@@ -16,7 +16,8 @@
 //! Handoff rows ([`crate::transfer::handoff`]) run the real protocol into a block pool.
 //!
 //! A row's time is the median of `repeats` requests after one warm-up request. Throughput is
-//! payload bytes over that time.
+//! payload bytes over that time. The p99 and worst columns are over every timed request of
+//! every round: the tail a median hides.
 
 pub mod handoff;
 
@@ -107,6 +108,9 @@ pub struct Measurement {
     pub median_s: f64,
     /// Fastest request.
     pub best_s: f64,
+    /// Every timed request's seconds (all rounds), for the tail: a transfer ten times slower
+    /// than the median now and then hides behind a median.
+    pub times_s: Vec<f64>,
     /// Throughput as a share of the faster raw-TCP row of the same prompt and round (median
     /// over rounds); set by [`run`].
     pub raw_share: Option<f64>,
@@ -121,9 +125,25 @@ impl Measurement {
         self.bytes as f64 / self.median_s / 1e9
     }
 
+    /// The `q` quantile (0..=1, nearest rank) of the timed requests' seconds.
+    pub fn quantile_s(&self, q: f64) -> f64 {
+        let mut v = self.times_s.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len().max(1) - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize).copied().unwrap_or(f64::NAN)
+    }
+
     pub(crate) fn from_times(label: String, tokens: usize, bytes: u64, times: Vec<f64>) -> Self {
         let best_s = times.iter().copied().fold(f64::INFINITY, f64::min);
-        Self { label, tokens, bytes, median_s: median(times), best_s, raw_share: None, cpu_s: None }
+        Self {
+            label,
+            tokens,
+            bytes,
+            median_s: median(times.clone()),
+            best_s,
+            times_s: times,
+            raw_share: None,
+            cpu_s: None,
+        }
     }
 
     /// Sets [`Measurement::cpu_s`] from the process CPU time at the first timed request.
@@ -184,6 +204,7 @@ fn combine(rounds: Vec<Vec<Measurement>>) -> Vec<Measurement> {
                 bytes: r.bytes,
                 median_s: median(same.iter().map(|m| m.median_s).collect()),
                 best_s: same.iter().map(|m| m.best_s).fold(f64::INFINITY, f64::min),
+                times_s: same.iter().flat_map(|m| m.times_s.iter().copied()).collect(),
                 raw_share: (!shares.is_empty()).then(|| median(shares)),
                 cpu_s: (!cpus.is_empty()).then(|| median(cpus)),
             }
@@ -556,8 +577,8 @@ pub fn render(rows: &[Measurement]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:>7} {:>9}  {:<26} {:>9} {:>9} {:>8} {:>8} {:>8}",
-        "tokens", "MiB", "path", "median ms", "best ms", "GB/s", "% raw", "core ms"
+        "{:>7} {:>9}  {:<26} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "tokens", "MiB", "path", "median ms", "best ms", "p99 ms", "worst ms", "GB/s", "% raw", "core ms"
     );
     let mut prompts: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
     prompts.dedup();
@@ -567,12 +588,14 @@ pub fn render(rows: &[Measurement]) -> String {
             let cpu = r.cpu_s.map_or(String::from("-"), |c| format!("{:.0}", c * 1e3));
             let _ = writeln!(
                 out,
-                "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>8.2} {:>8} {:>8}",
+                "{:>7} {:>9.0}  {:<26} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8} {:>8}",
                 r.tokens,
                 r.bytes as f64 / (1 << 20) as f64,
                 r.label,
                 r.median_s * 1e3,
                 r.best_s * 1e3,
+                r.quantile_s(0.99) * 1e3,
+                r.quantile_s(1.0) * 1e3,
                 r.gb_per_s(),
                 pct,
                 cpu
