@@ -324,10 +324,7 @@ mod tests {
         records.push(RequestRecord { outcome: Outcome::Disconnected, output_tokens: 3, ..Default::default() });
         let s = summarize(&records, 1.0, &Slo::default(), &[99.0]);
         assert_eq!((s.completed, s.failed, s.disconnected), (1, 1, 1));
-        assert_eq!(
-            s.outcomes,
-            vec![("disconnected".into(), 1), ("http_500_server_error".into(), 1), ("ok".into(), 1)]
-        );
+        assert_eq!(s.outcomes, vec![("disconnected".into(), 1), ("http_500_server_error".into(), 1), ("ok".into(), 1)]);
         assert_eq!(s.undocumented, None, "nothing was checked");
         records[0].documented = Some(true);
         records[1].documented = Some(false);

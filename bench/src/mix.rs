@@ -97,9 +97,10 @@ impl Mix {
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (name, w) = part.split_once('=').unwrap_or((part, "1"));
             let shape: Shape = name.trim().parse()?;
-            let w: u32 = w.trim().parse().map_err(|_| {
-                BenchError::InvalidArg(format!("--mix {part:?}: the weight must be a whole number"))
-            })?;
+            let w: u32 = w
+                .trim()
+                .parse()
+                .map_err(|_| BenchError::InvalidArg(format!("--mix {part:?}: the weight must be a whole number")))?;
             if weights.iter().any(|(k, _)| *k == shape) {
                 return Err(BenchError::InvalidArg(format!("--mix gives {shape} twice")));
             }
@@ -153,10 +154,7 @@ mod tests {
     #[test]
     fn parses_weights_and_bare_names() {
         let m = Mix::parse("stream=4, full=2,chat_stream,burst=0").unwrap();
-        assert_eq!(
-            m.weights(),
-            &[(Shape::Stream, 4), (Shape::Full, 2), (Shape::ChatStream, 1), (Shape::Burst, 0)]
-        );
+        assert_eq!(m.weights(), &[(Shape::Stream, 4), (Shape::Full, 2), (Shape::ChatStream, 1), (Shape::Burst, 0)]);
         for s in Shape::ALL {
             assert_eq!(s.as_str().parse::<Shape>().unwrap(), s);
         }

@@ -214,7 +214,10 @@ mod tests {
     #[test]
     fn http_bodies_are_classified_by_status_and_openai_type() {
         let shaped = r#"{"error":{"message":"at capacity","type":"rate_limit_error","param":null,"code":"rate_limit_exceeded"}}"#;
-        assert_eq!(Outcome::http(429, shaped), Outcome::Http { status: 429, error_type: Some("rate_limit_error".into()) });
+        assert_eq!(
+            Outcome::http(429, shaped),
+            Outcome::Http { status: 429, error_type: Some("rate_limit_error".into()) }
+        );
         assert_eq!(Outcome::http(429, shaped).label(), "http_429_rate_limit_error");
         // Not OpenAI's shape: no message, not JSON, a type that is not a string.
         for body in [r#"{"error":{"type":"x"}}"#, "Bad Gateway", r#"{"error":{"message":"m","type":3}}"#, ""] {
