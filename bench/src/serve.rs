@@ -400,6 +400,7 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
     let limit = args.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
     let stop_after = args.duration.filter(|_| !args.request_rate.is_finite()).map(Duration::from_secs_f64);
     let t0 = Instant::now();
+    let t0_wall = std::time::SystemTime::now();
     let mut tasks = Vec::with_capacity(sched.len());
     for (k, a) in sched.iter().enumerate() {
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(a.offset_s)).into()).await;
@@ -449,9 +450,7 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
     }
     let duration_s = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let t0_unix = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() - duration_s);
+    let t0_unix = t0_wall.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let summary = metrics::summarize(&records, duration_s, &slo, &percentiles);
     let info = RunInfo {
         date: date_string(std::time::SystemTime::now()),
