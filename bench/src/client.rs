@@ -11,6 +11,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::metrics::{tpot, ErrorKind, RequestRecord};
+use crate::outcome::Outcome;
 
 /// One SSE event's payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +105,8 @@ pub struct StreamState {
     pub finished: bool,
     pub done: bool,
     pub error: Option<String>,
+    /// The first error's outcome (an `error` object, or a chunk that is not JSON).
+    pub error_outcome: Option<Outcome>,
 }
 
 impl StreamState {
@@ -119,6 +122,7 @@ impl StreamState {
             finished: false,
             done: false,
             error: None,
+            error_outcome: None,
         }
     }
 
@@ -135,11 +139,13 @@ impl StreamState {
             Ok(c) => c,
             Err(e) => {
                 self.error.get_or_insert_with(|| format!("unparseable chunk ({e}): {data}"));
+                self.error_outcome.get_or_insert(Outcome::StreamError { error_type: None });
                 return;
             }
         };
         if let Some(err) = &chunk.error {
             self.error.get_or_insert_with(|| err.to_string());
+            self.error_outcome.get_or_insert_with(|| Outcome::stream_error(err));
         }
         if let Some(n) = chunk.usage.as_ref().and_then(|u| u.completion_tokens) {
             self.usage_tokens = Some(n);
@@ -173,6 +179,12 @@ pub struct RequestSpec {
     pub temperature: f64,
     pub api_key: Option<String>,
     pub timeout: Duration,
+    /// Ask for an SSE stream (else one JSON answer).
+    pub stream: bool,
+    /// Choices per request (OpenAI's `n`); 1 sends no `n`.
+    pub n: u32,
+    /// Drop the stream after this many text-carrying chunks (a client that leaves).
+    pub disconnect_after: Option<usize>,
 }
 
 impl RequestSpec {
@@ -181,10 +193,15 @@ impl RequestSpec {
             "model": self.model,
             "max_tokens": self.output_len,
             "temperature": self.temperature,
-            "stream": true,
-            "stream_options": {"include_usage": true},
+            "stream": self.stream,
             "ignore_eos": self.ignore_eos,
         });
+        if self.stream {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        if self.n > 1 {
+            body["n"] = self.n.into();
+        }
         if self.chat {
             body["messages"] = serde_json::json!([{"role": "user", "content": self.prompt}]);
         } else {
@@ -193,6 +210,17 @@ impl RequestSpec {
         body
     }
 }
+
+/// How a request that did not fail ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Complete,
+    /// The client dropped the stream on purpose (`disconnect_after`).
+    Disconnected,
+}
+
+/// A failed request: its outcome and what happened, for the record.
+type Failure = (Outcome, String);
 
 /// Sends one request and records its outcome. `t0` is the benchmark's start; `scheduled_s` the
 /// planned offset; `sent` the moment the benchmark dispatched it (its start: latencies count
@@ -214,24 +242,37 @@ pub async fn send(
         ..Default::default()
     };
     let mut st = StreamState::new(sent);
-    let outcome = tokio::time::timeout(spec.timeout, stream(http, spec, &mut st)).await;
+    let exchange = async {
+        if spec.stream {
+            stream(http, spec, &mut st).await
+        } else {
+            whole(http, spec, &mut st).await
+        }
+    };
+    let outcome = tokio::time::timeout(spec.timeout, exchange).await;
     let end = Instant::now();
-    let failure = match outcome {
-        Err(_) => Some((ErrorKind::Timeout, format!("no complete response within {:?}", spec.timeout))),
-        Ok(Err(e)) => Some(e),
-        Ok(Ok(())) => match &st.error {
-            Some(msg) => Some((ErrorKind::StreamError, msg.clone())),
-            None if !(st.done || st.finished) => {
-                Some((ErrorKind::Truncated, "stream ended without [DONE] or a finish reason".into()))
+    rec.end_s = end.duration_since(t0).as_secs_f64();
+    let ended: Result<Ended, Failure> = match outcome {
+        Err(_) => Err((Outcome::Timeout, format!("no complete response within {:?}", spec.timeout))),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(Ended::Disconnected)) => Ok(Ended::Disconnected),
+        Ok(Ok(Ended::Complete)) => match (&st.error, &st.error_outcome) {
+            (Some(msg), o) => Err((o.clone().unwrap_or(Outcome::StreamError { error_type: None }), msg.clone())),
+            (None, _) if !(st.done || st.finished) => {
+                Err((Outcome::Truncated, "stream ended without [DONE] or a finish reason".into()))
             }
-            None => None,
+            (None, _) => Ok(Ended::Complete),
         },
     };
     rec.output_tokens = st.usage_tokens.unwrap_or(st.chunks_with_text);
     rec.generated_text = std::mem::take(&mut st.text);
-    match failure {
-        Some(e) => rec.error = Some(e),
-        None => {
+    match ended {
+        Err((outcome, msg)) => {
+            rec.error = ErrorKind::of(&outcome).map(|k| (k, msg));
+            rec.outcome = outcome;
+        }
+        Ok(Ended::Disconnected) => rec.outcome = Outcome::Disconnected,
+        Ok(Ended::Complete) => {
             rec.success = true;
             let e2el = end.duration_since(sent).as_secs_f64();
             rec.e2el_s = Some(e2el);
@@ -243,22 +284,28 @@ pub async fn send(
     rec
 }
 
-async fn stream(http: &reqwest::Client, spec: &RequestSpec, st: &mut StreamState) -> Result<(), (ErrorKind, String)> {
+/// Posts the request; a non-2xx answer is a failure with its status and error type.
+async fn post(http: &reqwest::Client, spec: &RequestSpec) -> Result<reqwest::Response, Failure> {
     let mut req = http.post(&spec.url).json(&spec.body());
     if let Some(key) = &spec.api_key {
         req = req.bearer_auth(key);
     }
-    let resp = req.send().await.map_err(|e| (ErrorKind::Connection, error_chain(&e)))?;
+    let resp = req.send().await.map_err(|e| (Outcome::Transport, error_chain(&e)))?;
     let status = resp.status();
     if !status.is_success() {
-        let kind = if status.is_client_error() { ErrorKind::Http4xx } else { ErrorKind::Http5xx };
         let body = resp.text().await.unwrap_or_default();
-        return Err((kind, format!("HTTP {status}: {}", body.chars().take(500).collect::<String>())));
+        let msg = format!("HTTP {status}: {}", body.chars().take(500).collect::<String>());
+        return Err((Outcome::http(status.as_u16(), &body), msg));
     }
+    Ok(resp)
+}
+
+async fn stream(http: &reqwest::Client, spec: &RequestSpec, st: &mut StreamState) -> Result<Ended, Failure> {
+    let resp = post(http, spec).await?;
     let mut parser = SseParser::default();
     let mut body = resp.bytes_stream();
     while let Some(bytes) = body.next().await {
-        let bytes = bytes.map_err(|e| (ErrorKind::Connection, error_chain(&e)))?;
+        let bytes = bytes.map_err(|e| (Outcome::Transport, error_chain(&e)))?;
         let now = Instant::now();
         for ev in parser.push(&bytes) {
             st.on_event(ev, now);
@@ -266,10 +313,52 @@ async fn stream(http: &reqwest::Client, spec: &RequestSpec, st: &mut StreamState
         if st.done {
             break;
         }
+        if spec.disconnect_after.is_some_and(|k| st.chunks_with_text >= k) && st.error.is_none() {
+            // Dropping the body closes the connection: the server sees the client leave.
+            return Ok(Ended::Disconnected);
+        }
     }
     if parser.has_partial() && !st.done {
-        return Err((ErrorKind::Truncated, "stream ended inside an SSE line".into()));
+        return Err((Outcome::Truncated, "stream ended inside an SSE line".into()));
     }
+    Ok(Ended::Complete)
+}
+
+/// A non-streamed answer: the whole body at once. It has no time to first token (the record's
+/// TTFT and TPOT stay unset; its end-to-end latency is the whole answer's).
+async fn whole(http: &reqwest::Client, spec: &RequestSpec, st: &mut StreamState) -> Result<Ended, Failure> {
+    let resp = post(http, spec).await?;
+    let body = resp.bytes().await.map_err(|e| (Outcome::Transport, error_chain(&e)))?;
+    read_whole(&body, st)?;
+    Ok(Ended::Complete)
+}
+
+/// Folds a non-streamed answer (completions or chat) into `st`.
+fn read_whole(body: &[u8], st: &mut StreamState) -> Result<(), Failure> {
+    #[derive(Deserialize)]
+    struct Whole {
+        choices: Vec<WholeChoice>,
+        usage: Option<Usage>,
+    }
+    #[derive(Deserialize)]
+    struct WholeChoice {
+        text: Option<String>,
+        message: Option<Delta>,
+        finish_reason: Option<String>,
+    }
+    let answer: Whole = serde_json::from_slice(body).map_err(|e| {
+        let text = String::from_utf8_lossy(body).chars().take(300).collect::<String>();
+        (Outcome::Truncated, format!("not a completion ({e}): {text}"))
+    })?;
+    if answer.choices.is_empty() || answer.choices.iter().any(|c| c.finish_reason.is_none()) {
+        return Err((Outcome::Truncated, "an answer without choices or a choice without a finish reason".into()));
+    }
+    for c in &answer.choices {
+        let text = c.text.as_deref().or_else(|| c.message.as_ref().and_then(|m| m.content.as_deref()));
+        st.text.push_str(text.unwrap_or_default());
+    }
+    st.usage_tokens = answer.usage.and_then(|u| u.completion_tokens);
+    st.finished = true;
     Ok(())
 }
 
@@ -339,6 +428,49 @@ mod tests {
         assert!(st.done && st.finished && st.error.is_none());
     }
 
+    fn spec(stream: bool, n: u32, chat: bool) -> RequestSpec {
+        RequestSpec {
+            url: "http://x/v1/completions".into(),
+            chat,
+            model: "m".into(),
+            prompt: "hi".into(),
+            prompt_len: 1,
+            output_len: 4,
+            ignore_eos: true,
+            temperature: 0.0,
+            api_key: None,
+            timeout: Duration::from_secs(1),
+            stream,
+            n,
+            disconnect_after: None,
+        }
+    }
+
+    #[test]
+    fn bodies_ask_for_what_the_shape_needs() {
+        let b = spec(true, 1, false).body();
+        assert_eq!((b["stream"].as_bool(), b["stream_options"]["include_usage"].as_bool()), (Some(true), Some(true)));
+        assert!(b.get("n").is_none() && b["prompt"] == "hi");
+        let b = spec(false, 3, true).body();
+        assert_eq!(b["stream"], false);
+        assert!(b.get("stream_options").is_none(), "stream_options without stream is an error in OpenAI's API");
+        assert_eq!(b["n"], 3);
+        assert_eq!(b["messages"][0]["content"], "hi");
+    }
+
+    #[test]
+    fn whole_answers_are_read_and_malformed_ones_are_truncations() {
+        let mut st = StreamState::new(Instant::now());
+        let chat = r#"{"choices":[{"message":{"role":"assistant","content":"ab"},"finish_reason":"length"},
+            {"message":{"content":"c"},"finish_reason":"stop"}],"usage":{"completion_tokens":3}}"#;
+        read_whole(chat.as_bytes(), &mut st).unwrap();
+        assert_eq!((st.text.as_str(), st.usage_tokens, st.finished, st.ttft_s), ("abc", Some(3), true, None));
+        for bad in [r#"{"choices":[]}"#, r#"{"choices":[{"text":"a"}]}"#, "<html>", r#"{"error":{"message":"m"}}"#] {
+            let err = read_whole(bad.as_bytes(), &mut StreamState::new(Instant::now())).unwrap_err();
+            assert_eq!(err.0, Outcome::Truncated, "{bad}");
+        }
+    }
+
     #[test]
     fn chat_deltas_and_error_events() {
         let mut st = StreamState::new(Instant::now());
@@ -347,5 +479,12 @@ mod tests {
         assert_eq!(st.chunks_with_text, 1);
         st.on_event(SseEvent::Data(r#"{"error":{"message":"engine died"}}"#.into()), Instant::now());
         assert!(st.error.as_deref().unwrap().contains("engine died"));
+        assert_eq!(st.error_outcome, Some(Outcome::StreamError { error_type: None }), "no type: not OpenAI's shape");
+        let mut st = StreamState::new(Instant::now());
+        st.on_event(SseEvent::Data(r#"{"error":{"message":"m","type":"server_error"}}"#.into()), Instant::now());
+        assert_eq!(st.error_outcome.unwrap().label(), "stream_error_server_error");
+        let mut st = StreamState::new(Instant::now());
+        st.on_event(SseEvent::Data("{not json".into()), Instant::now());
+        assert_eq!(st.error_outcome.unwrap().label(), "stream_error_unshaped");
     }
 }

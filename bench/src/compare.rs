@@ -249,6 +249,7 @@ mod tests {
             e2el_s: Some(ttft_s + 0.05),
             itls_s: vec![0.05],
             generated_text: String::new(),
+            ..Default::default()
         }
     }
 

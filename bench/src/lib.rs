@@ -4,6 +4,9 @@
 //!   ([`dataset`] builds the requests, [`schedule`] their arrival times, [`client`] sends them and
 //!   timestamps every streamed chunk, [`metrics`] turns records into TTFT/TPOT/ITL/E2EL summaries
 //!   and goodput, [`result`] writes vLLM-compatible result files).
+//! - [`mix`]: `--mix`, a load of several request shapes (streamed, whole, chat, n > 1, clients
+//!   that leave, bursts), and [`outcome`]: how each request ended, checked against the errors
+//!   the server's OpenAPI document lists.
 //! - [`sweep`]: `serve` over request rates for several system configurations, each started as its
 //!   own `cleave up`.
 //! - [`sim`]: a discrete-event simulator of a cleave cluster driven by a measured cost profile.
@@ -19,6 +22,8 @@ pub mod compare;
 pub mod dataset;
 pub mod error;
 pub mod metrics;
+pub mod mix;
+pub mod outcome;
 pub mod plot;
 pub mod result;
 pub mod schedule;

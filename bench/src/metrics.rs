@@ -12,6 +12,8 @@
 
 use serde::Serialize;
 
+use crate::mix::Shape;
+use crate::outcome::Outcome;
 use crate::{BenchError, Result};
 
 /// Why a request failed. Errors never abort a run; they are counted by kind.
@@ -33,6 +35,29 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    pub const ALL: [ErrorKind; 6] = [
+        ErrorKind::Http4xx,
+        ErrorKind::Http5xx,
+        ErrorKind::Timeout,
+        ErrorKind::Connection,
+        ErrorKind::StreamError,
+        ErrorKind::Truncated,
+    ];
+
+    /// The coarse kind of an error outcome (`None` for a complete answer or a disconnect by
+    /// design).
+    pub fn of(outcome: &Outcome) -> Option<ErrorKind> {
+        Some(match outcome {
+            Outcome::Ok | Outcome::Disconnected => return None,
+            Outcome::Http { status, .. } if (400..500).contains(status) => ErrorKind::Http4xx,
+            Outcome::Http { .. } => ErrorKind::Http5xx,
+            Outcome::StreamError { .. } => ErrorKind::StreamError,
+            Outcome::Timeout => ErrorKind::Timeout,
+            Outcome::Transport => ErrorKind::Connection,
+            Outcome::Truncated => ErrorKind::Truncated,
+        })
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorKind::Http4xx => "http_4xx",
@@ -49,6 +74,8 @@ impl ErrorKind {
 ///
 /// Invariant: `success` implies `error.is_none()`, `ttft_s` and `e2el_s` are `Some` (when any
 /// text arrived) and `ttft_s <= e2el_s`; `tpot_s` is `Some` iff `success && output_tokens > 1`.
+/// `success` iff `outcome` is [`Outcome::Ok`]; `error` is `Some` iff `outcome.is_error()` (a
+/// disconnect by design is neither a success nor an error).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RequestRecord {
     /// Index of the request in the dataset.
@@ -68,6 +95,14 @@ pub struct RequestRecord {
     pub e2el_s: Option<f64>,
     pub itls_s: Vec<f64>,
     pub generated_text: String,
+    /// How the request ended, in detail.
+    pub outcome: Outcome,
+    /// The shape of a `--mix` load (`None` without one).
+    pub shape: Option<Shape>,
+    /// When the request ended (answer complete, failed or dropped), from the benchmark's start.
+    pub end_s: f64,
+    /// Whether the server's OpenAPI document allows the outcome (`None`: not checked).
+    pub documented: Option<bool>,
 }
 
 /// TPOT from the request's own timings (see the module docs).
@@ -173,9 +208,16 @@ pub fn percentile_sorted(sorted: &[f64], p: f64) -> f64 {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Summary {
     pub completed: usize,
+    /// Requests that ended in an error (a disconnect by design is not one).
     pub failed: usize,
+    /// Streams the client dropped on purpose (`--mix disconnect`).
+    pub disconnected: usize,
     /// `(kind, count)` sorted by kind; only kinds that occurred.
     pub errors_by_kind: Vec<(ErrorKind, usize)>,
+    /// `(outcome label, count)` sorted by label, every outcome that occurred (`ok` included).
+    pub outcomes: Vec<(String, usize)>,
+    /// Errors the server's OpenAPI document does not list (`None`: not checked).
+    pub undocumented: Option<usize>,
     pub duration_s: f64,
     pub total_input_tokens: usize,
     pub total_output_tokens: usize,
@@ -209,13 +251,22 @@ pub fn summarize(records: &[RequestRecord], duration_s: f64, slo: &Slo, percenti
     }
     let total_input_tokens: usize = ok.iter().map(|r| r.prompt_len).sum();
     let total_output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
+    let mut outcomes: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for r in records {
+        *outcomes.entry(r.outcome.label()).or_default() += 1;
+    }
+    let checked = records.iter().any(|r| r.documented.is_some());
+    let undocumented = checked.then(|| records.iter().filter(|r| r.documented == Some(false)).count());
     let collect = |f: fn(&RequestRecord) -> Option<f64>| ok.iter().filter_map(|r| f(r)).collect::<Vec<f64>>();
     let itls: Vec<f64> = ok.iter().flat_map(|r| r.itls_s.iter().copied()).collect();
     let good = (!slo.is_empty()).then(|| records.iter().filter(|r| slo.met_by(r)).count());
     Summary {
         completed: ok.len(),
-        failed: records.len() - ok.len(),
+        failed: records.iter().filter(|r| r.error.is_some()).count(),
+        disconnected: records.iter().filter(|r| r.outcome == Outcome::Disconnected).count(),
         errors_by_kind,
+        outcomes: outcomes.into_iter().collect(),
+        undocumented,
         duration_s,
         total_input_tokens,
         total_output_tokens,
@@ -258,8 +309,29 @@ mod tests {
             tpot_s: if success { tpot(ttft, e2el, out) } else { None },
             itls_s: itls,
             error: (!success).then(|| (ErrorKind::Http5xx, "boom".into())),
+            outcome: if success {
+                Outcome::Ok
+            } else {
+                Outcome::Http { status: 500, error_type: Some("server_error".into()) }
+            },
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn outcomes_disconnects_and_undocumented_errors_are_counted() {
+        let mut records = vec![rec(true, 0.1, 1.0, 10, vec![]), rec(false, 0.0, 0.0, 0, vec![])];
+        records.push(RequestRecord { outcome: Outcome::Disconnected, output_tokens: 3, ..Default::default() });
+        let s = summarize(&records, 1.0, &Slo::default(), &[99.0]);
+        assert_eq!((s.completed, s.failed, s.disconnected), (1, 1, 1));
+        assert_eq!(s.outcomes, vec![("disconnected".into(), 1), ("http_500_server_error".into(), 1), ("ok".into(), 1)]);
+        assert_eq!(s.undocumented, None, "nothing was checked");
+        records[0].documented = Some(true);
+        records[1].documented = Some(false);
+        assert_eq!(summarize(&records, 1.0, &Slo::default(), &[99.0]).undocumented, Some(1));
+        assert_eq!(ErrorKind::of(&records[1].outcome), Some(ErrorKind::Http5xx));
+        assert_eq!(ErrorKind::of(&Outcome::Http { status: 429, error_type: None }), Some(ErrorKind::Http4xx));
+        assert_eq!(ErrorKind::of(&Outcome::Disconnected), None);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::metrics::{LatencyStats, RequestRecord, Slo, Summary};
+use crate::outcome::Outcome;
 use crate::{BenchError, Result};
 
 /// Facts about the run that are not in the records.
@@ -55,7 +56,8 @@ pub fn result_json(info: &RunInfo, summary: &Summary, records: &[RequestRecord])
     };
     let s = summary;
     let rate = |v: Option<f64>| v.map_or(Value::Null, Value::from);
-    let fields: [(&str, Value); 11] = [
+    let count_map = |v: &[(String, usize)]| v.iter().map(|(k, n)| (k.clone(), Value::from(*n))).collect::<Map<_, _>>();
+    let fields: [(&str, Value); 14] = [
         ("duration", s.duration_s.into()),
         ("completed", s.completed.into()),
         ("failed", s.failed.into()),
@@ -74,6 +76,9 @@ pub fn result_json(info: &RunInfo, summary: &Summary, records: &[RequestRecord])
                 .collect::<Map<_, _>>()
                 .into(),
         ),
+        ("disconnected", s.disconnected.into()),
+        ("outcomes_by_kind", count_map(&s.outcomes).into()),
+        ("undocumented", s.undocumented.map_or(Value::Null, Value::from)),
     ];
     m.extend(fields.into_iter().map(|(k, v)| (k.to_string(), v)));
     let col = |f: &dyn Fn(&RequestRecord) -> Value| Value::Array(records.iter().map(f).collect());
@@ -87,6 +92,10 @@ pub fn result_json(info: &RunInfo, summary: &Summary, records: &[RequestRecord])
     m.insert("errors".into(), col(&|r| r.error.as_ref().map_or(String::new(), |e| e.1.clone()).into()));
     m.insert("error_kinds".into(), col(&|r| r.error.as_ref().map_or(Value::Null, |e| e.0.as_str().into())));
     m.insert("start_times".into(), col(&|r| r.start_s.into()));
+    m.insert("end_times".into(), col(&|r| r.end_s.into()));
+    m.insert("outcomes".into(), col(&|r| r.outcome.label().into()));
+    m.insert("shapes".into(), col(&|r| r.shape.map_or(Value::Null, |k| k.as_str().into())));
+    m.insert("documented".into(), col(&|r| r.documented.map_or(Value::Null, Value::from)));
     m.insert("scheduled_offsets".into(), col(&|r| r.scheduled_s.into()));
     for (name, st) in [("ttft", &s.ttft), ("tpot", &s.tpot), ("itl", &s.itl), ("e2el", &s.e2el)] {
         put_stats(&mut m, name, st);
@@ -115,6 +124,18 @@ pub fn table(info: &RunInfo, s: &Summary) -> String {
     row("Failed requests:", s.failed.to_string());
     for (k, n) in &s.errors_by_kind {
         row(&format!("  {}:", k.as_str()), n.to_string());
+    }
+    if s.disconnected > 0 {
+        row("Disconnected by the client (by design):", s.disconnected.to_string());
+    }
+    if s.outcomes.iter().any(|(label, _)| label != "ok") {
+        row("Outcomes:", String::new());
+        for (label, n) in &s.outcomes {
+            row(&format!("  {label}:"), n.to_string());
+        }
+    }
+    if let Some(n) = s.undocumented {
+        row("Errors the server does not document:", n.to_string());
     }
     if let Some(c) = info.max_concurrency {
         row("Maximum request concurrency:", c.to_string());
@@ -163,20 +184,19 @@ pub fn records_from_json(v: &Value) -> Result<Vec<RequestRecord>> {
         let kind = match kinds.get(i).and_then(Value::as_str) {
             None => None,
             Some(s) => Some(
-                [
-                    crate::metrics::ErrorKind::Http4xx,
-                    crate::metrics::ErrorKind::Http5xx,
-                    crate::metrics::ErrorKind::Timeout,
-                    crate::metrics::ErrorKind::Connection,
-                    crate::metrics::ErrorKind::StreamError,
-                    crate::metrics::ErrorKind::Truncated,
-                ]
-                .into_iter()
-                .find(|k| k.as_str() == s)
-                .ok_or_else(|| bad(&format!("unknown error kind {s:?}")))?,
+                crate::metrics::ErrorKind::ALL
+                    .into_iter()
+                    .find(|k| k.as_str() == s)
+                    .ok_or_else(|| bad(&format!("unknown error kind {s:?}")))?,
             ),
         };
-        let success = kind.is_none();
+        // Files written before outcomes were recorded: a success, or an error of unknown detail.
+        let outcome = match v["outcomes"].get(i).and_then(Value::as_str) {
+            Some(label) => Outcome::from_label(label).ok_or_else(|| bad(&format!("unknown outcome {label:?}")))?,
+            None if kind.is_none() => Outcome::Ok,
+            None => Outcome::Truncated,
+        };
+        let success = outcome == Outcome::Ok;
         let output_tokens = f("output_lens", i)? as usize;
         let (ttft, e2el) = (f("ttfts", i)?, f("e2els", i)?);
         out.push(RequestRecord {
@@ -196,6 +216,10 @@ pub fn records_from_json(v: &Value) -> Result<Vec<RequestRecord>> {
                 .map(|a| a.iter().filter_map(Value::as_f64).collect())
                 .unwrap_or_default(),
             generated_text: String::new(),
+            outcome,
+            shape: v["shapes"].get(i).and_then(Value::as_str).and_then(|k| k.parse().ok()),
+            end_s: v["end_times"].get(i).and_then(Value::as_f64).unwrap_or_default(),
+            documented: v["documented"].get(i).and_then(Value::as_bool),
         });
     }
     Ok(out)
@@ -219,7 +243,13 @@ mod tests {
                 itls_s: vec![0.1, 0.1],
                 ..Default::default()
             },
-            RequestRecord { error: Some((ErrorKind::Timeout, "slow".into())), prompt_len: 5, ..Default::default() },
+            RequestRecord {
+                error: Some((ErrorKind::Timeout, "slow".into())),
+                outcome: Outcome::Timeout,
+                prompt_len: 5,
+                documented: Some(false),
+                ..Default::default()
+            },
         ];
         let slo = Slo { ttft_ms: Some(200.0), ..Default::default() };
         let s = summarize(&recs, 1.0, &slo, &[99.0, 99.9]);
@@ -256,6 +286,8 @@ mod tests {
         assert_eq!(j["errors_by_kind"]["timeout"], 1);
         assert_eq!(j["request_goodput"], 1.0);
         assert_eq!(j["errors"][1], "slow");
+        assert_eq!((j["outcomes"][1].as_str(), j["outcomes_by_kind"]["timeout"].as_u64()), (Some("timeout"), Some(1)));
+        assert_eq!((j["documented"][1].as_bool(), j["undocumented"].as_u64()), (Some(false), Some(1)));
         let t = table(&info, &s);
         assert!(
             t.contains("Serving Benchmark Result")
@@ -268,6 +300,7 @@ mod tests {
         assert_eq!(back.len(), 2);
         assert!(back[0].success && !back[1].success);
         assert_eq!(back[1].error, Some((ErrorKind::Timeout, "slow".into())));
+        assert_eq!((back[1].outcome.clone(), back[1].documented), (Outcome::Timeout, Some(false)));
         assert_eq!((back[0].ttft_s, back[0].e2el_s, back[0].itls_s.clone()), (Some(0.1), Some(0.3), vec![0.1, 0.1]));
         assert!((back[0].tpot_s.unwrap() - 0.1).abs() < 1e-12);
         let again = summarize(&back, 1.0, &slo, &[99.0, 99.9]);

@@ -18,6 +18,8 @@ use serde::Deserialize;
 use crate::client::{self, RequestSpec};
 use crate::dataset::{self, DatasetSpec, SampleRequest};
 use crate::metrics::{self, RequestRecord, Slo};
+use crate::mix::Shape;
+use crate::outcome::ErrorContract;
 use crate::result::{self, RunInfo};
 use crate::schedule::{self, Arrival, Arrivals, Length, Ramp, RampStrategy};
 use crate::{BenchError, Result};
@@ -159,6 +161,29 @@ pub struct ServeArgs {
     /// Share of a window's requests that must meet the SLOs for it to count as recovered.
     #[arg(long, default_value_t = 0.9)]
     pub timeline_target: f64,
+
+    /// A mixed load: each arrival draws a shape by weight, `SHAPE=WEIGHT,...` with shapes
+    /// stream, full (not streamed), chat_stream, chat (not streamed), multi (n > 1),
+    /// disconnect (the client leaves mid-stream) and burst (--burst-size streams at once).
+    /// Completions go to /v1/completions and chat to /v1/chat/completions (--endpoint is not
+    /// used). The result counts every outcome by kind.
+    #[arg(long, value_parser = crate::mix::mix_arg)]
+    pub mix: Option<crate::mix::Mix>,
+    /// Choices (`n`) of a `multi` request.
+    #[arg(long, default_value_t = 2)]
+    pub mix_choices: u32,
+    /// Text chunks a `disconnect` client reads before it drops the stream.
+    #[arg(long, default_value_t = 3)]
+    pub disconnect_after: usize,
+    /// Requests a `burst` arrival sends at once.
+    #[arg(long, default_value_t = 32)]
+    pub burst_size: usize,
+    /// Check every outcome against the errors the server's OpenAPI document lists
+    /// (`GET /openapi.json`): per path the statuses answered with its `Error` schema, the
+    /// documented error types, and `error` events in streams. A timeout, a broken connection
+    /// or a truncated stream is never documented. The count is in the table and result file.
+    #[arg(long)]
+    pub check_documented_errors: bool,
 }
 
 #[derive(Parser)]
@@ -214,6 +239,8 @@ pub struct BenchOutcome {
     pub records: Vec<RequestRecord>,
     pub summary: metrics::Summary,
     pub info: RunInfo,
+    /// The benchmark's start as Unix time in seconds (the records' times are offsets from it).
+    pub t0_unix: f64,
 }
 
 /// The dataset and the schedule of sends into it (`Arrival::index` indexes the dataset).
@@ -339,6 +366,14 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
         None => first_served_model(&http, &base, args.api_key.as_deref()).await?,
     };
     let endpoint = if args.endpoint.starts_with('/') { args.endpoint.clone() } else { format!("/{}", args.endpoint) };
+    if args.mix.is_some() && args.mix_choices < 2 {
+        return Err(BenchError::InvalidArg(format!("--mix-choices must be at least 2, got {}", args.mix_choices)));
+    }
+    let contract = match args.check_documented_errors {
+        true => Some(Arc::new(fetch_contract(&http, &base).await?)),
+        false => None,
+    };
+    let shapes = args.mix.as_ref().map(|m| m.assign(sched.len(), args.seed));
     let template = RequestSpec {
         url: format!("{base}{endpoint}"),
         chat: endpoint.contains("chat"),
@@ -350,6 +385,9 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
         temperature: args.temperature,
         api_key: args.api_key.clone(),
         timeout: Duration::from_secs_f64(args.request_timeout),
+        stream: true,
+        n: 1,
+        disconnect_after: None,
     };
 
     let bar = ProgressBar::new(sched.len() as u64);
@@ -362,6 +400,7 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
     let limit = args.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
     let stop_after = args.duration.filter(|_| !args.request_rate.is_finite()).map(Duration::from_secs_f64);
     let t0 = Instant::now();
+    let t0_wall = std::time::SystemTime::now();
     let mut tasks = Vec::with_capacity(sched.len());
     for (k, a) in sched.iter().enumerate() {
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(a.offset_s)).into()).await;
@@ -383,13 +422,27 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
             output_len: d.output_len,
             ..template.clone()
         };
-        let (http, bar, offset) = (http.clone(), bar.clone(), a.offset_s);
-        tasks.push(tokio::spawn(async move {
-            let rec = client::send(&http, &spec, k, t0, offset, sent).await;
-            drop(permit);
-            bar.inc(1);
-            rec
-        }));
+        let shape = shapes.as_ref().map(|s| s[k]);
+        let (spec, copies) = match shape {
+            Some(shape) => shaped(spec, shape, &base, args),
+            None => (spec, 1),
+        };
+        bar.inc_length(copies as u64 - 1);
+        let path = spec.url.strip_prefix(&base).unwrap_or(&spec.url).to_string();
+        // A burst's copies share the arrival's concurrency slot: it frees when the last ends.
+        let permit = Arc::new(permit);
+        for _ in 0..copies {
+            let (http, bar, offset, spec) = (http.clone(), bar.clone(), a.offset_s, spec.clone());
+            let (contract, path, permit) = (contract.clone(), path.clone(), permit.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut rec = client::send(&http, &spec, k, t0, offset, sent).await;
+                drop(permit);
+                rec.shape = shape;
+                rec.documented = contract.map(|c| c.allows(&path, &rec.outcome));
+                bar.inc(1);
+                rec
+            }));
+        }
     }
     let mut records = Vec::with_capacity(tasks.len());
     for t in tasks {
@@ -397,6 +450,7 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
     }
     let duration_s = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    let t0_unix = t0_wall.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let summary = metrics::summarize(&records, duration_s, &slo, &percentiles);
     let info = RunInfo {
         date: date_string(std::time::SystemTime::now()),
@@ -413,7 +467,40 @@ pub async fn run_benchmark(args: &ServeArgs, tokenizer: &Tokenizer) -> Result<Be
         seed: args.seed,
         slo,
     };
-    Ok(BenchOutcome { records, summary, info })
+    Ok(BenchOutcome { records, summary, info, t0_unix })
+}
+
+/// The request an arrival of `shape` sends, and how many copies of it (a burst's size).
+fn shaped(spec: RequestSpec, shape: Shape, base: &str, args: &ServeArgs) -> (RequestSpec, usize) {
+    let path = if shape.chat() { "/v1/chat/completions" } else { "/v1/completions" };
+    let spec = RequestSpec {
+        url: format!("{base}{path}"),
+        chat: shape.chat(),
+        stream: shape.streamed(),
+        n: if shape == Shape::Multi { args.mix_choices } else { 1 },
+        disconnect_after: (shape == Shape::Disconnect).then_some(args.disconnect_after),
+        ..spec
+    };
+    (spec, if shape == Shape::Burst { args.burst_size.max(1) } else { 1 })
+}
+
+/// The server's documented errors, from its `GET /openapi.json`.
+async fn fetch_contract(http: &reqwest::Client, base: &str) -> Result<ErrorContract> {
+    let url = format!("{base}/openapi.json");
+    let resp = http
+        .get(&url)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .map_err(|e| BenchError::Http(format!("GET {url}: {}", client::error_chain(&e))))?;
+    if !resp.status().is_success() {
+        return Err(BenchError::Server(format!(
+            "GET {url}: HTTP {} (--check-documented-errors needs the server's OpenAPI document)",
+            resp.status()
+        )));
+    }
+    let doc: serde_json::Value = resp.json().await.map_err(|e| BenchError::Http(format!("GET {url}: {e}")))?;
+    ErrorContract::from_openapi(&doc)
 }
 
 /// Where the result file goes, if anywhere.
@@ -455,9 +542,16 @@ pub fn run(args: ServeArgs, tokenizer: Tokenizer) -> Result<BenchOutcome> {
     }
     if let Some(path) = result_path(&args, &outcome.info) {
         let mut json = result::result_json(&outcome.info, &outcome.summary, &outcome.records)?;
-        if let (Some(t), Some(obj)) = (&timeline, json.as_object_mut()) {
-            obj.insert("phases".into(), serde_json::to_value(&args.phases).unwrap_or_default());
-            obj.insert("timeline".into(), serde_json::to_value(t).unwrap_or_default());
+        if let Some(obj) = json.as_object_mut() {
+            obj.insert("t0_unix".into(), outcome.t0_unix.into());
+            if let Some(mix) = &args.mix {
+                let weights = mix.weights().iter().map(|(k, w)| (k.as_str().to_string(), serde_json::Value::from(*w)));
+                obj.insert("mix".into(), serde_json::Value::Object(weights.collect()));
+            }
+            if let Some(t) = &timeline {
+                obj.insert("phases".into(), serde_json::to_value(&args.phases).unwrap_or_default());
+                obj.insert("timeline".into(), serde_json::to_value(t).unwrap_or_default());
+            }
         }
         result::save(&path, &json)?;
         eprintln!("result written to {}", path.display());

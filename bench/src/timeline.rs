@@ -168,6 +168,7 @@ mod tests {
             e2el_s: Some(ttft_s),
             itls_s: vec![],
             generated_text: String::new(),
+            ..Default::default()
         }
     }
 

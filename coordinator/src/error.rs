@@ -230,4 +230,42 @@ mod tests {
         assert!(json["error"]["code"].is_null());
         assert_eq!(json["error"]["type"], "invalid_request_error");
     }
+
+    /// The OpenAPI document lists every error `type` (clients and the soak check answers
+    /// against it): a status mapped to a new type must be documented there too.
+    #[test]
+    fn every_error_type_is_in_the_openapi_document() {
+        use crate::cluster::registry::NodeOpError;
+        let doc: serde_json::Value = serde_json::from_str(crate::server::OPENAPI).unwrap();
+        let documented: Vec<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]["properties"]["type"]
+            ["enum"]
+            .as_array()
+            .expect("Error.type has an enum")
+            .iter()
+            .filter_map(serde_json::Value::as_str)
+            .collect();
+        let id = RequestId(1);
+        let errors = [
+            CoordinatorError::MalformedJson { reason: String::new() },
+            CoordinatorError::BodyRejected { reason: String::new(), too_large: true },
+            CoordinatorError::Unauthorized,
+            CoordinatorError::NodeOp(NodeOpError::UnknownNode(1)),
+            CoordinatorError::NodeOp(NodeOpError::ShuttingDown),
+            CoordinatorError::QueueFull { capacity: 1, retry_after_secs: 1 },
+            CoordinatorError::Unavailable { request_id: id, reason: String::new() },
+            CoordinatorError::Timeout { request_id: id, waited_ms: 1, tokens: 0 },
+            CoordinatorError::BackendFailed { request_id: id, reason: String::new() },
+            CoordinatorError::Internal { reason: String::new() },
+        ];
+        let mut seen = Vec::new();
+        for e in &errors {
+            let kind = e.to_response_body().error.kind;
+            assert!(documented.contains(&kind.as_str()), "{e}: type {kind} is not in openapi.json's enum");
+            seen.push(kind);
+        }
+        // Every documented type is one some error has (the list is not padded).
+        for d in &documented {
+            assert!(seen.iter().any(|k| k == d), "openapi.json documents the type {d}, which no error has");
+        }
+    }
 }

@@ -3,8 +3,15 @@
 //!
 //! The recorder is process-global (the `metrics` facade has one); [`prometheus_handle`]
 //! installs it on first use and every server in the process renders the same registry.
+//!
+//! Invariant: a histogram's samples wait in an unbounded per-histogram buffer until the
+//! recorder's upkeep folds them into its buckets. A scrape does that, but nothing says anyone
+//! scrapes: [`prometheus_handle`] also starts a thread that runs the upkeep every
+//! [`UPKEEP_EVERY`], so memory stays bounded with no Prometheus (every token's inter-token
+//! latency is a sample: unscraped, a coordinator grew by about 1.5 MiB a minute at 6 req/s).
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -55,6 +62,9 @@ const REQUEST_BUCKETS: &[f64] = &[
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
+/// How often the recorder's upkeep runs without a scrape (see the module docs).
+pub const UPKEEP_EVERY: Duration = Duration::from_secs(2);
+
 /// The process's Prometheus handle, installing the recorder on first call. `None` when
 /// another recorder was installed first (then /metrics is empty rather than wrong).
 pub fn prometheus_handle() -> Option<PrometheusHandle> {
@@ -78,6 +88,15 @@ pub fn prometheus_handle() -> Option<PrometheusHandle> {
             metrics::set_global_recorder(recorder).ok()?;
             describe();
             zeroes();
+            let upkeep = handle.clone();
+            // A thread, not a task: the recorder is the process's, not one runtime's.
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(UPKEEP_EVERY);
+                    upkeep.run_upkeep();
+                })
+                .ok()?;
             Some(handle)
         })
         .clone()
