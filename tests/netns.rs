@@ -16,6 +16,23 @@ use common::relay;
 use common::*;
 use serde_json::{json, Value};
 
+/// Whether this test can make network namespaces (and, with `nft`, loss rules): the lock that
+/// runs namespace tests one at a time, or None where they cannot run (the test skips with a
+/// message, or fails where CLEAVE_REQUIRE_NETNS is set). Declare it before the test's [`Net`]
+/// so that the namespaces are gone before the next test starts.
+fn namespaces(nft: bool) -> Option<std::sync::MutexGuard<'static, ()>> {
+    let (ok, why, fix) = if nft {
+        (
+            netns::supported() && netns::have_nft(),
+            "network namespaces need root, iproute2 and nftables",
+            "run as root; apt-get install nftables",
+        )
+    } else {
+        (netns::supported(), "network namespaces need root and iproute2", "run as root")
+    };
+    available(ok, "CLEAVE_REQUIRE_NETNS", why, fix).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// A cluster whose processes live in `net`'s namespaces: `coordinator` on the first host, one
 /// node per further host with the role after its name.
 fn cluster_in(net: &Net, nodes: &[(&str, &str)], coordinator_args: &[&str]) -> TestCluster {
@@ -117,15 +134,7 @@ fn node_in(
 /// text; healed, the node re-registers by itself; no block stays in use anywhere.
 #[test]
 fn a_partitioned_decode_node_s_streams_migrate_and_it_rejoins_when_healed() {
-    if !available(
-        netns::supported(),
-        "CLEAVE_REQUIRE_NETNS",
-        "network namespaces need root and iproute2",
-        "run as root",
-    ) {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = namespaces(false) else { return };
     let net = Net::new(&["coordinator", "prefill", "d1", "d2"]);
     let nodes = [("prefill", "prefill"), ("d1", "decode"), ("d2", "decode")];
     let c = cluster_in(&net, &nodes, &["--local-prefill-max-tokens", "0", "--dead-after-secs", "3"]);
@@ -220,15 +229,7 @@ fn a_partitioned_decode_node_s_streams_migrate_and_it_rejoins_when_healed() {
 /// QUIC, with the greedy text of the undisturbed run, and no block stays in use.
 #[test]
 fn greedy_text_survives_packet_loss_on_the_handoff_links() {
-    if !available(
-        netns::supported() && netns::have_nft(),
-        "CLEAVE_REQUIRE_NETNS",
-        "network namespaces need root, iproute2 and nftables",
-        "run as root; apt-get install nftables",
-    ) {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = namespaces(true) else { return };
     let net = Net::new(&["coordinator", "prefill", "decode"]);
     let c = cluster_in(&net, &[("prefill", "prefill"), ("decode", "decode")], &["--local-prefill-max-tokens", "0"]);
     let rt = runtime();
@@ -274,15 +275,7 @@ fn greedy_text_survives_packet_loss_on_the_handoff_links() {
 /// serves again.
 #[test]
 fn with_no_reachable_decode_node_requests_fail_clearly_and_in_bounded_time() {
-    if !available(
-        netns::supported(),
-        "CLEAVE_REQUIRE_NETNS",
-        "network namespaces need root and iproute2",
-        "run as root",
-    ) {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = namespaces(false) else { return };
     let net = Net::new(&["coordinator", "prefill", "decode"]);
     let args = ["--local-prefill-max-tokens", "0", "--dead-after-secs", "3"];
     let c = cluster_in(&net, &[("prefill", "prefill"), ("decode", "decode")], &args);
@@ -313,15 +306,7 @@ fn with_no_reachable_decode_node_requests_fail_clearly_and_in_bounded_time() {
 /// would refuse), and serves.
 #[test]
 fn a_rotated_certificate_is_picked_up_at_the_next_reconnect() {
-    if !available(
-        netns::supported(),
-        "CLEAVE_REQUIRE_NETNS",
-        "network namespaces need root and iproute2",
-        "run as root",
-    ) {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = namespaces(false) else { return };
     let revoked = std::env::temp_dir().join(format!("cleave-netns-revoked-{}", std::process::id()));
     std::fs::write(&revoked, "").unwrap();
     let net = Net::new(&["coordinator", "prefill", "decode"]);
@@ -362,15 +347,7 @@ fn a_rotated_certificate_is_picked_up_at_the_next_reconnect() {
 /// cluster with the relays at zero delay, every relay carried traffic, and no block stays in use.
 #[test]
 fn greedy_text_survives_delay_and_jitter_on_a_decode_node_s_links() {
-    if !available(
-        netns::supported(),
-        "CLEAVE_REQUIRE_NETNS",
-        "network namespaces need root and iproute2",
-        "run as root",
-    ) {
-        return;
-    }
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = namespaces(false) else { return };
     for transport in ["quic", "tcp-tls"] {
         let net = Net::new(&["coordinator", "prefill", "decode"]);
         let rt = runtime();
