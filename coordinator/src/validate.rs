@@ -217,6 +217,7 @@ fn validate_common(
         // Negative seeds are accepted as their two's-complement bits.
         seed: c.seed.map(|s| s as u64),
         logprobs,
+        constraint: None,
     };
     params.validate().map_err(|e| invalid(e.param, e.message))?;
     let stop_strings = match c.stop {

@@ -163,6 +163,7 @@ fn sampling_params() -> impl Strategy<Value = SamplingParams> {
             presence_penalty,
             seed: Some(seed),
             logprobs: None,
+            constraint: None,
         })
 }
 

@@ -14,8 +14,8 @@ use std::net::SocketAddr;
 use crate::generated::control_generated::cleave::control as fb;
 use crate::handoff::{HandoffTicket, LeaseId, TransportKind};
 use crate::{
-    FinishReason, KvDtype, KvLayout, Logprobs, ParamError, RequestId, SamplingParams, StopConditions, TokenEvent,
-    TokenLogprob,
+    Constraint, FinishReason, KvDtype, KvLayout, Logprobs, ParamError, RequestId, SamplingParams, StopConditions,
+    TokenEvent, TokenLogprob,
 };
 
 /// Version of the control protocol; a reader refuses any other.
@@ -365,7 +365,33 @@ fn sampling_to_fb(w: &Work) -> fb::SamplingT {
         max_tokens: w.stop.max_tokens,
         stop_token_ids: Some(w.stop.stop_token_ids.clone()),
         ignore_eos: w.stop.ignore_eos,
+        constraint: p.constraint.as_ref().map(|c| Box::new(constraint_to_fb(c))),
     }
+}
+
+fn constraint_to_fb(c: &Constraint) -> fb::ConstraintT {
+    let (kind, text, choices) = match c {
+        Constraint::JsonObject => (fb::ConstraintKind::JsonObject, None, None),
+        Constraint::JsonSchema(t) => (fb::ConstraintKind::JsonSchema, Some(t.clone()), None),
+        Constraint::Regex(t) => (fb::ConstraintKind::Regex, Some(t.clone()), None),
+        Constraint::Choice(c) => (fb::ConstraintKind::Choice, None, Some(c.clone())),
+        Constraint::Lark(t) => (fb::ConstraintKind::Lark, Some(t.clone()), None),
+    };
+    fb::ConstraintT { kind, text, choices }
+}
+
+fn constraint_from_fb(m: &'static str, c: &fb::ConstraintT) -> Result<Constraint, WireError> {
+    let text = || c.text.clone().ok_or(missing(m, "sampling.constraint.text"));
+    Ok(match c.kind {
+        fb::ConstraintKind::JsonObject => Constraint::JsonObject,
+        fb::ConstraintKind::JsonSchema => Constraint::JsonSchema(text()?),
+        fb::ConstraintKind::Regex => Constraint::Regex(text()?),
+        fb::ConstraintKind::Choice => {
+            Constraint::Choice(c.choices.clone().ok_or(missing(m, "sampling.constraint.choices"))?)
+        }
+        fb::ConstraintKind::Lark => Constraint::Lark(text()?),
+        other => return Err(invalid(m, "sampling.constraint.kind", format!("unknown kind {}", other.0))),
+    })
 }
 
 fn ticket_to_fb(t: &HandoffTicket) -> fb::TicketT {
@@ -572,6 +598,7 @@ fn work_from_fb(
         presence_penalty: s.presence_penalty,
         seed: s.has_seed.then_some(s.seed),
         logprobs,
+        constraint: s.constraint.as_deref().map(|c| constraint_from_fb(m, c)).transpose()?,
     };
     params.validate()?;
     if s.max_tokens == 0 {

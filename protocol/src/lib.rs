@@ -50,6 +50,79 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Return the log-probability of each chosen token and this many alternatives (None: none).
     pub logprobs: Option<u32>,
+    /// Limits the text to a language (JSON, a schema, a regex, a choice, a grammar): tokens
+    /// outside it are masked before sampling, on whichever node samples.
+    pub constraint: Option<Constraint>,
+}
+
+/// The language a request's output must belong to. Carried with the request to every node that
+/// samples for it (prefill node, decode node, the node a stream migrates to); each compiles it
+/// against its own vocabulary and replays the tokens already generated, so the constraint state
+/// itself never travels.
+///
+/// Validated for size here ([`Constraint::validate`]); whether the schema, regex or grammar
+/// compiles is checked once at the edge, against the model's vocabulary (`cleave-constrain`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Constraint {
+    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this JSON Schema (its text).
+    JsonSchema(String),
+    /// Text matching this regular expression (whole output).
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect (it embeds JSON schemas with `%json { ... }`);
+    /// tool calls are constrained with one.
+    Lark(String),
+}
+
+/// Longest constraint text (schema, regex, grammar, all choices together) a request may bring.
+pub const MAX_CONSTRAINT_BYTES: usize = 1 << 20;
+/// Most entries of a [`Constraint::Choice`].
+pub const MAX_CONSTRAINT_CHOICES: usize = 4096;
+
+impl Constraint {
+    /// The name of the request field it came from, for error messages and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject => "json_object",
+            Constraint::JsonSchema(_) => "json_schema",
+            Constraint::Regex(_) => "regex",
+            Constraint::Choice(_) => "choice",
+            Constraint::Lark(_) => "grammar",
+        }
+    }
+
+    /// Size limits only (see the type's doc).
+    pub fn validate(&self) -> Result<(), ParamError> {
+        let bad = |message: String| Err(ParamError { param: "constraint", message });
+        let bytes = match self {
+            Constraint::JsonObject => 0,
+            Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Lark(t) => {
+                if t.is_empty() {
+                    return bad(format!("the {} is empty", self.kind()));
+                }
+                t.len()
+            }
+            Constraint::Choice(c) => {
+                if c.is_empty() {
+                    return bad("the choice list is empty".into());
+                }
+                if c.len() > MAX_CONSTRAINT_CHOICES {
+                    return bad(format!("{} choices; at most {MAX_CONSTRAINT_CHOICES}", c.len()));
+                }
+                if c.iter().any(String::is_empty) {
+                    return bad("a choice is the empty string".into());
+                }
+                c.iter().map(String::len).sum()
+            }
+        };
+        if bytes > MAX_CONSTRAINT_BYTES {
+            return bad(format!("the {} is {bytes} bytes; at most {MAX_CONSTRAINT_BYTES}", self.kind()));
+        }
+        Ok(())
+    }
 }
 
 impl Default for SamplingParams {
@@ -64,6 +137,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             seed: None,
             logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -104,6 +178,9 @@ impl SamplingParams {
             if n > MAX_TOP_LOGPROBS {
                 return bad("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {n}"));
             }
+        }
+        if let Some(c) = &self.constraint {
+            c.validate()?;
         }
         Ok(())
     }

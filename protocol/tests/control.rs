@@ -83,6 +83,24 @@ fn samples() -> Vec<ControlMsg> {
             ticket: Some(ticket(9)),
         }),
         ControlMsg::PrefillRequest(PrefillRequest { work: work(1, vec![1], None, None), ticket: None }),
+    ]
+    .into_iter()
+    .chain(
+        [
+            Constraint::JsonObject,
+            Constraint::JsonSchema(r#"{"type": "object"}"#.into()),
+            Constraint::Regex("[a-z]+".into()),
+            Constraint::Choice(vec!["yes".into(), "no".into()]),
+            Constraint::Lark("start: \"x\"".into()),
+        ]
+        .into_iter()
+        .map(|c| {
+            let mut w = work(3, vec![1, 2], None, None);
+            w.params.constraint = Some(c);
+            ControlMsg::DecodeRequest(DecodeRequest { work: w, local_prefill: false, generated: vec![5] })
+        }),
+    )
+    .chain([
         ControlMsg::DecodeRequest(DecodeRequest {
             work: work(2, vec![4; 10], None, Some(0)),
             local_prefill: true,
@@ -125,7 +143,8 @@ fn samples() -> Vec<ControlMsg> {
             transfer_us: 5,
             tail_us: 6,
         }),
-    ]
+    ])
+    .collect()
 }
 
 #[test]

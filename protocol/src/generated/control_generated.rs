@@ -379,6 +379,102 @@ impl<'a> ::flatbuffers::Verifiable for Transport {
 
 impl ::flatbuffers::SimpleToVerifyInSlice for Transport {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MIN_CONSTRAINT_KIND: u8 = 0;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+pub const ENUM_MAX_CONSTRAINT_KIND: u8 = 4;
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
+#[allow(non_camel_case_types)]
+pub const ENUM_VALUES_CONSTRAINT_KIND: [ConstraintKind; 5] = [
+  ConstraintKind::JsonObject,
+  ConstraintKind::JsonSchema,
+  ConstraintKind::Regex,
+  ConstraintKind::Choice,
+  ConstraintKind::Lark,
+];
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct ConstraintKind(pub u8);
+#[allow(non_upper_case_globals)]
+impl ConstraintKind {
+  pub const JsonObject: Self = Self(0);
+  pub const JsonSchema: Self = Self(1);
+  pub const Regex: Self = Self(2);
+  pub const Choice: Self = Self(3);
+  pub const Lark: Self = Self(4);
+
+  pub const ENUM_MIN: u8 = 0;
+  pub const ENUM_MAX: u8 = 4;
+  pub const ENUM_VALUES: &'static [Self] = &[
+    Self::JsonObject,
+    Self::JsonSchema,
+    Self::Regex,
+    Self::Choice,
+    Self::Lark,
+  ];
+  /// Returns the variant's name or "" if unknown.
+  pub fn variant_name(self) -> Option<&'static str> {
+    match self {
+      Self::JsonObject => Some("JsonObject"),
+      Self::JsonSchema => Some("JsonSchema"),
+      Self::Regex => Some("Regex"),
+      Self::Choice => Some("Choice"),
+      Self::Lark => Some("Lark"),
+      _ => None,
+    }
+  }
+}
+impl ::core::fmt::Debug for ConstraintKind {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    if let Some(name) = self.variant_name() {
+      f.write_str(name)
+    } else {
+      f.write_fmt(format_args!("<UNKNOWN {:?}>", self.0))
+    }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for ConstraintKind {
+  type Inner = Self;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    let b = unsafe { ::flatbuffers::read_scalar_at::<u8>(buf, loc) };
+    Self(b)
+  }
+}
+
+impl ::flatbuffers::Push for ConstraintKind {
+    type Output = ConstraintKind;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        unsafe { ::flatbuffers::emplace_scalar::<u8>(dst, self.0) };
+    }
+}
+
+impl ::flatbuffers::EndianScalar for ConstraintKind {
+  type Scalar = u8;
+  #[inline]
+  fn to_little_endian(self) -> u8 {
+    self.0.to_le()
+  }
+  #[inline]
+  #[allow(clippy::wrong_self_convention)]
+  fn from_little_endian(v: u8) -> Self {
+    let b = u8::from_le(v);
+    Self(b)
+  }
+}
+
+impl<'a> ::flatbuffers::Verifiable for ConstraintKind {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    u8::run_verifier(v, pos)
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for ConstraintKind {}
+#[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_BODY: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MAX_BODY: u8 = 11;
@@ -2028,6 +2124,7 @@ impl<'a> Sampling<'a> {
   pub const VT_MAX_TOKENS: ::flatbuffers::VOffsetT = 24;
   pub const VT_STOP_TOKEN_IDS: ::flatbuffers::VOffsetT = 26;
   pub const VT_IGNORE_EOS: ::flatbuffers::VOffsetT = 28;
+  pub const VT_CONSTRAINT: ::flatbuffers::VOffsetT = 30;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -2040,6 +2137,7 @@ impl<'a> Sampling<'a> {
   ) -> ::flatbuffers::WIPOffset<Sampling<'bldr>> {
     let mut builder = SamplingBuilder::new(_fbb);
     builder.add_seed(args.seed);
+    if let Some(x) = args.constraint { builder.add_constraint(x); }
     if let Some(x) = args.stop_token_ids { builder.add_stop_token_ids(x); }
     builder.add_max_tokens(args.max_tokens);
     builder.add_logprobs(args.logprobs);
@@ -2071,6 +2169,9 @@ impl<'a> Sampling<'a> {
       x.into_iter().collect()
     });
     let ignore_eos = self.ignore_eos();
+    let constraint = self.constraint().map(|x| {
+      alloc::boxed::Box::new(x.unpack())
+    });
     SamplingT {
       temperature,
       top_p,
@@ -2085,6 +2186,7 @@ impl<'a> Sampling<'a> {
       max_tokens,
       stop_token_ids,
       ignore_eos,
+      constraint,
     }
   }
 
@@ -2180,6 +2282,14 @@ impl<'a> Sampling<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<bool>(Sampling::VT_IGNORE_EOS, Some(false)).unwrap()}
   }
+  /// Absent: the output is free text.
+  #[inline]
+  pub fn constraint(&self) -> Option<Constraint<'a>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<Constraint>>(Sampling::VT_CONSTRAINT, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Sampling<'_> {
@@ -2201,6 +2311,7 @@ impl ::flatbuffers::Verifiable for Sampling<'_> {
      .visit_field::<u32>("max_tokens", Self::VT_MAX_TOKENS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("stop_token_ids", Self::VT_STOP_TOKEN_IDS, false)?
      .visit_field::<bool>("ignore_eos", Self::VT_IGNORE_EOS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<Constraint>>("constraint", Self::VT_CONSTRAINT, false)?
      .finish();
     Ok(())
   }
@@ -2219,6 +2330,7 @@ pub struct SamplingArgs<'a> {
     pub max_tokens: u32,
     pub stop_token_ids: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
     pub ignore_eos: bool,
+    pub constraint: Option<::flatbuffers::WIPOffset<Constraint<'a>>>,
 }
 impl<'a> Default for SamplingArgs<'a> {
   #[inline]
@@ -2237,6 +2349,7 @@ impl<'a> Default for SamplingArgs<'a> {
       max_tokens: 0,
       stop_token_ids: None,
       ignore_eos: false,
+      constraint: None,
     }
   }
 }
@@ -2299,6 +2412,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> SamplingBuilder<'a, 'b, A> {
     self.fbb_.push_slot::<bool>(Sampling::VT_IGNORE_EOS, ignore_eos, false);
   }
   #[inline]
+  pub fn add_constraint(&mut self, constraint: ::flatbuffers::WIPOffset<Constraint<'b >>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<Constraint>>(Sampling::VT_CONSTRAINT, constraint);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> SamplingBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     SamplingBuilder {
@@ -2329,6 +2446,7 @@ impl ::core::fmt::Debug for Sampling<'_> {
       ds.field("max_tokens", &self.max_tokens());
       ds.field("stop_token_ids", &self.stop_token_ids());
       ds.field("ignore_eos", &self.ignore_eos());
+      ds.field("constraint", &self.constraint());
       ds.finish()
   }
 }
@@ -2348,6 +2466,7 @@ pub struct SamplingT {
   pub max_tokens: u32,
   pub stop_token_ids: Option<alloc::vec::Vec<u32>>,
   pub ignore_eos: bool,
+  pub constraint: Option<alloc::boxed::Box<ConstraintT>>,
 }
 impl Default for SamplingT {
   fn default() -> Self {
@@ -2365,6 +2484,7 @@ impl Default for SamplingT {
       max_tokens: 0,
       stop_token_ids: None,
       ignore_eos: false,
+      constraint: None,
     }
   }
 }
@@ -2388,6 +2508,9 @@ impl SamplingT {
       _fbb.create_vector(x)
     });
     let ignore_eos = self.ignore_eos;
+    let constraint = self.constraint.as_ref().map(|x|{
+      x.pack(_fbb)
+    });
     Sampling::create(_fbb, &SamplingArgs{
       temperature,
       top_p,
@@ -2402,6 +2525,189 @@ impl SamplingT {
       max_tokens,
       stop_token_ids,
       ignore_eos,
+      constraint,
+    })
+  }
+}
+pub enum ConstraintOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+/// A language the output must belong to (`SamplingParams::constraint`).
+pub struct Constraint<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for Constraint<'a> {
+  type Inner = Constraint<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> Constraint<'a> {
+  pub const VT_KIND: ::flatbuffers::VOffsetT = 4;
+  pub const VT_TEXT: ::flatbuffers::VOffsetT = 6;
+  pub const VT_CHOICES: ::flatbuffers::VOffsetT = 8;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    Constraint { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args ConstraintArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<Constraint<'bldr>> {
+    let mut builder = ConstraintBuilder::new(_fbb);
+    if let Some(x) = args.choices { builder.add_choices(x); }
+    if let Some(x) = args.text { builder.add_text(x); }
+    builder.add_kind(args.kind);
+    builder.finish()
+  }
+
+  pub fn unpack(&self) -> ConstraintT {
+    let kind = self.kind();
+    let text = self.text().map(|x| {
+      alloc::string::ToString::to_string(x)
+    });
+    let choices = self.choices().map(|x| {
+      x.iter().map(|s| alloc::string::ToString::to_string(s)).collect()
+    });
+    ConstraintT {
+      kind,
+      text,
+      choices,
+    }
+  }
+
+  #[inline]
+  pub fn kind(&self) -> ConstraintKind {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<ConstraintKind>(Constraint::VT_KIND, Some(ConstraintKind::JsonObject)).unwrap()}
+  }
+  /// The schema, regex or grammar; absent for JsonObject and Choice.
+  #[inline]
+  pub fn text(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Constraint::VT_TEXT, None)}
+  }
+  /// Choice only.
+  #[inline]
+  pub fn choices(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>(Constraint::VT_CHOICES, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for Constraint<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<ConstraintKind>("kind", Self::VT_KIND, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("text", Self::VT_TEXT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<&'_ str>>>>("choices", Self::VT_CHOICES, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct ConstraintArgs<'a> {
+    pub kind: ConstraintKind,
+    pub text: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub choices: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>,
+}
+impl<'a> Default for ConstraintArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    ConstraintArgs {
+      kind: ConstraintKind::JsonObject,
+      text: None,
+      choices: None,
+    }
+  }
+}
+
+pub struct ConstraintBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> ConstraintBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_kind(&mut self, kind: ConstraintKind) {
+    self.fbb_.push_slot::<ConstraintKind>(Constraint::VT_KIND, kind, ConstraintKind::JsonObject);
+  }
+  #[inline]
+  pub fn add_text(&mut self, text: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Constraint::VT_TEXT, text);
+  }
+  #[inline]
+  pub fn add_choices(&mut self, choices: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<&'b  str>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Constraint::VT_CHOICES, choices);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> ConstraintBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    ConstraintBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<Constraint<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for Constraint<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("Constraint");
+      ds.field("kind", &self.kind());
+      ds.field("text", &self.text());
+      ds.field("choices", &self.choices());
+      ds.finish()
+  }
+}
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConstraintT {
+  pub kind: ConstraintKind,
+  pub text: Option<alloc::string::String>,
+  pub choices: Option<alloc::vec::Vec<alloc::string::String>>,
+}
+impl Default for ConstraintT {
+  fn default() -> Self {
+    Self {
+      kind: ConstraintKind::JsonObject,
+      text: None,
+      choices: None,
+    }
+  }
+}
+impl ConstraintT {
+  pub fn pack<'b, A: ::flatbuffers::Allocator + 'b>(
+    &self,
+    _fbb: &mut ::flatbuffers::FlatBufferBuilder<'b, A>
+  ) -> ::flatbuffers::WIPOffset<Constraint<'b>> {
+    let kind = self.kind;
+    let text = self.text.as_ref().map(|x|{
+      _fbb.create_string(x)
+    });
+    let choices = self.choices.as_ref().map(|x|{
+      let w: alloc::vec::Vec<_> = x.iter().map(|s| _fbb.create_string(s)).collect();_fbb.create_vector(&w)
+    });
+    Constraint::create(_fbb, &ConstraintArgs{
+      kind,
+      text,
+      choices,
     })
   }
 }
