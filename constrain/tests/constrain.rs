@@ -153,6 +153,28 @@ fn a_replayed_history_reaches_the_same_state_as_stepping() {
 }
 
 #[test]
+fn json_whitespace_runs_are_bounded() {
+    let tok = tokenizer();
+    let compiler = compiler();
+    let ok = format!("{{\n{}\"a\":1}}", " ".repeat(cleave_constrain::JSON_MAX_WHITESPACE - 1));
+    let too_long = format!("{{\n{}\"a\":1}}", " ".repeat(cleave_constrain::JSON_MAX_WHITESPACE));
+    for c in [Constraint::JsonObject, Constraint::JsonSchema(r#"{"type": "object"}"#.into())] {
+        // The trie's own tokenisation: SentencePiece's encode would prepend a space.
+        let trie = cleave_constrain::token_trie(&tok, tok.vocab_size(), &[EOS]).unwrap();
+        let ids = |s: &str| trie.greedy_tokenize(s.as_bytes());
+        let mut state = compiler.start(&c, &ids(&ok)).unwrap();
+        assert!(
+            state.is_done() || {
+                let mut m = Mask::default();
+                state.fill_mask(&mut m).is_ok() && m.allows(EOS)
+            }
+        );
+        let err = compiler.start(&c, &ids(&too_long)).unwrap_err();
+        assert!(matches!(err, ConstrainError::Rejected { .. }), "{err}");
+    }
+}
+
+#[test]
 fn bad_constraints_are_refused_with_what_is_wrong() {
     let compiler = compiler();
     let cases = [

@@ -184,8 +184,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     // not the DRAM figure of a 1 GiB array (printed too).
     let bandwidth = measure::memory_bandwidth_gbps_on(&backend, weight_bytes);
     // A prefill request asks for one token after its prompt, so it needs `len + 1` positions.
-    let max_len =
-        (args.prefill.iter().copied().max().unwrap_or(0) + 1).max(args.decode_context + 2 * args.decode_steps as usize + 16);
+    let max_len = (args.prefill.iter().copied().max().unwrap_or(0) + 1)
+        .max(args.decode_context + 2 * args.decode_steps as usize + 16);
     let mut ecfg: EngineConfig = args.engine.to_config();
     ecfg.enable_prefix_caching = false;
     ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
