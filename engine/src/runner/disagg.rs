@@ -68,11 +68,13 @@ impl<B: Backend> EngineCore<B> {
             }
             .into());
         }
+        let constraint = self.start_constraint(&req, &[])?;
         let max_tokens = std::mem::replace(&mut seq.max_tokens, 1);
         self.sched.add(seq)?;
         let id = req.id.0;
         let mut state = self.seq_state(req, None);
         state.export = Some(ExportState::new(export, max_tokens));
+        state.constraint = constraint;
         self.seqs.insert(id, state);
         Ok(())
     }
@@ -101,9 +103,11 @@ impl<B: Backend> EngineCore<B> {
                 "generated token id {bad} is outside the vocabulary of {vocab} tokens"
             )));
         }
+        let constraint = self.start_constraint(&req, &generated)?;
         let id = req.id.0;
         let seq = self.seq_request(&req, now);
         let mut state = self.seq_state(req, sampler_seed);
+        state.constraint = constraint;
         for &t in &generated {
             let text = state.detok.push(t)?;
             state.stop.push(&text);
@@ -178,15 +182,22 @@ impl<B: Backend> EngineCore<B> {
             if self.sched.contains(id.0) {
                 return Err(EngineError::DuplicateImport { id });
             }
-            Ok(())
+            self.start_constraint(&req, &[start.first_token])
         });
-        if let Err(e) = checked {
-            self.imports.release(&mut self.sched, id)?;
-            return Err(e);
-        }
+        let constraint = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                self.imports.release(&mut self.sched, id)?;
+                return Err(e);
+            }
+        };
         let blocks = self.imports.take_complete(&mut self.sched, id, req.prompt.len())?;
         let seq = self.seq_request(&req, now);
         let mut state = self.seq_state(req, start.sampler_seed);
+        // A first token that completes the text would have ended the request on the prefill
+        // side; should one arrive anyway, nothing may follow it.
+        let complete = constraint.as_ref().is_some_and(cleave_constrain::ConstraintState::is_done);
+        state.constraint = constraint;
         // Replay the first token through the text state: its text was streamed by the prefill
         // node, but what the decoder and the stop matcher hold back must be held here too.
         let replay = match state.detok.push(start.first_token) {
@@ -199,7 +210,7 @@ impl<B: Backend> EngineCore<B> {
         state.output.push(start.first_token);
         state.cached_tokens = start.cached_tokens;
         state.cached_override = Some(start.cached_tokens);
-        if replay.stopped {
+        if replay.stopped || complete {
             self.sched.release_reserved(&blocks)?;
             self.pending.push(self.final_event(id.0, &state, FinishReason::Stop));
             return Ok(());
