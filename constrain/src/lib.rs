@@ -133,14 +133,16 @@ impl Compiler {
 fn grammar(c: &Constraint) -> Result<TopLevelGrammar, ConstrainError> {
     let kind = c.kind();
     Ok(match c {
-        Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+        Constraint::JsonObject => {
+            TopLevelGrammar::from_json_schema(bounded_whitespace(serde_json::json!({"type": "object"})))
+        }
         Constraint::JsonSchema(text) => {
             let schema: serde_json::Value = serde_json::from_str(text)
                 .map_err(|e| ConstrainError::Invalid { kind, reason: format!("the schema is not JSON: {e}") })?;
             if !(schema.is_object() || schema.is_boolean()) {
                 return Err(ConstrainError::Invalid { kind, reason: "a JSON Schema is an object or a boolean".into() });
             }
-            TopLevelGrammar::from_json_schema(schema)
+            TopLevelGrammar::from_json_schema(bounded_whitespace(schema))
         }
         Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
         Constraint::Choice(choices) => {
@@ -149,6 +151,22 @@ fn grammar(c: &Constraint) -> Result<TopLevelGrammar, ConstrainError> {
         }
         Constraint::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
     })
+}
+
+/// Most whitespace bytes between two JSON tokens. llguidance allows any run by default, and a
+/// weak or confused model then loops on newlines until `max_tokens`, returning JSON that never
+/// closes; 32 still fits pretty-printing fifteen levels deep. A schema's own `x-guidance`
+/// options win.
+pub const JSON_MAX_WHITESPACE: usize = 32;
+
+fn bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = schema.as_object_mut() {
+        if !obj.contains_key("x-guidance") {
+            let pattern = format!(r"[\x20\x0A\x0D\x09]{{1,{JSON_MAX_WHITESPACE}}}");
+            obj.insert("x-guidance".into(), serde_json::json!({ "whitespace_pattern": pattern }));
+        }
+    }
+    schema
 }
 
 /// The allowed tokens at one position: a bit per vocabulary entry. Reused across steps.

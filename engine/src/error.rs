@@ -35,6 +35,10 @@ pub enum EngineError {
     Sampler(#[from] crate::sampler::SamplerError),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A request's output constraint does not compile, refuses its history, or failed
+    /// mid-generation (the request ends with this error; others are unaffected).
+    #[error(transparent)]
+    Constraint(#[from] cleave_constrain::ConstrainError),
     #[error("request rejected: {0}")]
     Rejected(String),
     #[error("the engine has stopped")]

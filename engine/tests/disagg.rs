@@ -18,7 +18,7 @@ use cleave_engine::{
     SinkError,
 };
 use cleave_kernels::cpu::CpuBackend;
-use cleave_protocol::{FinishReason, RequestId, SamplingParams, TokenEvent};
+use cleave_protocol::{Constraint, FinishReason, RequestId, SamplingParams, TokenEvent};
 use common::*;
 use tokio::sync::mpsc;
 
@@ -220,7 +220,9 @@ fn run_disagg(
         assert_eq!(evs[0].completion_tokens, 1);
         let last = evs.last().unwrap();
         assert!(last.finish_reason.is_some());
-        assert_eq!(last.completion_tokens, r.stop.max_tokens, "completion_tokens counts the first token");
+        if r.params.constraint.is_none() {
+            assert_eq!(last.completion_tokens, r.stop.max_tokens, "completion_tokens counts the first token");
+        }
         assert_eq!(last.cached_tokens, d.cached_tokens, "B reports A's prefix-cache hit");
         for (i, ev) in evs.iter().enumerate() {
             assert_eq!(ev.completion_tokens as usize, i + 1);
@@ -717,6 +719,65 @@ fn a_resumed_request_continues_the_same_tokens() {
         let mut b = engine(&dir, cfg.clone());
         let e = b.add_resumed(req.clone(), want.clone(), None, Instant::now()).unwrap_err();
         assert!(e.to_string().contains("max_tokens"), "{e}");
+    }
+}
+
+/// A constrained request handed off after its first token, or resumed after any prefix of its
+/// output, continues exactly the tokens one engine generates (sampled, seeded), and that text
+/// belongs to the constraint's language: the decode side rebuilt the constraint state from the
+/// request and the tokens it was given.
+#[test]
+fn a_constraint_holds_across_the_handoff_and_a_resume() {
+    let dir = tiny_llama_dir();
+    let schema = r#"{"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "name": {"type": "string", "maxLength": 10}}, "required": ["id", "name"], "additionalProperties": false}"#;
+    let constraints = [
+        Constraint::JsonSchema(schema.into()),
+        Constraint::Regex("[a-z]{3,8}(, [a-z]{3,8}){2}".into()),
+        Constraint::Choice(vec!["alpha beta gamma".into(), "alpha delta".into()]),
+    ];
+    let reqs: Vec<EngineRequest> = constraints
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut r = greedy_request(i as u64 + 1, tokens(40 + i as u64, 21, 32000), 120);
+            r.stop.ignore_eos = false;
+            r.params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(99 + i as u64),
+                constraint: Some(c.clone()),
+                ..Default::default()
+            };
+            r
+        })
+        .collect();
+    let cfg = config(4, 16);
+    let want = single_engine(&dir, &cfg, &reqs);
+    let (mut a, mut b) = (engine(&dir, cfg.clone()), engine(&dir, cfg.clone()));
+    let (got, _) = run_disagg(&mut a, &mut b, &reqs, &[], &[]);
+    assert_eq!(got, want);
+    let tok = a.tokenizer().clone();
+    let text = |ids: &[u32]| tok.decode(ids, true).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text(&want[&1])).unwrap();
+    assert!(v["id"].is_u64() && v["name"].is_string() && v.as_object().unwrap().len() == 2, "{v}");
+    assert_eq!(text(&want[&2]).split(", ").count(), 3, "{}", text(&want[&2]));
+    assert!(["alpha beta gamma", "alpha delta"].contains(&text(&want[&3]).as_str()), "{}", text(&want[&3]));
+    for r in &reqs {
+        let full = &want[&r.id.0];
+        assert!(full.len() > 2, "{full:?}");
+        for k in [1, full.len() / 2, full.len() - 1] {
+            let mut b = engine(&dir, cfg.clone());
+            b.add_resumed(r.clone(), full[..k].to_vec(), None, Instant::now()).unwrap();
+            assert_eq!(token_ids(&run_to_end(&mut b)[&r.id.0]), full[k..], "{} resumed after {k}", r.id);
+            assert_no_blocks_in_use(&b);
+        }
+        // A history the constraint does not allow is refused, holding nothing.
+        let mut b = engine(&dir, cfg.clone());
+        let bad = tok.encode("!!!", false).unwrap();
+        let e = b.add_resumed(r.clone(), bad, None, Instant::now()).unwrap_err();
+        assert!(matches!(e, EngineError::Constraint(_)), "{e}");
+        assert!(!b.has_work());
+        assert_no_blocks_in_use(&b);
     }
 }
 

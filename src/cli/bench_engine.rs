@@ -34,6 +34,16 @@ pub struct BenchEngineArgs {
     /// Context length of each sequence when decode is timed.
     #[arg(long, default_value_t = 128)]
     decode_context: usize,
+    /// Also time every decode batch with each sequence under a JSON Schema (this file, or with
+    /// `builtin` a schema of 64 records that no sequence completes within the timed steps),
+    /// alternating free and constrained rounds, and time the masks alone on the constrained
+    /// output: what constrained decoding adds to the time per output token.
+    #[arg(long, value_name = "FILE|builtin")]
+    json_schema: Option<String>,
+    /// Free/constrained round pairs per batch size with `--json-schema` (the fastest of each
+    /// kind is printed: the noise of a shared machine only ever adds time).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -52,6 +62,14 @@ pub(super) fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
         .collect()
 }
 
+/// Records whose fields keep any model busy well past the timed steps: strings, numbers, enums
+/// and nesting, the structure points where masks cost the most.
+const BUILTIN_SCHEMA: &str = r#"{"type": "object", "properties": {"records": {"type": "array", "minItems": 64,
+  "items": {"type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "integer"},
+  "score": {"type": "number"}, "kind": {"enum": ["alpha", "beta", "gamma"]}, "tags": {"type": "array",
+  "items": {"type": "string"}}}, "required": ["name", "id", "score", "kind", "tags"],
+  "additionalProperties": false}}}, "required": ["records"], "additionalProperties": false}"#;
+
 fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
     EngineRequest {
         id: RequestId(id),
@@ -59,6 +77,86 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
         params: SamplingParams::default(),
         stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
     }
+}
+
+/// One decode round: `batch` sequences prefilled and stepped once untimed, then
+/// `decode_steps` steps timed. Returns the seconds, the steps and the first sequence's tokens.
+fn decode_round(
+    core: &mut EngineCore<CpuBackend>,
+    id: &mut u64,
+    batch: usize,
+    args: &BenchEngineArgs,
+    vocab: usize,
+    constraint: Option<&cleave_protocol::Constraint>,
+) -> anyhow::Result<(f64, u32, Vec<u32>)> {
+    let first = *id + 1;
+    for _ in 0..batch {
+        *id += 1;
+        // Room to spare: a chunked prefill gives some sequences their second token a step early.
+        let mut req = request(*id, prompt(args.decode_context, vocab, *id), 2 * args.decode_steps + 8);
+        req.params.constraint = constraint.cloned();
+        core.add_request(req, Instant::now())?;
+    }
+    let mut out = Vec::new();
+    let mut keep = |evs: Vec<cleave_protocol::TokenEvent>| {
+        let n = evs.iter().filter(|e| e.token_id.is_some()).count();
+        for e in evs {
+            if let Some(err) = e.error {
+                anyhow::bail!("request {} failed: {err}", e.request_id);
+            }
+            if e.request_id.0 == first {
+                out.extend(e.token_id);
+            }
+        }
+        Ok(n)
+    };
+    // Prefill everyone and take one decode step untimed, then time the decode steps.
+    let mut produced = 0usize;
+    while produced < 2 * batch && core.has_work() {
+        produced += keep(core.step(Instant::now())?)?;
+    }
+    let t = Instant::now();
+    let mut steps = 0u32;
+    let mut tokens = 0usize;
+    while core.has_work() && steps < args.decode_steps {
+        tokens += keep(core.step(Instant::now())?)?;
+        steps += 1;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if tokens != steps as usize * batch {
+        anyhow::bail!("{tokens} tokens in {steps} steps of {batch}: sequences ended inside the timed steps");
+    }
+    for i in first..=*id {
+        core.abort(RequestId(i));
+    }
+    while core.has_work() {
+        keep(core.step(Instant::now())?)?;
+    }
+    Ok((secs, steps.max(1), out))
+}
+
+fn core_eos(core: &EngineCore<CpuBackend>) -> Vec<u32> {
+    core.tokenizer().eos_token_id().into_iter().collect()
+}
+
+/// Mean microseconds of one mask (and the commit after it) along `tokens` under `c`, computed
+/// alone on this thread: what the masks would add to a step were they not computed beside it.
+fn mask_cost_us(
+    tok: &cleave_tokenizer::Tokenizer,
+    vocab: usize,
+    eos: &[u32],
+    c: &cleave_protocol::Constraint,
+    tokens: &[u32],
+) -> anyhow::Result<f64> {
+    let compiler = cleave_constrain::Compiler::new(tok, vocab, eos)?;
+    let mut state = compiler.start(c, &[])?;
+    let mut mask = cleave_constrain::Mask::default();
+    let t = Instant::now();
+    for &token in tokens {
+        state.fill_mask(&mut mask)?;
+        state.commit(token)?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e6 / tokens.len().max(1) as f64)
 }
 
 pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
@@ -86,8 +184,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     // not the DRAM figure of a 1 GiB array (printed too).
     let bandwidth = measure::memory_bandwidth_gbps_on(&backend, weight_bytes);
     // A prefill request asks for one token after its prompt, so it needs `len + 1` positions.
-    let max_len =
-        (args.prefill.iter().copied().max().unwrap_or(0) + 1).max(args.decode_context + args.decode_steps as usize + 8);
+    let max_len = (args.prefill.iter().copied().max().unwrap_or(0) + 1)
+        .max(args.decode_context + 2 * args.decode_steps as usize + 16);
     let mut ecfg: EngineConfig = args.engine.to_config();
     ecfg.enable_prefix_caching = false;
     ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
@@ -137,37 +235,33 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let schema = match args.json_schema.as_deref() {
+        None => None,
+        Some("builtin") => Some(BUILTIN_SCHEMA.to_string()),
+        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?),
+    };
+    let constraint = schema.map(cleave_protocol::Constraint::JsonSchema);
+    let step_floor = weight_bytes as f64 / (bandwidth * 1e9);
     let mut batch1 = None;
     for &batch in &args.decode {
-        for _ in 0..batch {
-            id += 1;
-            core.add_request(
-                request(id, prompt(args.decode_context, cfg.vocab_size, id), args.decode_steps + 2),
-                Instant::now(),
-            )?;
+        let rounds = if constraint.is_some() { args.rounds.max(1) } else { 1 };
+        let (mut free, mut constrained) = (f64::INFINITY, f64::INFINITY);
+        let mut outputs = Vec::new();
+        for _ in 0..rounds {
+            let mut run = |c: Option<&cleave_protocol::Constraint>| -> anyhow::Result<(f64, u32, Vec<u32>)> {
+                decode_round(&mut core, &mut id, batch, &args, cfg.vocab_size, c)
+            };
+            let (secs, steps, _) = run(None)?;
+            free = free.min(secs / steps as f64);
+            if let Some(c) = &constraint {
+                let (secs, steps, out) = run(Some(c))?;
+                constrained = constrained.min(secs / steps as f64);
+                outputs = out;
+            }
         }
-        // Prefill everyone and take one decode step untimed, then time the decode steps.
-        let mut produced = 0usize;
-        while produced < 2 * batch && core.has_work() {
-            produced += core.step(Instant::now())?.iter().filter(|e| e.token_id.is_some()).count();
-        }
-        let t = Instant::now();
-        let mut tokens = 0usize;
-        let mut steps = 0u32;
-        while core.has_work() && steps < args.decode_steps {
-            tokens += core.step(Instant::now())?.iter().filter(|e| e.token_id.is_some()).count();
-            steps += 1;
-        }
-        let secs = t.elapsed().as_secs_f64();
-        while core.has_work() {
-            core.step(Instant::now())?;
-        }
-        let rate = tokens as f64 / secs;
-        // Floor: each step reads every weight once (the KV cache reads are extra and small here),
-        // so `batch` tokens per `weight_bytes / bandwidth` seconds at most.
-        let step_floor = weight_bytes as f64 / (bandwidth * 1e9);
+        let rate = batch as f64 / free;
         let limit = batch as f64 / step_floor;
-        let achieved_gbps = weight_bytes as f64 * steps as f64 / secs / 1e9;
+        let achieved_gbps = weight_bytes as f64 / free / 1e9;
         if batch == 1 {
             batch1 = Some(rate);
         }
@@ -180,6 +274,19 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
             bandwidth,
             100.0 * rate / limit
         );
+        if let Some(c) = &constraint {
+            let mask_us = mask_cost_us(core.tokenizer(), cfg.vocab_size, &core_eos(&core), c, &outputs)?;
+            println!(
+                "{:<22} {:>12.1}   step {:.2} ms vs {:.2} ms free: {:+.1}% per output token; masks alone {:.0} us/token x {batch} = {:.2} ms/step",
+                format!("  + json schema"),
+                batch as f64 / constrained,
+                constrained * 1e3,
+                free * 1e3,
+                100.0 * (constrained / free - 1.0),
+                mask_us,
+                mask_us * batch as f64 / 1e3,
+            );
+        }
     }
     println!();
     println!("prefill limit: GEMM peak; decode limit: memory bandwidth (weights read once per step).");

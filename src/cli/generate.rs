@@ -8,7 +8,7 @@ use anyhow::Context;
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineConfig, EngineCore, EngineRequest};
 use cleave_kernels::cpu::CpuBackend;
-use cleave_protocol::{RequestId, SamplingParams, StopConditions};
+use cleave_protocol::{Constraint, RequestId, SamplingParams, StopConditions};
 use cleave_tokenizer::ChatMessage;
 
 use super::EngineArgs;
@@ -46,8 +46,41 @@ pub struct GenerateArgs {
     /// Stop strings (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Constrain the output to JSON valid against the JSON Schema in this file.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to any JSON object.
+    #[arg(long, group = "constraint")]
+    json_object: bool,
+    /// Constrain the output to match this regular expression.
+    #[arg(long, value_name = "REGEX", group = "constraint")]
+    regex: Option<String>,
+    /// Constrain the output to one of these strings (repeatable).
+    #[arg(long, value_name = "TEXT", group = "constraint")]
+    choice: Vec<String>,
+    /// Constrain the output to the Lark grammar (llguidance's dialect) in this file.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    grammar: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// The output constraint the flags ask for (at most one: clap's group enforces it).
+fn constraint(args: &GenerateArgs) -> anyhow::Result<Option<Constraint>> {
+    let read = |p: &PathBuf| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    Ok(if let Some(p) = &args.json_schema {
+        Some(Constraint::JsonSchema(read(p)?))
+    } else if args.json_object {
+        Some(Constraint::JsonObject)
+    } else if let Some(rx) = &args.regex {
+        Some(Constraint::Regex(rx.clone()))
+    } else if !args.choice.is_empty() {
+        Some(Constraint::Choice(args.choice.clone()))
+    } else if let Some(p) = &args.grammar {
+        Some(Constraint::Lark(read(p)?))
+    } else {
+        None
+    })
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -70,6 +103,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         top_p: args.top_p,
         top_k: args.top_k,
         seed: args.seed,
+        constraint: constraint(&args)?,
         ..Default::default()
     };
     params.validate()?;

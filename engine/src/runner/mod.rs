@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use cleave_constrain::{Compiler, ConstrainError, ConstraintState, Mask};
 use cleave_kernels::{AttnSeq, Backend};
 use cleave_protocol::{FinishReason, RequestId, SamplingParams, StopConditions, TokenEvent};
 use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer};
@@ -77,6 +78,9 @@ struct SeqState {
     export: Option<ExportState>,
     /// For an imported request: the prefill side's `cached_tokens`, reported instead of ours.
     cached_override: Option<u32>,
+    /// Where the output stands in `params.constraint`'s language (None: unconstrained). Has
+    /// consumed exactly `output`.
+    constraint: Option<ConstraintState>,
 }
 
 /// Counters of what the engine has done (for benchmarks and metrics).
@@ -122,6 +126,14 @@ pub struct EngineSnapshot {
     pub step_totals: cleave_protocol::control::StepTotals,
 }
 
+/// One constrained sequence's mask in the making during a step.
+struct Masking {
+    seq_id: u64,
+    state: ConstraintState,
+    bits: Mask,
+    mask: std::result::Result<(), ConstrainError>,
+}
+
 /// An imported request whose K/V is complete, waiting for a free sequence slot.
 struct Parked {
     seq: SeqRequest,
@@ -151,6 +163,11 @@ pub struct EngineCore<B: Backend> {
     /// Layers whose K/V has been written, over all forward passes (see
     /// [`EngineCore::kv_layers_written`]).
     kv_layers_written: Arc<AtomicU64>,
+    /// Compiles request constraints against this model's vocabulary; the error says why this
+    /// tokenizer cannot be constrained (requests with a constraint are then refused).
+    compiler: std::result::Result<Compiler, ConstrainError>,
+    /// A logits row with a constraint's mask applied (reused).
+    masked: Vec<f32>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -188,6 +205,7 @@ impl<B: Backend> EngineCore<B> {
             long_prefill_threshold: None,
         })?;
         let kv = KvStorage::new(&backend, &model.config, num_blocks, cfg.block_size)?;
+        let compiler = Compiler::new(&tokenizer, model.config.vocab_size, &eos_token_ids);
         Ok(Self {
             backend,
             model,
@@ -204,6 +222,8 @@ impl<B: Backend> EngineCore<B> {
             parked: VecDeque::new(),
             pending: Vec::new(),
             kv_layers_written: Arc::default(),
+            compiler,
+            masked: Vec::new(),
         })
     }
 
@@ -303,12 +323,21 @@ impl<B: Backend> EngineCore<B> {
         if self.imports.contains(req.id.0) || self.parked.iter().any(|p| p.seq.id == req.id.0) {
             return Err(EngineError::DuplicateImport { id: req.id });
         }
+        let constraint = self.start_constraint(&req, &[])?;
         let id = req.id.0;
         let seq = self.seq_request(&req, now);
         self.sched.add(seq)?;
-        let state = self.seq_state(req, None);
+        let mut state = self.seq_state(req, None);
+        state.constraint = constraint;
         self.seqs.insert(id, state);
         Ok(())
+    }
+
+    /// The constraint state of `req` after `history` (its output so far), when it has one.
+    fn start_constraint(&self, req: &EngineRequest, history: &[u32]) -> Result<Option<ConstraintState>> {
+        let Some(c) = &req.params.constraint else { return Ok(None) };
+        let compiler = self.compiler.as_ref().map_err(|e| EngineError::Constraint(e.clone()))?;
+        Ok(Some(compiler.start(c, history)?))
     }
 
     /// Checks what the scheduler cannot: sampling parameters and token ids.
@@ -354,6 +383,7 @@ impl<B: Backend> EngineCore<B> {
             cached_tokens: 0,
             export: None,
             cached_override: None,
+            constraint: None,
         }
     }
 
@@ -427,6 +457,7 @@ impl<B: Backend> EngineCore<B> {
             logit_rows: &logit_rows,
         };
         let exports = self.export_cached(&batch)?;
+        let mut masking = self.take_constraints(&batch);
         let (backend, seqs_state, written) = (&self.backend, &mut self.seqs, &self.kv_layers_written);
         let mut on_kv = |layer: usize, kv: &KvStorage<B>| -> Result<()> {
             for item in &exports {
@@ -444,8 +475,47 @@ impl<B: Backend> EngineCore<B> {
             written.fetch_add(1, Ordering::Relaxed);
             Ok(())
         };
-        let logits = self.model.forward_hooked(&self.backend, fwd, &mut self.kv, &mut self.workspace, &mut on_kv)?;
-        let failed = self.finish_exports(&exports, &mut events)?;
+        let (model, kv, workspace) = (&self.model, &mut self.kv, &mut self.workspace);
+        let mut masks = HashMap::with_capacity(masking.len());
+        let logits = if masking.is_empty() {
+            model.forward_hooked(backend, fwd, kv, workspace, &mut on_kv)?
+        } else {
+            // The masks of constrained sequences are computed on a thread of their own while
+            // the forward pass runs, so that they add to the step only what outlasts the pass.
+            let ids: Vec<(u64, &'static str)> = masking.iter().map(|m| (m.seq_id, m.state.kind())).collect();
+            let (logits, done) = std::thread::scope(|scope| {
+                let worker = scope.spawn(move || {
+                    for m in &mut masking {
+                        m.mask = m.state.fill_mask(&mut m.bits);
+                    }
+                    masking
+                });
+                let logits = model.forward_hooked(backend, fwd, kv, workspace, &mut on_kv);
+                (logits, worker.join())
+            });
+            match done {
+                Ok(masking) => {
+                    for m in masking {
+                        if let Some(seq) = self.seqs.get_mut(&m.seq_id) {
+                            seq.constraint = Some(m.state);
+                        }
+                        masks.insert(m.seq_id, m.mask.map(|()| m.bits));
+                    }
+                }
+                // fill_mask does not panic (llguidance catches its own panics); were it to,
+                // its sequences fail below rather than go on unconstrained.
+                Err(_) => {
+                    for (id, kind) in ids {
+                        masks.insert(
+                            id,
+                            Err(ConstrainError::Failed { kind, reason: "mask computation panicked".into() }),
+                        );
+                    }
+                }
+            }
+            logits?
+        };
+        let mut failed = self.finish_exports(&exports, &mut events)?;
         let vocab = self.model.config.vocab_size;
         let mut outputs = Vec::with_capacity(logit_rows.len());
         let mut logprobs = HashMap::new();
@@ -458,13 +528,32 @@ impl<B: Backend> EngineCore<B> {
                 .seqs
                 .get_mut(&item.seq_id)
                 .ok_or_else(|| EngineError::Rejected(format!("scheduled unknown sequence {}", item.seq_id)))?;
-            let sampled = seq.sampler.sample(
-                &logits[row * vocab..(row + 1) * vocab],
-                &seq.params,
-                &seq.prompt,
-                &seq.output,
-                &mut self.scratch,
-            )?;
+            let mut row_logits = &logits[row * vocab..(row + 1) * vocab];
+            let mask = match masks.remove(&item.seq_id) {
+                Some(Ok(mask)) => Some(mask),
+                Some(Err(e)) => {
+                    self.fail_seq(item.seq_id, e.into(), &mut events, &mut failed)?;
+                    outputs.push((item.seq_id, 0)); // ignored: the sequence is finishing
+                    continue;
+                }
+                None => None,
+            };
+            if let Some(mask) = &mask {
+                // Tokens outside the language get -inf before any penalty or filter; the
+                // logprobs reported are those of the constrained distribution.
+                self.masked.clear();
+                self.masked.extend_from_slice(row_logits);
+                mask.apply(&mut self.masked);
+                row_logits = &self.masked;
+            }
+            let sampled = seq.sampler.sample(row_logits, &seq.params, &seq.prompt, &seq.output, &mut self.scratch)?;
+            if let Some(c) = seq.constraint.as_mut() {
+                if let Err(e) = c.commit(sampled.token) {
+                    self.fail_seq(item.seq_id, e.into(), &mut events, &mut failed)?;
+                    outputs.push((item.seq_id, 0));
+                    continue;
+                }
+            }
             outputs.push((item.seq_id, sampled.token));
             if let Some(lp) = sampled.logprobs {
                 logprobs.insert(item.seq_id, lp);
@@ -483,6 +572,14 @@ impl<B: Backend> EngineCore<B> {
                 Some(exp) => disagg::handoff_finish(upd.finish, exp.max_tokens, seq.prompt.len() + 1 >= max_model_len),
                 None => upd.finish,
             };
+            if seq.constraint.as_ref().is_some_and(ConstraintState::is_done) && finish != Some(FinishReason::Stop) {
+                // The text is complete and nothing may follow it: stop now rather than spend a
+                // step on the end-of-sequence token the mask would force.
+                if upd.finish.is_none() {
+                    self.sched.finish(upd.seq_id, FinishReason::Stop)?;
+                }
+                finish = Some(FinishReason::Stop);
+            }
             let mut out = seq.stop.push(&text);
             if out.stopped {
                 if upd.finish.is_none() {
@@ -534,6 +631,36 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         Ok(events)
+    }
+
+    /// Takes the constraint states of this step's sampling items out of their sequences, to
+    /// compute their masks beside the forward pass (they are put back right after it).
+    fn take_constraints(&mut self, batch: &crate::sched::Batch) -> Vec<Masking> {
+        let mut out = Vec::new();
+        for item in batch.items.iter().filter(|i| i.sample) {
+            if let Some(state) = self.seqs.get_mut(&item.seq_id).and_then(|s| s.constraint.take()) {
+                out.push(Masking { seq_id: item.seq_id, state, bits: Mask::default(), mask: Ok(()) });
+            }
+        }
+        out
+    }
+
+    /// Ends a running sequence with `err` mid-step: its error event now, its blocks freed by
+    /// the scheduler, and its row ignored by `commit` (the id goes into `failed`).
+    fn fail_seq(
+        &mut self,
+        id: u64,
+        err: EngineError,
+        events: &mut Vec<TokenEvent>,
+        failed: &mut std::collections::HashSet<u64>,
+    ) -> Result<()> {
+        self.seqs.remove(&id);
+        events.push(self.error_event(RequestId(id), &err));
+        if self.sched.contains(id) {
+            self.sched.finish(id, FinishReason::Error)?;
+        }
+        failed.insert(id);
+        Ok(())
     }
 
     fn final_event(&self, id: u64, seq: &SeqState, reason: FinishReason) -> TokenEvent {
