@@ -68,12 +68,14 @@ enum ResponseFormat {
     JsonSchema { json_schema: JsonSchemaFormat },
 }
 
-/// `response_format.json_schema`. `name`, `description` and `strict` are accepted and change
-/// nothing: the schema is always enforced.
+/// `response_format.json_schema`. `name`, `description` and `strict` are read (a wrong type is
+/// refused) and change nothing: the schema is always enforced.
 #[derive(Debug, Deserialize)]
+#[allow(dead_code)]
 struct JsonSchemaFormat {
-    #[allow(dead_code)]
     name: Option<String>,
+    description: Option<String>,
+    strict: Option<bool>,
     schema: Option<Value>,
 }
 
@@ -255,6 +257,9 @@ struct FunctionIn {
     name: String,
     description: Option<String>,
     parameters: Option<Value>,
+    /// Read (a wrong type is refused); a forced call is always strict.
+    #[allow(dead_code)]
+    strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -374,6 +379,10 @@ pub fn read_tools(
 #[derive(Debug, Deserialize)]
 struct CallIn {
     id: Option<String>,
+    /// `"function"` (read so that a wrong type is refused).
+    #[serde(rename = "type")]
+    #[allow(dead_code)]
+    kind: Option<String>,
     function: CallFunctionIn,
 }
 
@@ -457,11 +466,17 @@ fn history_calls(i: usize, v: &Value) -> Result<Vec<ChatToolCall>, CoordinatorEr
         .enumerate()
         .map(|(j, c)| {
             let arguments = match c.function.arguments {
+                // No arguments, as some clients write a call of a function without parameters.
+                Value::String(text) if text.trim().is_empty() => Value::Object(serde_json::Map::new()),
                 Value::String(text) => serde_json::from_str(&text).map_err(|e| {
                     let param = format!("{field}[{j}].function.arguments");
                     invalid(param, format!("is not JSON: {e}"))
                 })?,
-                other => other,
+                object @ Value::Object(_) => object,
+                other => {
+                    let param = format!("{field}[{j}].function.arguments");
+                    return Err(invalid(param, format!("must be JSON text (a string) or an object, got {other}")));
+                }
             };
             Ok(ChatToolCall {
                 id: c.id.unwrap_or_else(|| format!("call_{i}_{j}")),
