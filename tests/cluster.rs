@@ -208,6 +208,43 @@ async fn metric(c: &TestCluster, prefix: &str) -> f64 {
     m.lines().filter(|l| l.starts_with(prefix)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
+/// Streams a completion; after its `kill_at`-th event kills the node at `c.nodes[1]` (SIGKILL).
+/// Returns the text, the finish reason and whether the kill happened.
+async fn stream_killing(c: &mut TestCluster, body: &Value, kill_at: usize) -> (String, String, bool) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let mut bytes = r.bytes_stream();
+    let (mut buf, mut text, mut finish, mut events) = (String::new(), String::new(), String::new(), 0);
+    let mut killed = false;
+    while let Some(chunk) = bytes.next().await {
+        buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        while let Some(i) = buf.find("\n\n") {
+            let event: String = buf.drain(..i + 2).collect();
+            let Some(data) = sse_data(&event) else { continue };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&data).unwrap();
+            assert!(v.get("error").is_none(), "stream error: {v}");
+            let ch = &v["choices"][0];
+            text.push_str(ch["text"].as_str().unwrap_or(""));
+            if let Some(f) = ch["finish_reason"].as_str() {
+                finish = f.to_string();
+            }
+            events += 1;
+            if events == kill_at && !killed {
+                killed = true;
+                let victim = c.nodes.remove(1);
+                assert_eq!(victim.ready.get("name").map(String::as_str), Some("node-1"));
+                drop(victim); // SIGKILL
+            }
+        }
+    }
+    (text, finish, killed)
+}
+
 #[test]
 fn killing_a_decode_node_mid_stream_migrates_the_stream() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -220,42 +257,61 @@ fn killing_a_decode_node_mid_stream_migrates_the_stream() {
     let rt = runtime();
     rt.block_on(async {
         c.wait_nodes(3).await;
-        let mut body = greedy(prompt, max_tokens);
-        body["stream"] = json!(true);
-        let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap();
-        let mut bytes = r.bytes_stream();
-        let (mut buf, mut text, mut finish, mut events) = (String::new(), String::new(), String::new(), 0);
-        let mut killed = false;
-        while let Some(chunk) = bytes.next().await {
-            buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-            while let Some(i) = buf.find("\n\n") {
-                let event: String = buf.drain(..i + 2).collect();
-                let Some(data) = sse_data(&event) else { continue };
-                if data == "[DONE]" {
-                    continue;
-                }
-                let v: Value = serde_json::from_str(&data).unwrap();
-                assert!(v.get("error").is_none(), "stream error: {v}");
-                let ch = &v["choices"][0];
-                text.push_str(ch["text"].as_str().unwrap_or(""));
-                if let Some(f) = ch["finish_reason"].as_str() {
-                    finish = f.to_string();
-                }
-                events += 1;
-                if events == 5 && !killed {
-                    killed = true;
-                    let victim = c.nodes.remove(1);
-                    assert_eq!(victim.ready.get("name").map(String::as_str), Some("node-1"));
-                    drop(victim); // SIGKILL
-                }
-            }
-        }
+        let (text, finish, killed) = stream_killing(&mut c, &greedy(prompt, max_tokens), 5).await;
         assert!(killed, "the stream ended before the kill");
         assert_eq!(finish, "length");
         assert_eq!(text, want, "the migrated stream differs from a single process");
         assert!(metric(&c, "cleave_migrations_total").await >= 1.0, "no migration recorded");
         let tpot = "cleave_time_per_output_token_seconds_count{pool=\"decode\",path=\"migrated\",";
         assert_eq!(metric(&c, tpot).await, 1.0, "the stream's TPOT is filed under its migration");
+        c.wait_nodes(2).await;
+        c.wait_blocks_free().await;
+    });
+}
+
+/// A sampled request under a JSON Schema: handed off from the prefill node to a decode node,
+/// and then again with that decode node killed mid-stream. Both times the text is what one
+/// process generates with the same seed and schema (`cleave generate --json-schema`), and it
+/// validates: the prefill node sampled the first token under the constraint, the decode node
+/// rebuilt the constraint from it, and the node the stream migrated to rebuilt it from every
+/// token sent so far.
+#[test]
+fn a_constrained_stream_keeps_its_constraint_across_the_handoff_and_a_migration() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let schema = json!({"type": "object", "properties": {
+        "words": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 12, "maxItems": 12},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["words", "n"], "additionalProperties": false});
+    let file = std::env::temp_dir().join(format!("cleave-schema-{}.json", std::process::id()));
+    std::fs::write(&file, schema.to_string()).unwrap();
+    let prompt = "A list of words:";
+    let (seed, max_tokens) = (11u64, 300u32);
+    let out = Command::new(exe())
+        .args(["generate", "--model", tiny_llama().to_str().unwrap(), "--prompt", prompt, "--temperature", "1"])
+        .args(["--seed", &seed.to_string(), "--max-tokens", &max_tokens.to_string()])
+        .arg("--json-schema")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = String::from_utf8(out.stdout).unwrap().trim_end_matches('\n').to_string();
+    let v: Value = serde_json::from_str(&want).unwrap_or_else(|e| panic!("{want:?}: {e}"));
+    assert_eq!(v["words"].as_array().map(Vec::len), Some(12), "{v}");
+    let body = json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+        "seed": seed, "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": schema}}});
+    let mut c =
+        TestCluster::start(&tiny_llama(), &["prefill", "decode", "decode"], &["--local-prefill-max-tokens", "0"]);
+    runtime().block_on(async {
+        c.wait_nodes(3).await;
+        let r: Value =
+            c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap().json().await.unwrap();
+        assert_eq!(r["choices"][0]["text"].as_str(), Some(want.as_str()), "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        let (text, finish, killed) = stream_killing(&mut c, &body, 5).await;
+        assert!(killed, "the stream ended before the kill");
+        assert_eq!((text.as_str(), finish.as_str()), (want.as_str(), "stop"), "the migrated stream differs");
+        assert!(metric(&c, "cleave_migrations_total").await >= 1.0, "no migration recorded");
         c.wait_nodes(2).await;
         c.wait_blocks_free().await;
     });
