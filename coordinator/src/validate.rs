@@ -90,7 +90,7 @@ pub fn validate_completion(
         [("tools", &req.tools, &[][..]), ("tool_choice", &req.tool_choice, &["none", "auto"][..])]
     {
         if asks_for_tools(value, harmless) {
-            return Err(invalid(field, format!("`{field}` is only supported on /v1/chat/completions")));
+            return Err(invalid(field, "only supported on /v1/chat/completions"));
         }
     }
     let tok = &model.tokenizer;
