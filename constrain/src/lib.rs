@@ -17,6 +17,7 @@
 //!
 //! Allowed dependencies: protocol, tokenizer, llguidance/toktrie. No engine, no I/O.
 
+pub mod tools;
 mod vocab;
 
 use std::collections::HashMap;

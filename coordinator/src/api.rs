@@ -1,10 +1,12 @@
 //! OpenAI (and vLLM) wire types: what clients send and what the edge answers. Plain serde
-//! data; validation lives in [`crate::validate`], shaping in [`crate::respond`].
+//! data; validation lives in [`crate::validate`] (structured output and tools in
+//! [`crate::structured`]), shaping in [`crate::respond`].
 //!
 //! Unknown request fields are ignored (third-party clients send many), but a known field of
 //! the wrong type is a 400, and so is an OpenAI or vLLM field that asks for something cleave
-//! does not do ([`Unimplemented`]): a client that sends `tools` or `response_format` must not
-//! get free text with status 200.
+//! does not do ([`Unimplemented`]): a client must not get free text with status 200 when it
+//! asked for something else. The fields of structured output and tools are taken as any JSON
+//! here and read into their types during validation, so that an error names the field.
 
 use std::collections::BTreeMap;
 
@@ -55,34 +57,37 @@ pub struct CommonParams {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM: a JSON Schema (an object, or its text).
+    pub guided_json: Option<serde_json::Value>,
+    /// vLLM: a regular expression the whole output matches.
+    pub guided_regex: Option<serde_json::Value>,
+    /// vLLM: the output is one of these strings.
+    pub guided_choice: Option<serde_json::Value>,
+    /// vLLM: a grammar (here in llguidance's Lark dialect).
+    pub guided_grammar: Option<serde_json::Value>,
+    /// vLLM's newer form: `{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`.
+    pub structured_outputs: Option<serde_json::Value>,
     #[serde(flatten)]
     pub unimplemented: Unimplemented,
 }
 
 /// Request fields of the OpenAI API (and vLLM's extensions) that change what the answer must
 /// be and that cleave does not implement. Taken as any JSON so that the answer names the field
-/// whatever its type; `null` and the values that ask for nothing (an empty `tools` list,
-/// `tool_choice: "none"`, `response_format: {"type": "text"}`, an empty `logit_bias`,
-/// `best_of: 1`, an empty `suffix`) are accepted.
+/// whatever its type; `null` and the values that ask for nothing (an empty `functions` list,
+/// `function_call: "none"`, an empty `logit_bias`, `best_of: 1`, an empty `suffix`) are
+/// accepted.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 pub struct Unimplemented {
-    pub tools: Option<serde_json::Value>,
-    pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<serde_json::Value>,
     pub function_call: Option<serde_json::Value>,
-    pub parallel_tool_calls: Option<serde_json::Value>,
-    pub response_format: Option<serde_json::Value>,
     pub logit_bias: Option<serde_json::Value>,
     pub suffix: Option<serde_json::Value>,
     pub best_of: Option<serde_json::Value>,
     pub audio: Option<serde_json::Value>,
     pub modalities: Option<serde_json::Value>,
     pub prediction: Option<serde_json::Value>,
-    pub guided_json: Option<serde_json::Value>,
-    pub guided_regex: Option<serde_json::Value>,
-    pub guided_choice: Option<serde_json::Value>,
-    pub guided_grammar: Option<serde_json::Value>,
-    pub structured_outputs: Option<serde_json::Value>,
 }
 
 impl Unimplemented {
@@ -104,24 +109,15 @@ impl Unimplemented {
             false
         }
         type Check<'a> = (&'static str, &'a Option<V>, fn(&V) -> bool);
-        let checks: [Check<'_>; 17] = [
-            ("tools", &self.tools, empty),
-            ("tool_choice", &self.tool_choice, none_or_auto),
+        let checks: [Check<'_>; 8] = [
             ("functions", &self.functions, empty),
             ("function_call", &self.function_call, none_or_auto),
-            ("parallel_tool_calls", &self.parallel_tool_calls, |v| v.is_boolean()),
-            ("response_format", &self.response_format, |v| v.get("type").is_some_and(|t| t == "text")),
             ("logit_bias", &self.logit_bias, empty),
             ("suffix", &self.suffix, empty),
             ("best_of", &self.best_of, |v| v.as_u64() == Some(1)),
             ("audio", &self.audio, never),
             ("modalities", &self.modalities, |v| v.as_array().is_some_and(|a| a.iter().all(|m| m == "text"))),
             ("prediction", &self.prediction, never),
-            ("guided_json", &self.guided_json, never),
-            ("guided_regex", &self.guided_regex, never),
-            ("guided_choice", &self.guided_choice, never),
-            ("guided_grammar", &self.guided_grammar, never),
-            ("structured_outputs", &self.structured_outputs, never),
         ];
         checks.into_iter().find_map(|(name, value, harmless)| match value {
             Some(v) if !harmless(v) => {
@@ -146,6 +142,10 @@ pub struct CompletionRequest {
     /// Completions' logprobs: how many alternatives per token (0..=20).
     pub logprobs: Option<u32>,
     pub echo: Option<bool>,
+    /// Chat only: refused here unless it asks for nothing (null, `[]`).
+    pub tools: Option<serde_json::Value>,
+    /// Chat only: refused here unless it asks for nothing (null, `"none"`, `"auto"`).
+    pub tool_choice: Option<serde_json::Value>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -169,6 +169,13 @@ pub struct ContentPart {
 pub struct InputMessage {
     pub role: String,
     pub content: Option<MessageContent>,
+    /// An assistant turn's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments": JSON text}}]` (read in [`crate::structured`]).
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
+    /// The function a `tool` turn answers, or a participant's name.
+    pub name: Option<String>,
 }
 
 /// Body of `POST /v1/chat/completions`.
@@ -181,6 +188,14 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     /// vLLM extension; default true.
     pub add_generation_prompt: Option<bool>,
+    /// Functions the model may call: `[{"type": "function", "function": {"name",
+    /// "description", "parameters"}}]`.
+    pub tools: Option<serde_json::Value>,
+    /// `"none"`, `"auto"` (the default with tools), `"required"`, or
+    /// `{"type": "function", "function": {"name": ...}}`.
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether `"required"` may make several calls (default true).
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -276,10 +291,49 @@ pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
 }
 
+/// A chat answer's message: `content` is null when the answer is only tool calls.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AssistantMessage {
     pub role: String,
-    pub content: String,
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One function call of an answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+/// A piece of a streamed call, as OpenAI streams them: the first carries `id`, `type` and the
+/// name (with `arguments: ""`), the next ones more `arguments` text.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct FunctionDelta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -306,6 +360,8 @@ pub struct ChatDelta {
     pub role: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -88,6 +88,7 @@ async fn generate(state: &AppState, valid: ValidRequest) -> Result<Response, Coo
         model: valid.model.clone(),
         endpoint: valid.endpoint,
         logprobs: valid.params.logprobs.is_some(),
+        tool_format: valid.tool_format,
     };
     tracing::debug!(request_id = %gen.id, choices = valid.num_choices(), prompt_tokens, stream = valid.stream, "admitted");
     if valid.stream {

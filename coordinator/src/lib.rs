@@ -14,7 +14,13 @@
 //! A node registers only with a certificate that names it and allows its role, and is not
 //! revoked.
 //!
-//! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-planner and cleave-net's
+//! Structured output and tool calling: the constraint a request asks for is compiled once
+//! here against the model's vocabulary (cleave-constrain) and travels in its sampling
+//! parameters to the nodes that enforce it; tool calls are parsed out of the output here
+//! ([`structured`], [`respond`]).
+//!
+//! Allowed dependencies: cleave-protocol, cleave-tokenizer, cleave-constrain (compiling and
+//! tool-call text, never masks), cleave-planner and cleave-net's
 //! authenticated streams and certificates (never the engine or kernels), axum/tokio,
 //! tokio-rustls for the edge, metrics; kube behind the `kubernetes` feature.
 
@@ -32,6 +38,7 @@ pub mod model;
 pub mod respond;
 pub mod server;
 pub mod state;
+pub mod structured;
 pub mod validate;
 
 pub use config::CoordinatorArgs;

@@ -1,11 +1,13 @@
 //! What the coordinator knows about the served model: its tokenizer and a few config-level
-//! facts (name, context length, EOS ids). Never weights: those live on the nodes.
+//! facts (name, context length, EOS ids), and the compiler that checks a request's output
+//! constraint against its vocabulary. Never weights: those live on the nodes.
 //!
 //! Invariant: `context_len >= 1`; `eos_token_ids` lists every id the model's
 //! generation_config.json / config.json / tokenizer call EOS, without duplicates.
 
 use std::path::{Path, PathBuf};
 
+use cleave_constrain::{Compiler, ConstrainError};
 use cleave_tokenizer::Tokenizer;
 use serde::Deserialize;
 
@@ -28,6 +30,10 @@ pub struct ModelInfo {
     /// Sampling defaults for fields a request leaves out, from generation_config.json
     /// (as vLLM does); OpenAI's defaults where the file says nothing.
     pub defaults: SamplingDefaults,
+    /// Compiles output constraints against the vocabulary (built once, see
+    /// [`ModelInfo::compiler_for`]); the error says why this model cannot be constrained, and
+    /// every request that asks for a constraint gets it as a 400.
+    pub compiler: Result<Compiler, ConstrainError>,
 }
 
 /// Defaults for omitted sampling fields. Validated like a request's values when used.
@@ -65,6 +71,8 @@ struct ConfigFacts {
     max_seq_len: Option<u32>,
     #[serde(default)]
     eos_token_id: Option<OneOrMany>,
+    #[serde(default)]
+    vocab_size: Option<usize>,
     #[serde(default)]
     do_sample: Option<bool>,
     #[serde(default)]
@@ -122,7 +130,23 @@ impl ModelInfo {
         eos_token_ids.extend(tokenizer.eos_token_id());
         let mut seen = std::collections::HashSet::new();
         eos_token_ids.retain(|id| seen.insert(*id));
-        Ok(ModelInfo { name, tokenizer, context_len, eos_token_ids, defaults })
+        let compiler = Self::compiler_for(&tokenizer, config.vocab_size.unwrap_or(0), &eos_token_ids);
+        Ok(ModelInfo { name, tokenizer, context_len, eos_token_ids, defaults, compiler })
+    }
+
+    /// The constraint compiler of a model with `model_vocab` logits per row (the tokenizer's
+    /// size when larger) and these EOS ids. Logs why when the vocabulary cannot be used.
+    pub fn compiler_for(
+        tokenizer: &Tokenizer,
+        model_vocab: usize,
+        eos_token_ids: &[u32],
+    ) -> Result<Compiler, ConstrainError> {
+        let vocab = model_vocab.max(tokenizer.vocab_size());
+        let compiler = Compiler::new(tokenizer, vocab, eos_token_ids);
+        if let Err(e) = &compiler {
+            tracing::warn!(error = %e, "requests that constrain their output will be refused");
+        }
+        compiler
     }
 }
 

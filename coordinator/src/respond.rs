@@ -1,15 +1,23 @@
 //! Shapes [`ChoiceUpdate`]s into OpenAI responses: one JSON body, or SSE chunks. Both paths
 //! go through the same per-update conversion, so streamed chunks concatenate to the
 //! non-streamed text by construction.
+//!
+//! A chat request with tools has its output read by the tool-call parser
+//! (`cleave_constrain::tools`): calls become `tool_calls` (streamed as OpenAI streams them: the
+//! id, type and name first, then pieces of the arguments), the rest is content, and a choice
+//! that stopped after making calls finishes with `"tool_calls"`. The parser's events do not
+//! depend on how the text was cut, so the stream and the whole answer agree.
 
 use std::collections::BTreeMap;
 
+use cleave_constrain::tools::{Collected, ToolCallParser, ToolEvent, ToolFormat};
 use cleave_protocol::{FinishReason, Logprobs};
 use cleave_tokenizer::Tokenizer;
 
 use crate::api::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatResponse, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, PromptTokensDetails, TopLogprob, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, FunctionCall, FunctionDelta, PromptTokensDetails,
+    ToolCall, ToolCallDelta, TopLogprob, Usage,
 };
 use crate::generate::{ChoiceUpdate, TokenOut};
 use crate::validate::Endpoint;
@@ -22,6 +30,17 @@ pub struct ResponseMeta {
     pub model: String,
     pub endpoint: Endpoint,
     pub logprobs: bool,
+    /// Chat with tools: parse calls written in this format.
+    pub tool_format: Option<ToolFormat>,
+}
+
+impl ResponseMeta {
+    /// The id of call `index` of choice `choice`: unique per response (and responses' ids are
+    /// unique), the same in the stream and the whole answer.
+    fn call_id(&self, choice: u32, index: usize) -> String {
+        let tail = self.id.rsplit('-').next().unwrap_or(&self.id);
+        format!("call_{tail}{choice:02x}{index:02x}")
+    }
 }
 
 /// A serializable response piece (a full body or one SSE chunk).
@@ -96,6 +115,14 @@ fn finish_str(f: Option<FinishReason>) -> Option<String> {
     f.map(|r| r.as_openai().to_owned())
 }
 
+/// A choice that stopped by itself after making calls finished to call them.
+fn tool_finish(f: Option<FinishReason>, calls: usize) -> Option<String> {
+    match f {
+        Some(FinishReason::Stop) if calls > 0 => Some("tool_calls".to_owned()),
+        other => finish_str(other),
+    }
+}
+
 /// Display text of one token id (as vLLM's logprobs show it).
 fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id], false).unwrap_or_default()
@@ -167,11 +194,33 @@ pub fn full_response(meta: &ResponseMeta, tok: &Tokenizer, choices: Vec<ChoiceAc
             choices: choices
                 .into_iter()
                 .enumerate()
-                .map(|(i, c)| ChatChoice {
-                    index: i as u32,
-                    logprobs: meta.logprobs.then(|| chat_logprobs(tok, &c.tokens)),
-                    message: AssistantMessage { role: "assistant".into(), content: c.text },
-                    finish_reason: finish_str(c.finish),
+                .map(|(i, c)| {
+                    let index = i as u32;
+                    let logprobs = meta.logprobs.then(|| chat_logprobs(tok, &c.tokens));
+                    let Some(format) = meta.tool_format else {
+                        let message =
+                            AssistantMessage { role: "assistant".into(), content: Some(c.text), tool_calls: None };
+                        return ChatChoice { index, logprobs, message, finish_reason: finish_str(c.finish) };
+                    };
+                    let found = Collected::parse(format, &c.text);
+                    let finish_reason = tool_finish(c.finish, found.calls.len());
+                    let tool_calls: Vec<ToolCall> = found
+                        .calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, (name, arguments))| ToolCall {
+                            id: meta.call_id(index, k),
+                            kind: "function".into(),
+                            function: FunctionCall { name, arguments },
+                        })
+                        .collect();
+                    let content = match (found.content.is_empty(), tool_calls.is_empty()) {
+                        (true, false) => None,
+                        _ => Some(found.content),
+                    };
+                    let tool_calls = (!tool_calls.is_empty()).then_some(tool_calls);
+                    let message = AssistantMessage { role: "assistant".into(), content, tool_calls };
+                    ChatChoice { index, logprobs, message, finish_reason }
                 })
                 .collect(),
             usage,
@@ -179,16 +228,22 @@ pub fn full_response(meta: &ResponseMeta, tok: &Tokenizer, choices: Vec<ChoiceAc
     }
 }
 
-/// Streaming state: per-choice text offsets for completions' `text_offset`.
+/// Streaming state: per-choice text offsets for completions' `text_offset`, and per-choice
+/// tool-call parsers for chat with tools.
 #[derive(Debug, Clone)]
 pub struct ChunkWriter {
     pub meta: ResponseMeta,
     offsets: Vec<usize>,
+    parsers: Vec<ToolCallParser>,
 }
 
 impl ChunkWriter {
     pub fn new(meta: ResponseMeta, choices: usize) -> Self {
-        ChunkWriter { meta, offsets: vec![0; choices] }
+        let parsers = match meta.tool_format {
+            Some(f) if meta.endpoint == Endpoint::Chat => vec![ToolCallParser::new(f); choices],
+            _ => Vec::new(),
+        };
+        ChunkWriter { meta, offsets: vec![0; choices], parsers }
     }
 
     /// Chat streams open each choice with a `role` delta; completions have no opener.
@@ -198,7 +253,8 @@ impl ChunkWriter {
         }
         (0..self.offsets.len() as u32)
             .map(|index| {
-                let delta = ChatDelta { role: Some("assistant".into()), content: Some(String::new()) };
+                let delta =
+                    ChatDelta { role: Some("assistant".into()), content: Some(String::new()), tool_calls: None };
                 self.chat_chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None)
             })
             .collect()
@@ -207,13 +263,33 @@ impl ChunkWriter {
     /// The chunk for one update, or `None` when it carries nothing a client would see.
     pub fn chunk(&mut self, tok: &Tokenizer, u: &ChoiceUpdate) -> Option<Body> {
         let has_logprobs = self.meta.logprobs && u.token.is_some();
-        if u.text.is_empty() && u.finish.is_none() && !has_logprobs {
-            return None;
-        }
         let tokens: Vec<TokenOut> = u.token.iter().cloned().collect();
         let offset = self.offsets.get(u.index as usize).copied().unwrap_or(0);
         if let Some(o) = self.offsets.get_mut(u.index as usize) {
             *o += tokens.iter().map(|t| t.piece_len).sum::<usize>();
+        }
+        if let Some(parser) = self.parsers.get_mut(u.index as usize) {
+            let mut events = parser.push(&u.text);
+            if u.finish.is_some() {
+                events.extend(parser.finish());
+            }
+            let finish_reason = tool_finish(u.finish, parser.calls());
+            let (content, tool_calls) = tool_delta(&self.meta, u.index, events);
+            if content.is_empty() && tool_calls.is_empty() && finish_reason.is_none() && !has_logprobs {
+                return None;
+            }
+            let delta = ChatDelta {
+                role: None,
+                content: (!content.is_empty()).then_some(content),
+                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+            };
+            let logprobs = has_logprobs.then(|| chat_logprobs(tok, &tokens));
+            return Some(
+                self.chat_chunk(vec![ChatChunkChoice { index: u.index, delta, logprobs, finish_reason }], None),
+            );
+        }
+        if u.text.is_empty() && u.finish.is_none() && !has_logprobs {
+            return None;
         }
         Some(match self.meta.endpoint {
             Endpoint::Completions => Body::Completion(CompletionResponse {
@@ -230,7 +306,7 @@ impl ChunkWriter {
                 usage: None,
             }),
             Endpoint::Chat => {
-                let delta = ChatDelta { role: None, content: Some(u.text.clone()) };
+                let delta = ChatDelta { role: None, content: Some(u.text.clone()), tool_calls: None };
                 let logprobs = has_logprobs.then(|| chat_logprobs(tok, &tokens));
                 self.chat_chunk(
                     vec![ChatChunkChoice { index: u.index, delta, logprobs, finish_reason: finish_str(u.finish) }],
@@ -265,4 +341,34 @@ impl ChunkWriter {
             usage,
         })
     }
+}
+
+/// The content and the `tool_calls` deltas of one chunk of choice `choice`: one entry per call
+/// (a call's first carries its id, type and name), its arguments pieces joined.
+fn tool_delta(meta: &ResponseMeta, choice: u32, events: Vec<ToolEvent>) -> (String, Vec<ToolCallDelta>) {
+    let mut content = String::new();
+    let mut calls: Vec<ToolCallDelta> = Vec::new();
+    for ev in events {
+        match ev {
+            ToolEvent::Content(s) => content.push_str(&s),
+            ToolEvent::Call { index, name } => calls.push(ToolCallDelta {
+                index: index as u32,
+                id: Some(meta.call_id(choice, index)),
+                kind: Some("function".into()),
+                function: FunctionDelta { name: Some(name), arguments: Some(String::new()) },
+            }),
+            ToolEvent::Arguments { index, text } => match calls.last_mut() {
+                Some(last) if last.index == index as u32 => {
+                    last.function.arguments.get_or_insert_default().push_str(&text)
+                }
+                _ => calls.push(ToolCallDelta {
+                    index: index as u32,
+                    id: None,
+                    kind: None,
+                    function: FunctionDelta { name: None, arguments: Some(text) },
+                }),
+            },
+        }
+    }
+    (content, calls)
 }

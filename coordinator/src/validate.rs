@@ -1,12 +1,15 @@
 //! Requests are checked and tokenized once, here, into a [`ValidRequest`]; code past this
-//! point never re-checks a range.
+//! point never re-checks a range. Structured output and tools are read in
+//! [`crate::structured`].
 
+use cleave_constrain::tools::ToolFormat;
 use cleave_protocol::{SamplingParams, StopConditions};
-use cleave_tokenizer::{ChatMessage, TokenizerError};
+use cleave_tokenizer::{ChatOptions, TokenizerError};
 
-use crate::api::{ChatRequest, CommonParams, CompletionRequest, InputMessage, MessageContent, PromptInput, StopInput};
+use crate::api::{ChatRequest, CommonParams, CompletionRequest, InputMessage, PromptInput, StopInput};
 use crate::error::CoordinatorError;
 use crate::model::ModelInfo;
+use crate::structured::{self, Requested, TemplateSupport, Tools};
 
 /// Most stop strings one request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -45,6 +48,10 @@ pub struct ValidRequest {
     pub stop: StopConditions,
     pub stream: bool,
     pub include_usage: bool,
+    /// A chat request that gave tools (and `tool_choice` other than `none`): the output is
+    /// parsed for calls written in this format. When the choice forces a call,
+    /// `params.constraint` holds the grammar that makes the output nothing but calls.
+    pub tool_format: Option<ToolFormat>,
 }
 
 impl ValidRequest {
@@ -73,6 +80,19 @@ pub fn validate_completion(
     if req.echo == Some(true) {
         return Err(invalid("echo", "echo is not supported"));
     }
+    let asks_for_tools = |v: &Option<serde_json::Value>, harmless: &[&str]| match v {
+        None => false,
+        Some(serde_json::Value::Array(a)) => !a.is_empty(),
+        Some(serde_json::Value::String(s)) => !harmless.contains(&s.as_str()),
+        Some(_) => true,
+    };
+    for (field, value, harmless) in
+        [("tools", &req.tools, &[][..]), ("tool_choice", &req.tool_choice, &["none", "auto"][..])]
+    {
+        if asks_for_tools(value, harmless) {
+            return Err(invalid(field, "only supported on /v1/chat/completions"));
+        }
+    }
     let tok = &model.tokenizer;
     let prompts: Vec<Vec<u32>> = match req.prompt {
         PromptInput::Text(t) => vec![tok.encode(&t, true)?],
@@ -80,7 +100,7 @@ pub fn validate_completion(
         PromptInput::Ids(ids) => vec![ids],
         PromptInput::IdLists(lists) => lists,
     };
-    validate_common(Endpoint::Completions, prompts, req.logprobs, req.common, model, limits)
+    validate_common(Endpoint::Completions, prompts, req.logprobs, req.common, model, limits, None)
 }
 
 /// Checks `/v1/chat/completions`, rendering the chat template.
@@ -90,12 +110,29 @@ pub fn validate_chat(req: ChatRequest, model: &ModelInfo, limits: Limits) -> Res
         (_, Some(top)) if top > 0 => return Err(invalid("top_logprobs", "top_logprobs requires logprobs: true")),
         _ => None,
     };
-    let ids = chat_prompt_ids(model, &req.messages, req.add_generation_prompt.unwrap_or(true))?;
+    let support = TemplateSupport::of(model.tokenizer.chat_template_source(None)?);
+    let tools = structured::read_tools(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        support.format,
+        model,
+    )?;
+    let agp = req.add_generation_prompt.unwrap_or(true);
+    let ids = render_chat(model, &req.messages, agp, support, tools.as_ref())?;
     let mut common = req.common;
     if req.max_completion_tokens.is_some() {
         common.max_tokens = req.max_completion_tokens;
     }
-    validate_common(Endpoint::Chat, vec![ids], logprobs, common, model, limits)
+    let extra = ChatExtra { forced: tools.as_ref().and_then(Tools::forced), tool_format: tools.map(|t| t.format) };
+    validate_common(Endpoint::Chat, vec![ids], logprobs, common, model, limits, Some(extra))
+}
+
+/// What a chat request adds to the common checks.
+struct ChatExtra {
+    /// The constraint of a forced `tool_choice`.
+    forced: Option<Requested>,
+    tool_format: Option<ToolFormat>,
 }
 
 /// Renders `messages` with the model's chat template and tokenizes the result (the
@@ -105,43 +142,31 @@ pub fn chat_prompt_ids(
     messages: &[InputMessage],
     add_generation_prompt: bool,
 ) -> Result<Vec<u32>, CoordinatorError> {
+    let support = TemplateSupport::of(model.tokenizer.chat_template_source(None)?);
+    render_chat(model, messages, add_generation_prompt, support, None)
+}
+
+fn render_chat(
+    model: &ModelInfo,
+    messages: &[InputMessage],
+    add_generation_prompt: bool,
+    support: TemplateSupport,
+    tools: Option<&Tools>,
+) -> Result<Vec<u32>, CoordinatorError> {
     if messages.is_empty() {
         return Err(invalid("messages", "at least one message is required"));
     }
-    let messages = messages.iter().map(flatten_message).collect::<Result<Vec<_>, _>>()?;
-    let text = model.tokenizer.render_chat(&messages, add_generation_prompt).map_err(|e| match e {
+    let messages = structured::chat_messages(messages, support, tools)?;
+    let opts = ChatOptions {
+        add_generation_prompt,
+        tools: tools.filter(|_| support.tools).map(|t| t.definitions.clone()),
+        ..ChatOptions::default()
+    };
+    let text = model.tokenizer.render_chat_with(&messages, &opts).map_err(|e| match e {
         TokenizerError::TemplateException { message, .. } => CoordinatorError::ChatTemplate { message },
         other => CoordinatorError::Tokenizer(other),
     })?;
     Ok(model.tokenizer.encode(&text, false)?)
-}
-
-/// A message with text content; text parts are joined with newlines.
-fn flatten_message(m: &InputMessage) -> Result<ChatMessage, CoordinatorError> {
-    if !crate::api::CHAT_ROLES.contains(&m.role.as_str()) {
-        return Err(invalid(
-            "messages",
-            format!("role {:?} is not one of {}", m.role, crate::api::CHAT_ROLES.join(", ")),
-        ));
-    }
-    let content = match &m.content {
-        None => String::new(),
-        Some(MessageContent::Text(t)) => t.clone(),
-        Some(MessageContent::Parts(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for p in parts {
-                match (p.kind.as_str(), &p.text) {
-                    ("text", Some(t)) => texts.push(t.as_str()),
-                    ("text", None) => return Err(invalid("messages", "a text part needs `text`")),
-                    (other, _) => {
-                        return Err(invalid("messages", format!("content parts of type {other:?} are not supported")))
-                    }
-                }
-            }
-            texts.join("\n")
-        }
-    };
-    Ok(ChatMessage::new(m.role.clone(), content))
 }
 
 fn validate_common(
@@ -151,10 +176,13 @@ fn validate_common(
     c: CommonParams,
     model: &ModelInfo,
     limits: Limits,
+    chat: Option<ChatExtra>,
 ) -> Result<ValidRequest, CoordinatorError> {
     if let Some((param, message)) = c.unimplemented.first() {
         return Err(invalid(param, message));
     }
+    // Read now (cheap), compiled after the other checks (the costly part).
+    let mut constraints = structured::requested(&c)?;
     if let Some(requested) = c.model {
         if requested != model.name {
             return Err(CoordinatorError::UnknownModel { requested, served: model.name.clone() });
@@ -204,6 +232,9 @@ fn validate_common(
         Some(k) if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
         Some(k) => return Err(invalid("top_k", format!("must be -1, 0 or positive, got {k}"))),
     };
+    let (forced, tool_format) = chat.map_or((None, None), |x| (x.forced, x.tool_format));
+    constraints.extend(forced);
+    let constraint = structured::settle(constraints, model)?;
     let defaults = SamplingParams::default();
     let model_defaults = model.defaults;
     let params = SamplingParams {
@@ -217,7 +248,7 @@ fn validate_common(
         // Negative seeds are accepted as their two's-complement bits.
         seed: c.seed.map(|s| s as u64),
         logprobs,
-        constraint: None,
+        constraint,
     };
     params.validate().map_err(|e| invalid(e.param, e.message))?;
     let stop_strings = match c.stop {
@@ -245,5 +276,6 @@ fn validate_common(
         stop,
         stream,
         include_usage,
+        tool_format,
     })
 }

@@ -327,6 +327,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         ModelInfo {
             name: model_name(&path, cmd.http.served_model_name.as_ref()),
             context_len: cmd.http.max_model_len.unwrap_or(files.config.max_position_embeddings as u32).max(1),
+            compiler: ModelInfo::compiler_for(&files.tokenizer, files.config.vocab_size, &eos),
             eos_token_ids: eos,
             tokenizer: files.tokenizer,
             defaults: Default::default(),

@@ -6,8 +6,10 @@
 //! Python's `json.dumps(..., ensure_ascii=False)`. Templates are written against Python
 //! objects, so they call string/dict methods (`.strip()`, `.items()`); minijinja-contrib's
 //! `pycompat` callback provides those. The context has `messages`, `add_generation_prompt`,
-//! `bos_token`, `eos_token`, `unk_token`, `pad_token`; `tools` and `documents` are left
-//! undefined.
+//! `bos_token`, `eos_token`, `unk_token`, `pad_token`, and `tools` when the caller gives
+//! some ([`ChatOptions::tools`]; undefined otherwise, as in transformers); `documents` is left
+//! undefined. A message carries `tool_calls` (with each call's `arguments` as a JSON value, as
+//! transformers' templates expect), `tool_call_id` and `name` only when set.
 //!
 //! No wall clock is read unless the caller leaves [`ChatOptions::now_unix_secs`] unset.
 //! A template that fails to compile does not prevent the tokenizer from loading: the
@@ -77,16 +79,50 @@ pub const MAX_TOJSON_INDENT: usize = 64;
 /// template reading it gets seconds since the Unix epoch.
 const NOW_VAR: &str = "__cleave_now_unix_secs";
 
-/// One turn of a conversation.
+/// One turn of a conversation. The optional fields are absent from the template's message
+/// when unset (templates test `'tool_calls' in message` or `message.tool_calls is defined`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The function calls of an assistant turn.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ChatToolCall>,
+    /// The call a `tool` turn answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The function a `tool` turn answers (some templates print it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// One function call of an assistant turn, shaped as transformers' templates read it:
+/// `tool_call.id`, `tool_call.type`, `tool_call.function.name`, `tool_call.function.arguments`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: ChatFunctionCall,
+}
+
+/// A call's function: its name and its arguments as a JSON value (an object, not the JSON text
+/// the OpenAI API carries: templates `tojson` it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatFunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -110,6 +146,10 @@ pub struct ChatOptions {
     /// What `strftime_now` formats (UTC, seconds since the Unix epoch); `None` reads the
     /// system clock when rendering.
     pub now_unix_secs: Option<i64>,
+    /// The template's `tools`: function definitions as the OpenAI API gives them
+    /// (`{"type": "function", "function": {"name", "description", "parameters"}}`); `None`
+    /// leaves `tools` undefined.
+    pub tools: Option<Vec<serde_json::Value>>,
 }
 
 /// Special-token texts exposed to templates as variables.
@@ -128,6 +168,8 @@ pub(crate) struct TemplateTokens {
 pub(crate) struct ChatTemplates {
     env: Environment<'static>,
     names: Vec<String>,
+    /// Each template's source, by name (same order as `names`).
+    sources: Vec<String>,
     broken: BTreeMap<String, String>,
     tokens: TemplateTokens,
 }
@@ -202,6 +244,7 @@ impl ChatTemplates {
     pub(crate) fn new(templates: &[NamedTemplate], tokens: TemplateTokens) -> Self {
         let mut env = hf_environment();
         let mut names = Vec::new();
+        let mut sources = Vec::new();
         let mut broken = BTreeMap::new();
         let fallback =
             [NamedTemplate { name: FALLBACK_TEMPLATE_NAME.to_owned(), template: CHATML_FALLBACK_TEMPLATE.to_owned() }];
@@ -211,8 +254,16 @@ impl ChatTemplates {
                 broken.insert(t.name.clone(), e.to_string());
             }
             names.push(t.name.clone());
+            sources.push(t.template.clone());
         }
-        ChatTemplates { env, names, broken, tokens }
+        ChatTemplates { env, names, sources, broken, tokens }
+    }
+
+    /// The source of the template a render with `requested` would use.
+    pub(crate) fn source(&self, requested: Option<&str>) -> Result<&str> {
+        let name = self.resolve(requested)?;
+        let i = self.names.iter().position(|n| n == name).unwrap_or(0);
+        Ok(self.sources.get(i).map(String::as_str).unwrap_or_default())
     }
 
     /// Template names in the order the model lists them.
@@ -253,6 +304,10 @@ impl ChatTemplates {
             unk_token => t.unk.as_deref(),
             pad_token => t.pad.as_deref(),
             __cleave_now_unix_secs => now,
+        };
+        let ctx = match &opts.tools {
+            Some(tools) => minijinja::context! { tools => Value::from_serialize(tools), ..ctx },
+            None => ctx,
         };
         // Everything the render builds is also dropped inside `run`, on the render thread.
         let run = move || {
@@ -556,6 +611,26 @@ mod tests {
              {% for k, v in {'a': 1}.items() %}{{ k }}={{ v }}{% endfor %}",
         );
         assert_eq!(out.unwrap(), "HIx1a=1");
+    }
+
+    #[test]
+    fn tools_and_tool_calls_reach_the_template() {
+        let src = "{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }};{% endfor %}\
+                   {% for m in messages %}{{ m.role }}{% if 'tool_calls' in m %}\
+                   {% for c in m.tool_calls %}[{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]\
+                   {% endfor %}{% endif %}{% if m.tool_call_id is defined %}<{{ m.tool_call_id }}>{% endif %}|{% endfor %}";
+        let tool = serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}});
+        let mut call = ChatMessage::assistant("");
+        call.tool_calls.push(ChatToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: ChatFunctionCall { name: "f".into(), arguments: serde_json::json!({"x": [1, "y"]}) },
+        });
+        let mut answer = ChatMessage::new("tool", "42");
+        answer.tool_call_id = Some("call_1".into());
+        let opts = ChatOptions { tools: Some(vec![tool]), ..Default::default() };
+        let out = templates(src).render(&[ChatMessage::user("hi"), call, answer], &opts).unwrap();
+        assert_eq!(out, "f:{\"b\": 1, \"a\": 2};user|assistant[call_1 f {\"x\": [1, \"y\"]}]|tool<call_1>|");
     }
 
     #[test]

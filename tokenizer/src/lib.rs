@@ -19,7 +19,7 @@ pub mod stop;
 mod strftime;
 mod tokenizer;
 
-pub use chat::{ChatMessage, ChatOptions, CHATML_FALLBACK_TEMPLATE};
+pub use chat::{ChatFunctionCall, ChatMessage, ChatOptions, ChatToolCall, CHATML_FALLBACK_TEMPLATE};
 pub use config::{NamedTemplate, TokenizerConfig, DEFAULT_TEMPLATE_NAME};
 pub use error::{Result, TokenizerError};
 pub use incremental::IncrementalDecoder;

@@ -158,6 +158,13 @@ impl Tokenizer {
         self.inner.templates.render(messages, opts)
     }
 
+    /// The source text of the template a render with `template_name` would use (the ChatML
+    /// fallback's when the model has none): what callers read to learn what a template
+    /// supports (e.g. whether it mentions `tools`).
+    pub fn chat_template_source(&self, template_name: Option<&str>) -> Result<&str> {
+        self.inner.templates.source(template_name)
+    }
+
     /// Names of the model's chat templates, in file order (the fallback's name when the
     /// model has none).
     pub fn chat_template_names(&self) -> &[String] {
