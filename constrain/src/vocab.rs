@@ -7,9 +7,11 @@
 //! - SentencePiece with byte fallback (Llama 2, Mistral, TinyLlama): `▁` (or whatever a
 //!   `Replace` decoder turns into a space) stands for a space and `<0xNN>` for one raw byte.
 //!
-//! Special tokens (added tokens marked special, or shaped `<...>`) spell nothing a grammar can
-//! match: they get toktrie's marker byte `0xff` before their name, so only EOS (which the trie
-//! knows by id) is ever allowed by a mask. Ids the tokenizer does not name (padding rows of the
+//! Special tokens (added tokens marked special) spell nothing a grammar can match: they get
+//! toktrie's marker byte `0xff` before their name, so only EOS (which the trie knows by id) is
+//! ever allowed by a mask. Added tokens *not* marked special (Qwen's `<tool_call>`, which the
+//! detokenizer writes out as text) spell their text, so a grammar's literal `<tool_call>` matches
+//! the one token the model was trained to emit as well as the text spelled out. Ids the tokenizer does not name (padding rows of the
 //! embedding) spell nothing and are never allowed.
 
 use std::collections::HashMap;
@@ -43,7 +45,7 @@ pub fn token_trie(
     let special: HashMap<u32, String> = hf
         .get_added_tokens_decoder()
         .into_iter()
-        .filter(|(_, t)| t.special || (t.content.starts_with('<') && t.content.ends_with('>')))
+        .filter(|(_, t)| t.special)
         .map(|(id, t)| (id, t.content))
         .collect();
     let byte_of: HashMap<char, u8> = byte_level_chars().into_iter().map(|(b, c)| (c, b)).collect();

@@ -34,6 +34,22 @@ fn the_trie_spells_every_token_as_the_tokenizer_decodes_it() {
     assert!(trie.is_special_token(1));
 }
 
+#[test]
+fn an_added_token_not_marked_special_spells_its_text_for_the_grammar() {
+    let base = tokenizer();
+    let mut hf = base.hf().clone();
+    hf.add_tokens(&[tokenizers::AddedToken::from("<tool_call>", false)]);
+    let tok = Tokenizer::from_hf(hf, base.config().clone());
+    let id = tok.token_to_id("<tool_call>").unwrap();
+    let compiler = Compiler::new(&tok, tok.vocab_size(), &[EOS]).unwrap();
+    let mut state = compiler.start(&Constraint::Lark(r#"start: "<tool_call>" "x""#.into()), &[]).unwrap();
+    let mut mask = Mask::default();
+    state.fill_mask(&mut mask).unwrap();
+    assert!(mask.allows(id), "the added token is the grammar's literal");
+    state.commit(id).unwrap();
+    assert_eq!(tok.decode(&[id], false).unwrap(), "<tool_call>", "the detokenizer writes it out as text");
+}
+
 /// Samples uniformly among the allowed tokens (EOS with probability one half whenever it is
 /// allowed) until the constraint is done: a model that knows nothing, so only the mask keeps
 /// the text in the language.
