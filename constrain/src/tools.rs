@@ -440,19 +440,7 @@ impl ToolCallParser {
 
     fn take_events(&mut self) -> Vec<ToolEvent> {
         self.flush_args();
-        let mut merged: Vec<ToolEvent> = Vec::with_capacity(self.out.len());
-        for ev in self.out.drain(..) {
-            match (merged.last_mut(), ev) {
-                (Some(ToolEvent::Content(a)), ToolEvent::Content(b)) => a.push_str(&b),
-                (Some(ToolEvent::Arguments { index: i, text: a }), ToolEvent::Arguments { index: j, text: b })
-                    if *i == j =>
-                {
-                    a.push_str(&b)
-                }
-                (_, ev) => merged.push(ev),
-            }
-        }
-        merged
+        merge(self.out.drain(..))
     }
 
     fn flush_args(&mut self) {
@@ -630,6 +618,24 @@ fn partial_suffix(text: &str, tag: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// `events` with neighbouring content pieces, and neighbouring argument pieces of one call,
+/// joined (fewer, larger deltas; the same text).
+fn merge(events: impl IntoIterator<Item = ToolEvent>) -> Vec<ToolEvent> {
+    let mut merged: Vec<ToolEvent> = Vec::new();
+    for ev in events {
+        match (merged.last_mut(), ev) {
+            (Some(ToolEvent::Content(a)), ToolEvent::Content(b)) => a.push_str(&b),
+            (Some(ToolEvent::Arguments { index: i, text: a }), ToolEvent::Arguments { index: j, text: b })
+                if *i == j =>
+            {
+                a.push_str(&b)
+            }
+            (_, ev) => merged.push(ev),
+        }
+    }
+    merged
+}
+
 /// A whole output's content and calls, accumulated from [`ToolEvent`]s.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Collected {
@@ -681,19 +687,7 @@ mod tests {
             all.extend(p.push(piece));
         }
         all.extend(p.finish());
-        let mut merged: Vec<ToolEvent> = Vec::new();
-        for ev in all {
-            match (merged.last_mut(), ev) {
-                (Some(ToolEvent::Content(a)), ToolEvent::Content(b)) => a.push_str(&b),
-                (Some(ToolEvent::Arguments { index: i, text: a }), ToolEvent::Arguments { index: j, text: b })
-                    if *i == j =>
-                {
-                    a.push_str(&b)
-                }
-                (_, ev) => merged.push(ev),
-            }
-        }
-        merged
+        merge(all)
     }
 
     const HERMES: &[&str] = &[

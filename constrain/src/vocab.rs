@@ -42,12 +42,8 @@ pub fn token_trie(
     let encoding = encoding(hf.get_decoder())?;
     let tok_vocab = hf.get_vocab_size(true);
     let n = model_vocab.max(tok_vocab);
-    let special: HashMap<u32, String> = hf
-        .get_added_tokens_decoder()
-        .into_iter()
-        .filter(|(_, t)| t.special)
-        .map(|(id, t)| (id, t.content))
-        .collect();
+    let special: HashMap<u32, String> =
+        hf.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (id, t.content)).collect();
     let byte_of: HashMap<char, u8> = byte_level_chars().into_iter().map(|(b, c)| (c, b)).collect();
     let mut words = vec![Vec::new(); n];
     for (id, word) in words.iter_mut().enumerate().take(tok_vocab) {
