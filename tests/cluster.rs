@@ -191,11 +191,60 @@ fn a_node_with_another_model_is_refused() {
     let _ = std::fs::remove_dir_all(&other);
 }
 
+/// A cluster whose nodes keep their KV cache in bf16 (`--kv-cache-dtype bf16`): every prompt,
+/// prefilled on the prefill node and handed off in bf16 (half of f32's bytes: 256 a token for
+/// the tiny model), gives the text of `cleave generate --kv-cache-dtype bf16`; a node with
+/// another dtype is refused at registration, saying so.
+#[test]
+fn a_bf16_kv_cache_cluster_matches_generate_and_refuses_another_dtype() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bf16 = ["--kv-cache-dtype", "bf16"];
+    let c = TestCluster::start_with(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "0"], &bf16);
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let mut prompt_tokens = 0;
+        for case in golden() {
+            let prompt = case["prompt"].as_str().unwrap();
+            let want = generate_text_with(&tiny_llama(), prompt, 32, &bf16);
+            let v = c.complete(greedy(prompt, 32)).await;
+            assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want, "case {}", case["name"]);
+            prompt_tokens += v["usage"]["prompt_tokens"].as_u64().unwrap();
+            let (text, _) = c.stream(greedy(prompt, 32)).await;
+            assert_eq!(text, want, "streamed case {}", case["name"]);
+            prompt_tokens += v["usage"]["prompt_tokens"].as_u64().unwrap();
+        }
+        // Every request was handed off (reports may trail the responses: wait for them).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let want = 2.0 * golden().len() as f64;
+        while metric(&c, "cleave_handoff_transfer_bytes_count").await < want {
+            assert!(std::time::Instant::now() < deadline, "handoff reports missing");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // 2 layers x K and V x 2 heads x 16 x 2 bytes.
+        assert_eq!(metric(&c, "cleave_handoff_transfer_bytes_sum").await, prompt_tokens as f64 * 256.0);
+        c.wait_blocks_free().await;
+    });
+    for (dtype, extra) in [("f32", &[][..]), ("f16", &["--kv-cache-dtype", "f16"][..])] {
+        let err = match c.node_with("intruder", "decode", None, extra) {
+            Ok(p) => panic!("{} with a {dtype} cache was accepted", p.name),
+            Err(e) => e,
+        };
+        assert!(err.contains("kv cache dtype") && err.contains("--kv-cache-dtype"), "{dtype}: {err}");
+    }
+    runtime().block_on(async { assert_eq!(c.nodes_state().await.len(), 2) });
+}
+
 /// The text `cleave generate` (one process, no cluster) produces greedily.
 fn generate_text(model: &Path, prompt: &str, max_tokens: u32) -> String {
+    generate_text_with(model, prompt, max_tokens, &[])
+}
+
+/// [`generate_text`] with `extra` arguments.
+fn generate_text_with(model: &Path, prompt: &str, max_tokens: u32, extra: &[&str]) -> String {
     let out = Command::new(exe())
         .args(["generate", "--model", model.to_str().unwrap(), "--prompt", prompt, "--ignore-eos"])
         .args(["--max-tokens", &max_tokens.to_string()])
+        .args(extra)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -136,6 +136,55 @@ fn start_up_scheme(args: &[&str]) -> (KillOnDrop, String, String) {
     (up, addr, scheme)
 }
 
+/// `cleave up --kv-cache-dtype bf16` starts its nodes with that cache: a remotely prefilled
+/// request hands off 2 bytes per element (256 a token for the tiny model, half of f32's), and its
+/// text is `cleave generate --kv-cache-dtype bf16`'s.
+#[test]
+fn up_passes_the_kv_cache_dtype_to_its_nodes() {
+    let model = testdata_dir().join("tiny-llama");
+    let exe = env!("CARGO_BIN_EXE_cleave");
+    let prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find";
+    let out = Command::new(exe)
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompt", prompt, "--max-tokens", "8"])
+        .args(["--ignore-eos", "--kv-cache-dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let want = String::from_utf8(out.stdout).unwrap().trim_end_matches('\n').to_string();
+    let (_up, addr) = start_up(&["--kv-cache-dtype", "bf16", "--coordinator-arg=--local-prefill-max-tokens=0"]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let body = serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    rt.block_on(async {
+        let v: serde_json::Value = client
+            .post(format!("http://{addr}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "{v}");
+        let tokens = v["usage"]["prompt_tokens"].as_f64().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = client.get(format!("http://{addr}/metrics")).send().await.unwrap().text().await.unwrap();
+            let bytes: f64 = m
+                .lines()
+                .filter(|l| l.starts_with("cleave_handoff_transfer_bytes_sum"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            if bytes > 0.0 {
+                assert_eq!(bytes, tokens * 256.0, "{m}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "no handoff reported:\n{m}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
 /// `cleave up` with an edge certificate from `cleave certs --edge` serves HTTPS: a client that
 /// trusts the CA gets the same greedy text as over plain HTTP, the official `openai` client works
 /// against it, and plain HTTP on that port gets no answer.

@@ -17,8 +17,10 @@
 //!   [`KvExportEvent::Done`]. Nothing follows it.
 //!
 //! Chunk bytes (agreed with kv-transfer): for one layer and a run of `token_count` tokens, K is
-//! `token_count * num_kv_heads * head_dim` f32 little-endian values, token-major (position
-//! order, then head, then dimension), exactly the cache's row layout; V the same.
+//! `token_count * num_kv_heads * head_dim` little-endian values of the cache's dtype (f32, f16
+//! or bf16: [`crate::EngineConfig::kv_dtype`], the `dtype` of the engine's `KvLayout`),
+//! token-major (position order, then head, then dimension), exactly the cache's row layout; V
+//! the same.
 //!
 //! The request's token stream gets exactly one event, the first token. Its `finish_reason` is
 //! `Some` only when that token really ends the request (EOS or a stop token id or stop string:

@@ -136,7 +136,7 @@ impl Imports {
         if l >= imp.have.len() {
             return Err(bad(format!("the model has {} layers", imp.have.len())));
         }
-        let row = kv.kv_width() * 4;
+        let row = kv.row_bytes();
         if k.len() != v.len() || k.is_empty() || !k.len().is_multiple_of(row) {
             return Err(bad(format!(
                 "k has {} bytes and v {}: need equal, non-zero multiples of {row} bytes (one token)",

@@ -3,10 +3,11 @@
 
 mod common;
 
-use cleave_engine::model::{ForwardBatch, KvStorage, Model, ModelFiles};
+use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles};
 use cleave_engine::EngineConfig;
 use cleave_kernels::cpu::CpuBackend;
 use cleave_kernels::AttnSeq;
+use cleave_protocol::KvDtype;
 use common::*;
 
 #[test]
@@ -36,7 +37,9 @@ fn chat_template_renders_and_tokenizes_like_transformers() {
 fn last_logits(model: &Model<CpuBackend>, backend: &CpuBackend, prompt: &[u32]) -> Vec<f32> {
     let block_size = 16;
     let blocks = prompt.len().div_ceil(block_size);
-    let mut kv = KvStorage::new(backend, &model.config, blocks + 1, block_size).unwrap();
+    let mut kv =
+        KvStorage::new(backend, &model.config, KvSpec { num_blocks: blocks + 1, block_size, dtype: KvDtype::F32 })
+            .unwrap();
     // A scrambled block table, so the test also exercises indirection.
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
     let positions: Vec<u32> = (0..prompt.len() as u32).collect();

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cleave_engine::model::synth::{self, SynthDtype, SynthSpec};
-use cleave_engine::model::{ForwardBatch, KvStorage, Model, ModelFiles};
+use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles};
 use cleave_engine::EngineConfig;
 use cleave_kernels::{cpu::CpuBackend, reference, AttnSeq, AttnShape};
 use cleave_protocol::SamplingParams;
@@ -472,7 +472,8 @@ fn paged_logits(model: &Model<CpuBackend>, backend: &CpuBackend, seqs: &[SimSeq]
     let vocab = model.config.vocab_size;
     let per_seq: Vec<usize> = seqs.iter().map(|s| s.tokens.len().div_ceil(block_size)).collect();
     let total: usize = per_seq.iter().sum();
-    let mut kv = KvStorage::new(backend, &model.config, total + 2, block_size).unwrap();
+    let spec = KvSpec { num_blocks: total + 2, block_size, dtype: cleave_protocol::KvDtype::F32 };
+    let mut kv = KvStorage::new(backend, &model.config, spec).unwrap();
     let mut free: Vec<u32> = (1..=total as u32 + 1).collect(); // block 0 is never used
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
     for round in 0..*per_seq.iter().max().unwrap_or(&0) {

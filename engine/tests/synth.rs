@@ -187,15 +187,18 @@ fn weights_get_the_same_mode_as_the_other_files() {
 
 /// Logits of every position of `prompt` (one sequence, fresh KV cache).
 fn all_logits(dir: &Path, prompt: &[u32]) -> (usize, Vec<f32>) {
-    use cleave_engine::model::{ForwardBatch, KvStorage, Model};
+    use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model};
     use cleave_kernels::{cpu::CpuBackend, AttnSeq};
+    use cleave_protocol::KvDtype;
     let backend = CpuBackend::new(Some(1)).unwrap();
     let config = ModelConfig::from_dir(dir).unwrap();
     let vocab = config.vocab_size;
     let model = Model::load(&backend, config.clone(), &SafetensorsSource::open_dir(dir).unwrap()).unwrap();
     let block_size = 16;
     let blocks: Vec<u32> = (0..prompt.len().div_ceil(block_size) as u32).collect();
-    let mut kv = KvStorage::new(&backend, &config, blocks.len(), block_size).unwrap();
+    let mut kv =
+        KvStorage::new(&backend, &config, KvSpec { num_blocks: blocks.len(), block_size, dtype: KvDtype::F32 })
+            .unwrap();
     let positions: Vec<u32> = (0..prompt.len() as u32).collect();
     let seqs = [AttnSeq { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &blocks }];
     let batch =

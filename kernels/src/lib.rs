@@ -5,7 +5,8 @@
 //! touching the model. Every op also has a naive, obviously-correct implementation in
 //! [`reference`] that tests compare backends against.
 //!
-//! Allowed dependencies: none of cleave's other crates. Buffers hold f32; layouts are row-major.
+//! Allowed dependencies: none of cleave's other crates. Buffers hold f32, except the KV cache
+//! pools ([`Backend::KvBuf`]), which hold elements of a [`CacheDtype`]; layouts are row-major.
 //!
 //! Layout conventions (shared by every backend):
 //! - Activations of a batch are packed token-major: `[num_tokens, width]`.
@@ -13,7 +14,9 @@
 //!   its own layout for weights it prepares once ([`Backend::prepare_linear`]).
 //! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
 //!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
-//!   at row `t % block_size`.
+//!   at row `t % block_size`. A pool stores f32, f16 or bf16 ([`CacheDtype`]): writes round f32
+//!   to the pool's type (to nearest, ties to even), attention converts back to f32 as it reads;
+//!   everything else about the op is the same. Offsets and lengths of pools count elements.
 //! - Buffers may be longer than a call needs: an op reads and writes only the leading elements
 //!   its size arguments describe (so the engine can reuse max-size workspaces). Every op checks
 //!   sizes, token ids, positions, slots and block ids first and returns [`KernelError::Shape`]
@@ -38,6 +41,34 @@ pub enum KernelError {
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// The element type of a KV cache pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheDtype {
+    F32,
+    /// IEEE half precision (5-bit exponent, 10-bit mantissa).
+    F16,
+    /// bfloat16 (f32's 8-bit exponent, 7-bit mantissa).
+    Bf16,
+}
+
+impl CacheDtype {
+    /// Bytes of one element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            CacheDtype::F32 => 4,
+            CacheDtype::F16 | CacheDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheDtype::F32 => "f32",
+            CacheDtype::F16 => "f16",
+            CacheDtype::Bf16 => "bf16",
+        }
+    }
+}
 
 /// How RoPE frequencies are derived (Hugging Face `rope_scaling`).
 #[derive(Debug, Clone, PartialEq)]
@@ -94,6 +125,8 @@ pub trait Backend: Send + Sync + 'static {
     /// [`Backend::prepare_linear`] (the CPU packs it into column panels for its micro-kernel; a GPU
     /// backend could keep the plain layout or tile it for its tensor cores).
     type Linear: Send + Sync;
+    /// One layer's K (or V) cache pool, holding elements of a [`CacheDtype`].
+    type KvBuf: Send + Sync;
 
     fn name(&self) -> &'static str;
 
@@ -187,25 +220,40 @@ pub trait Backend: Send + Sync + 'static {
     fn embedding(&self, table: &Self::Buf, ids: &[u32], vocab: usize, dim: usize, out: &mut Self::Buf) -> Result<()>;
     /// `out[i] = x[rows[i]]` for `x: [_, dim]`.
     fn gather_rows(&self, x: &Self::Buf, rows: &[u32], dim: usize, out: &mut Self::Buf) -> Result<()>;
+    /// A zeroed KV cache pool of `len` elements of `dtype`.
+    fn alloc_kv(&self, dtype: CacheDtype, len: usize) -> Result<Self::KvBuf>;
+    /// A pool's element type and its length in elements.
+    fn kv_info(&self, buf: &Self::KvBuf) -> (CacheDtype, usize);
+    /// Appends elements `off..off + len` of a pool to `out` as they are stored: little-endian,
+    /// `size_bytes()` each, no conversion (the wire layout of a KV handoff).
+    fn read_kv_bytes(&self, src: &Self::KvBuf, off: usize, len: usize, out: &mut Vec<u8>) -> Result<()>;
+    /// Writes elements in the layout of [`Backend::read_kv_bytes`] to `dst[off..]` (their count is
+    /// `bytes.len() / size_bytes()`, which must divide evenly).
+    fn write_kv_bytes(&self, dst: &mut Self::KvBuf, off: usize, bytes: &[u8]) -> Result<()>;
+    /// Copies `len` elements of a pool from `src_off` to `dst_off` (a copy-on-write block copy);
+    /// the ranges must not overlap.
+    fn copy_kv(&self, buf: &mut Self::KvBuf, src_off: usize, dst_off: usize, len: usize) -> Result<()>;
     /// Writes `k, v: [num_tokens, num_kv_heads, head_dim]` into the cache pools at the flat slots
-    /// `slots[t] = block_id * block_size + row`.
+    /// `slots[t] = block_id * block_size + row`, rounding to the pools' element type (to nearest,
+    /// ties to even). Both pools must have the same type.
     fn write_kv(
         &self,
         k: &Self::Buf,
         v: &Self::Buf,
         slots: &[u32],
         kv_width: usize,
-        k_cache: &mut Self::Buf,
-        v_cache: &mut Self::Buf,
+        k_cache: &mut Self::KvBuf,
+        v_cache: &mut Self::KvBuf,
     ) -> Result<()>;
     /// Causal paged attention for a packed batch of sequences (prefill chunks and decode tokens
     /// alike). `q, out: [num_tokens, num_heads, head_dim]`; GQA maps query head `h` to KV head
-    /// `h / (num_heads / num_kv_heads)`.
+    /// `h / (num_heads / num_kv_heads)`. Keys and values are read as f32 whatever the pools
+    /// store (both pools must have the same type).
     fn paged_attention(
         &self,
         q: &Self::Buf,
-        k_cache: &Self::Buf,
-        v_cache: &Self::Buf,
+        k_cache: &Self::KvBuf,
+        v_cache: &Self::KvBuf,
         seqs: &[AttnSeq<'_>],
         shape: AttnShape,
         out: &mut Self::Buf,

@@ -10,7 +10,8 @@
 //! torch, and the rotation is the rotate-half form without fused multiply-adds.
 
 use crate::check;
-use crate::{AttnSeq, AttnShape, KernelError, Result, RopeScaling};
+use crate::{AttnSeq, AttnShape, CacheDtype, KernelError, Result, RopeScaling};
+use half::{bf16, f16};
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
 pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32]) -> Result<()> {
@@ -197,6 +198,41 @@ pub fn write_kv(
         v_cache[dst].copy_from_slice(&v[t * kv_width..(t + 1) * kv_width]);
     }
     Ok(())
+}
+
+/// What a KV cache of `dtype` keeps of `x`: `x` rounded to the element type (to nearest, ties to
+/// even, by the `half` crate) and widened back to f32. A cache of that type is checked by writing
+/// `kv_round`ed values with [`write_kv`] into an f32 pool and comparing.
+pub fn kv_round(dtype: CacheDtype, x: f32) -> f32 {
+    match dtype {
+        CacheDtype::F32 => x,
+        CacheDtype::F16 => f16::from_f32(x).to_f32(),
+        CacheDtype::Bf16 => bf16::from_f32(x).to_f32(),
+    }
+}
+
+/// The stored bytes of `x` in a cache of `dtype` (rounded as [`kv_round`], little-endian): the
+/// layout of [`crate::Backend::read_kv_bytes`].
+pub fn kv_encode(dtype: CacheDtype, x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() * dtype.size_bytes());
+    for &v in x {
+        match dtype {
+            CacheDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            CacheDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes()),
+            CacheDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// The f32 values of stored bytes of `dtype` (the inverse of [`kv_encode`] up to rounding).
+/// Trailing bytes short of an element are ignored.
+pub fn kv_decode(dtype: CacheDtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        CacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        CacheDtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        CacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    }
 }
 
 /// Causal attention of one query row against keys/values fetched by `kv(t)` for `t <= pos`.

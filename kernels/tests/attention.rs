@@ -1,9 +1,11 @@
 //! Paged attention: CPU == reference == dense attention, over random GQA shapes, block sizes,
-//! permuted block tables, prefix contexts longer than the query chunk, and decode steps.
+//! permuted block tables, prefix contexts longer than the query chunk, and decode steps; with
+//! f32, f16 and bf16 pools (the reference reads the same values rounded by the `half` crate).
 
 mod common;
 
-use cleave_kernels::{reference, AttnSeq, AttnShape, Backend};
+use cleave_kernels::cpu::KvPool;
+use cleave_kernels::{reference, AttnSeq, AttnShape, Backend, CacheDtype, CpuBackend};
 use common::{assert_close, backends, Rng};
 use proptest::prelude::*;
 
@@ -55,6 +57,20 @@ fn build(seed: u64, shape: AttnShape, lens: &[(usize, usize)]) -> Case {
     Case { shape, seqs, q, k_cache, v_cache }
 }
 
+const DTYPES: [CacheDtype; 3] = [CacheDtype::F32, CacheDtype::F16, CacheDtype::Bf16];
+
+/// `x` as a cache of `dtype` keeps it.
+fn rounded(dtype: CacheDtype, x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| reference::kv_round(dtype, v)).collect()
+}
+
+/// A pool of `dtype` holding `x` (rounded), filled through the byte interface.
+fn pool(b: &CpuBackend, dtype: CacheDtype, x: &[f32]) -> KvPool {
+    let mut p = b.alloc_kv(dtype, x.len()).unwrap();
+    b.write_kv_bytes(&mut p, 0, &reference::kv_encode(dtype, x)).unwrap();
+    p
+}
+
 fn check(case: &Case) {
     let attn: Vec<AttnSeq<'_>> = case
         .seqs
@@ -67,19 +83,24 @@ fn check(case: &Case) {
         })
         .collect();
     let q_width = case.shape.num_heads * case.shape.head_dim;
-    let mut want = vec![0f32; case.q.len()];
-    reference::paged_attention(&case.q, &case.k_cache, &case.v_cache, &attn, case.shape, &mut want).unwrap();
+    for dtype in DTYPES {
+        let (kc, vc) = (rounded(dtype, &case.k_cache), rounded(dtype, &case.v_cache));
+        let mut want = vec![0f32; case.q.len()];
+        reference::paged_attention(&case.q, &kc, &vc, &attn, case.shape, &mut want).unwrap();
 
-    for s in &case.seqs {
-        let rows = s.q_start * q_width..(s.q_start + s.q_len) * q_width;
-        let dense =
-            reference::dense_attention(&case.q[rows.clone()], &s.k, &s.v, s.q_len, s.context_len, case.shape).unwrap();
-        assert_close(&want[rows], &dense, 1e-6, 1e-6, "paged reference vs dense");
-    }
-    for b in backends() {
-        let mut got = vec![0f32; case.q.len()];
-        b.paged_attention(&case.q, &case.k_cache, &case.v_cache, &attn, case.shape, &mut got).unwrap();
-        assert_close(&got, &want, 1e-5, 1e-5, &format!("{b:?} paged attention"));
+        for s in &case.seqs {
+            let rows = s.q_start * q_width..(s.q_start + s.q_len) * q_width;
+            let (k, v) = (rounded(dtype, &s.k), rounded(dtype, &s.v));
+            let dense =
+                reference::dense_attention(&case.q[rows.clone()], &k, &v, s.q_len, s.context_len, case.shape).unwrap();
+            assert_close(&want[rows], &dense, 1e-6, 1e-6, "paged reference vs dense");
+        }
+        for b in backends() {
+            let (kp, vp) = (pool(&b, dtype, &case.k_cache), pool(&b, dtype, &case.v_cache));
+            let mut got = vec![0f32; case.q.len()];
+            b.paged_attention(&case.q, &kp, &vp, &attn, case.shape, &mut got).unwrap();
+            assert_close(&got, &want, 1e-5, 1e-5, &format!("{b:?} {} paged attention", dtype.name()));
+        }
     }
 }
 
@@ -129,7 +150,7 @@ fn empty_batch_and_zero_length_queries_are_fine() {
     let shape = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 4, scale: 0.5 };
     let b = &backends()[0];
     let mut out = vec![7f32; 8];
-    let (q, cache) = (vec![0f32; 8], vec![0f32; 16]);
+    let (q, cache) = (vec![0f32; 8], KvPool::from(vec![0f32; 16]));
     b.paged_attention(&q, &cache, &cache, &[], shape, &mut out).unwrap();
     let idle = AttnSeq { q_start: 0, q_len: 0, context_len: 3, block_table: &[0] };
     b.paged_attention(&q, &cache, &cache, &[idle], shape, &mut out).unwrap();

@@ -3,7 +3,10 @@
 
 mod common;
 
-use cleave_kernels::{reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, KernelError, RopeScaling};
+use cleave_kernels::cpu::KvPool;
+use cleave_kernels::{
+    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, RopeScaling,
+};
 use common::{assert_close, backends, Rng};
 
 /// Sentinel that fills the tail of output buffers longer than an op needs.
@@ -263,10 +266,87 @@ fn embedding_gather_and_write_kv_match_reference() {
     let kv_width = 12;
     let slots = [5u32, 0, 9];
     let (k, v) = (rng.vec(3 * kv_width), rng.vec(3 * kv_width));
-    let (mut kc, mut vc) = (vec![0f32; 10 * kv_width], vec![0f32; 10 * kv_width]);
+    let (mut kc, mut vc) = (KvPool::from(vec![0f32; 10 * kv_width]), KvPool::from(vec![0f32; 10 * kv_width]));
     b.write_kv(&k, &v, &slots, kv_width, &mut kc, &mut vc).unwrap();
-    assert_eq!(&kc[5 * kv_width..6 * kv_width], &k[..kv_width]);
-    assert_eq!(&vc[9 * kv_width..], &v[2 * kv_width..]);
+    assert_eq!(kc.to_f32(5 * kv_width, kv_width).unwrap(), &k[..kv_width]);
+    assert_eq!(vc.to_f32(9 * kv_width, kv_width).unwrap(), &v[2 * kv_width..]);
+}
+
+/// Values that exercise rounding: random ones, ties at both parities in both formats, f16
+/// subnormals and overflow, infinities and NaN.
+fn rounding_values(rng: &mut Rng, n: usize) -> Vec<f32> {
+    let special = [
+        1.0 + 1.0 / 2048.0, // f16 tie, rounds down to even
+        1.0 + 3.0 / 2048.0, // f16 tie, rounds up to even
+        1.0 + 1.0 / 256.0,  // bf16 tie, down
+        1.0 + 3.0 / 256.0,  // bf16 tie, up
+        -3.0e-6,            // f16 subnormal
+        70000.0,            // f16 overflow
+        f32::MAX,           // bf16 overflow when rounded up
+        f32::INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+    ];
+    (0..n).map(|i| if i % 7 == 3 { special[(i / 7) % special.len()] } else { rng.f32() * 100.0 }).collect()
+}
+
+#[test]
+fn write_kv_rounds_like_the_reference_on_every_isa_and_dtype() {
+    let mut rng = Rng::new(8);
+    for b in backends() {
+        for dtype in [CacheDtype::F32, CacheDtype::F16, CacheDtype::Bf16] {
+            for kv_width in [1, 3, 12, 17, 64, 100] {
+                let slots = [5u32, 0, 9, 2];
+                let (k, v) = (rounding_values(&mut rng, 4 * kv_width), rounding_values(&mut rng, 4 * kv_width));
+                let background = rng.vec(10 * kv_width);
+                let (mut want_k, mut want_v) = (background.clone(), background.clone());
+                reference::write_kv(&k, &v, &slots, kv_width, &mut want_k, &mut want_v).unwrap();
+                let mut kc = b.alloc_kv(dtype, 10 * kv_width).unwrap();
+                let mut vc = b.alloc_kv(dtype, 10 * kv_width).unwrap();
+                assert_eq!(b.kv_info(&kc), (dtype, 10 * kv_width));
+                let bg = reference::kv_encode(dtype, &background);
+                b.write_kv_bytes(&mut kc, 0, &bg).unwrap();
+                b.write_kv_bytes(&mut vc, 0, &bg).unwrap();
+                b.write_kv(&k, &v, &slots, kv_width, &mut kc, &mut vc).unwrap();
+                for (pool, want, what) in [(&kc, &want_k, "k"), (&vc, &want_v, "v")] {
+                    let mut got = Vec::new();
+                    b.read_kv_bytes(pool, 0, want.len(), &mut got).unwrap();
+                    let want = reference::kv_encode(dtype, want);
+                    // NaN payloads may differ between the crate and the hardware; NaN-ness may not.
+                    let (g, w) = (reference::kv_decode(dtype, &got), reference::kv_decode(dtype, &want));
+                    for (i, (x, y)) in g.iter().zip(&w).enumerate() {
+                        assert!(
+                            x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                            "{b:?} {} width {kv_width} {what}[{i}]: {x} vs {y}",
+                            dtype.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_bytes_round_trip_and_copy_within_a_pool() {
+    let mut rng = Rng::new(9);
+    let b = &backends()[0];
+    for dtype in [CacheDtype::F32, CacheDtype::F16, CacheDtype::Bf16] {
+        let x = rng.vec(40);
+        let mut p = b.alloc_kv(dtype, 50).unwrap();
+        b.write_kv_bytes(&mut p, 10, &reference::kv_encode(dtype, &x)).unwrap();
+        let mut bytes = Vec::new();
+        b.read_kv_bytes(&p, 10, 40, &mut bytes).unwrap();
+        assert_eq!(bytes.len(), 40 * dtype.size_bytes());
+        assert_eq!(bytes, reference::kv_encode(dtype, &x));
+        b.copy_kv(&mut p, 10, 0, 10).unwrap();
+        let mut head = Vec::new();
+        b.read_kv_bytes(&p, 0, 10, &mut head).unwrap();
+        assert_eq!(head, bytes[..10 * dtype.size_bytes()]);
+        let want: Vec<f32> = x.iter().map(|&v| reference::kv_round(dtype, v)).collect();
+        assert_eq!(p.to_f32(10, 40).unwrap(), want);
+    }
 }
 
 fn is_shape<T: std::fmt::Debug>(r: Result<T, KernelError>) -> bool {
@@ -309,8 +389,16 @@ fn bad_sizes_are_shape_errors() {
     assert!(is_shape(b.embedding(&v(8), &[4], 4, 2, &mut out)), "token id out of range");
     assert!(is_shape(b.embedding(&v(7), &[0], 4, 2, &mut out)), "table too short");
     assert!(is_shape(b.gather_rows(&v(8), &[4], 2, &mut out)));
-    assert!(is_shape(b.write_kv(&v(4), &v(4), &[0, 2], 2, &mut v(4), &mut v(4))), "slot beyond cache");
-    assert!(is_shape(b.write_kv(&v(4), &v(3), &[0, 1], 2, &mut v(4), &mut v(4))));
+    let p = |n: usize| KvPool::from(v(n));
+    assert!(is_shape(b.write_kv(&v(4), &v(4), &[0, 2], 2, &mut p(4), &mut p(4))), "slot beyond cache");
+    assert!(is_shape(b.write_kv(&v(4), &v(3), &[0, 1], 2, &mut p(4), &mut p(4))));
+    let mut half = b.alloc_kv(CacheDtype::F16, 4).unwrap();
+    assert!(is_shape(b.write_kv(&v(4), &v(4), &[0, 1], 2, &mut p(4), &mut half)), "k and v pools differ in dtype");
+    assert!(is_shape(b.write_kv_bytes(&mut half, 0, &[0; 3])), "not whole elements");
+    assert!(is_shape(b.write_kv_bytes(&mut half, 3, &[0; 4])), "past the pool");
+    assert!(is_shape(b.read_kv_bytes(&half, 2, 3, &mut Vec::new())));
+    assert!(is_shape(b.copy_kv(&mut half, 0, 1, 2)), "overlapping copy");
+    assert!(is_shape(b.copy_kv(&mut half, 0, 3, 2)));
     assert!(is_shape(b.copy(&v(4), 2, &mut out, 0, 3)));
     assert!(is_shape(b.copy(&v(4), 0, &mut out, usize::MAX, 3)));
     assert!(is_shape(b.write(&mut out, 3, &[1.0, 2.0])));
@@ -322,7 +410,8 @@ fn bad_attention_calls_are_shape_errors() {
     let b = &backends()[0];
     let shape = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 2, scale: 0.5 };
     // Cache of 3 blocks of 2 tokens x 1 kv head x 4.
-    let cache = vec![0f32; 3 * 2 * 4];
+    let host = vec![0f32; 3 * 2 * 4];
+    let cache = KvPool::from(host.clone());
     let q = vec![0f32; 4 * 8];
     let mut out = vec![0f32; 4 * 8];
     let ok = AttnSeq { q_start: 0, q_len: 2, context_len: 5, block_table: &[2, 0, 1] };
@@ -335,7 +424,7 @@ fn bad_attention_calls_are_shape_errors() {
     ];
     for s in bad {
         assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[s], shape, &mut out)), "{s:?}");
-        assert!(is_shape(reference::paged_attention(&q, &cache, &cache, &[s], shape, &mut out)), "{s:?}");
+        assert!(is_shape(reference::paged_attention(&q, &host, &host, &[s], shape, &mut out)), "{s:?}");
     }
     let overlap = [ok, AttnSeq { q_start: 1, ..ok }];
     assert!(is_shape(b.paged_attention(&q, &cache, &cache, &overlap, shape, &mut out)));
@@ -343,4 +432,6 @@ fn bad_attention_calls_are_shape_errors() {
     assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[ok], three_heads, &mut out)));
     let zero = AttnShape { block_size: 0, ..shape };
     assert!(is_shape(b.paged_attention(&q, &cache, &cache, &[ok], zero, &mut out)));
+    let bf16 = b.alloc_kv(CacheDtype::Bf16, host.len()).unwrap();
+    assert!(is_shape(b.paged_attention(&q, &cache, &bf16, &[ok], shape, &mut out)), "k and v pools differ in dtype");
 }

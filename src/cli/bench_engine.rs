@@ -235,6 +235,42 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // What a handoff of each prompt moves: a prefill-only request whose exported K/V is counted
+    // (the bytes a prefill node sends a decode node), beside the layout's size of that prompt.
+    let layout = core.kv_layout();
+    let snap = core.snapshot();
+    println!();
+    println!(
+        "kv cache: {:?}, {} B per token (K+V, all layers), {} tokens in {} MiB",
+        layout.dtype,
+        layout.bytes_per_token(),
+        snap.kv_blocks_total * layout.block_size as usize,
+        args.engine.kv_cache_memory >> 20
+    );
+    for &len in &args.prefill {
+        id += 1;
+        let counted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let sink = counted.clone();
+        let export = cleave_engine::KvExport::new(move |ev| {
+            if let cleave_engine::KvExportEvent::Chunk(c) = ev {
+                sink.fetch_add(c.k.len() + c.v.len(), std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(())
+        });
+        core.add_prefill_only(request(id, prompt(len, cfg.vocab_size, id), 1), export, Instant::now())?;
+        while core.has_work() {
+            core.step(Instant::now())?;
+        }
+        let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
+        println!(
+            "{:<22} {:>12} bytes exported ({:.2} MiB; layout says {})",
+            format!("handoff {len}"),
+            bytes,
+            bytes as f64 / (1 << 20) as f64,
+            len * layout.bytes_per_token()
+        );
+    }
+    println!();
     let schema = match args.json_schema.as_deref() {
         None => None,
         Some("builtin") => Some(BUILTIN_SCHEMA.to_string()),

@@ -174,7 +174,7 @@ pub fn run(mut args: BenchProfileArgs) -> anyhow::Result<()> {
     ecfg.max_num_seqs = ecfg.max_num_seqs.max(max_batch + 1);
     let core = EngineCore::load(backend, files, &ecfg)?;
     let snap = core.snapshot();
-    let kv_bytes_per_token = (2 * mcfg.num_layers * mcfg.kv_width() * std::mem::size_of::<f32>()) as u64;
+    let kv_bytes_per_token = (2 * mcfg.num_layers * mcfg.kv_width() * ecfg.kv_dtype.size_bytes()) as u64;
     let kv_capacity_tokens = snap.kv_blocks_total * ecfg.block_size;
     let mut b = Bench { core, vocab: mcfg.vocab_size, next_id: 0 };
     let name = path.file_name().map_or_else(|| args.model.display().to_string(), |s| s.to_string_lossy().into_owned());

@@ -131,6 +131,11 @@ pub struct EngineArgs {
     /// Bytes of KV cache to allocate (suffixes k, m, g accepted: 512m, 2g).
     #[arg(long, env = "CLEAVE_KV_CACHE_MEMORY", default_value = "1g", value_parser = parse_bytes)]
     pub kv_cache_memory: usize,
+    /// What the KV cache stores: f32, or f16/bf16 (half the memory per token, so twice the
+    /// tokens in --kv-cache-memory, and half the bytes on every prefill-to-decode handoff).
+    /// Every node of a cluster must use the same.
+    #[arg(long, env = "CLEAVE_KV_CACHE_DTYPE", value_enum, default_value_t = KvDtypeArg::F32)]
+    pub kv_cache_dtype: KvDtypeArg,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub block_size: u32,
@@ -156,12 +161,38 @@ impl EngineArgs {
         cleave_engine::EngineConfig {
             block_size: self.block_size as usize,
             kv_cache_memory: self.kv_cache_memory,
+            kv_dtype: self.kv_cache_dtype.into(),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
             seed: 0,
         }
+    }
+}
+
+/// The element type of the KV cache, as flags spell it.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<KvDtypeArg> for cleave_protocol::KvDtype {
+    fn from(d: KvDtypeArg) -> Self {
+        match d {
+            KvDtypeArg::F32 => cleave_protocol::KvDtype::F32,
+            KvDtypeArg::F16 => cleave_protocol::KvDtype::F16,
+            KvDtypeArg::Bf16 => cleave_protocol::KvDtype::Bf16,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtypeArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use clap::ValueEnum;
+        f.write_str(self.to_possible_value().expect("no skipped variants").get_name())
     }
 }
 

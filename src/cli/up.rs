@@ -49,6 +49,10 @@ pub struct UpArgs {
     #[arg(long, default_value = "512m")]
     #[arg(value_parser = super::parse_bytes)]
     pub kv_cache_memory: usize,
+    /// What every node's KV cache stores: f32, or f16/bf16 (half the memory per token and half
+    /// the bytes per handoff).
+    #[arg(long, value_enum, default_value_t = super::KvDtypeArg::F32)]
+    pub kv_cache_dtype: super::KvDtypeArg,
     /// Compute threads per node (default: the cores divided among the nodes).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -319,6 +323,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 cluster.clone(),
                 "--kv-cache-memory".into(),
                 args.kv_cache_memory.to_string(),
+                "--kv-cache-dtype".into(),
+                args.kv_cache_dtype.to_string(),
                 "--threads".into(),
                 threads.to_string(),
             ];

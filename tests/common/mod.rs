@@ -159,6 +159,11 @@ pub fn certs_dir(names: &[String]) -> PathBuf {
 impl TestCluster {
     /// `roles`: "prefill", "decode" or "both" per node.
     pub fn start(model: &Path, roles: &[&str], coordinator_args: &[&str]) -> TestCluster {
+        Self::start_with(model, roles, coordinator_args, &[])
+    }
+
+    /// [`TestCluster::start`] with `node_args` appended to every node's arguments.
+    pub fn start_with(model: &Path, roles: &[&str], coordinator_args: &[&str], node_args: &[&str]) -> TestCluster {
         let mut names: Vec<String> = vec!["coordinator".into()];
         names.extend((0..roles.len()).map(|i| format!("node-{i}")));
         names.push("intruder".into());
@@ -195,13 +200,18 @@ impl TestCluster {
             client: reqwest::Client::builder().timeout(WAIT).build().unwrap(),
         };
         for (i, role) in roles.iter().enumerate() {
-            let p = c.node(&format!("node-{i}"), role, None).unwrap();
+            let p = c.node_with(&format!("node-{i}"), role, None, node_args).unwrap();
             c.nodes.push(p);
         }
         c
     }
 
     pub fn node(&self, name: &str, role: &str, model: Option<&Path>) -> Result<Proc, String> {
+        self.node_with(name, role, model, &[])
+    }
+
+    /// [`TestCluster::node`] with `extra` arguments last.
+    pub fn node_with(&self, name: &str, role: &str, model: Option<&Path>, extra: &[&str]) -> Result<Proc, String> {
         let model = model.unwrap_or(&self.model);
         let args: Vec<String> = [
             "node",
@@ -222,6 +232,7 @@ impl TestCluster {
             "--exit-with-parent",
         ]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
         Proc::start(name, &args)

@@ -12,7 +12,7 @@ pub mod synth;
 pub use config::{Architecture, ModelConfig};
 pub use llama::{ForwardBatch, Model, Workspace};
 pub use load::ModelFiles;
-pub use storage::KvStorage;
+pub use storage::{KvSpec, KvStorage};
 
 /// A source of named f32 tensors in Hugging Face naming and layout. Two implementations exist:
 /// safetensors folders and GGUF files.

@@ -1,45 +1,77 @@
 //! Physical KV cache storage: per layer, one K pool and one V pool of
-//! `[num_blocks, block_size, num_kv_heads, head_dim]` f32 on the backend.
+//! `[num_blocks, block_size, num_kv_heads, head_dim]` elements of the cache's dtype (f32, f16 or
+//! bf16; [`KvSpec::dtype`]) on the backend.
 //!
 //! Which block belongs to whom is decided by [`crate::kv`]; this type only holds the bytes and
-//! moves whole blocks (copy-on-write copies, and handing blocks of one layer out to and in from
-//! the KV transfer layer).
+//! moves whole blocks (copy-on-write copies, and handing rows of one layer out to and in from
+//! the KV transfer layer). Rows leave and arrive as the cache stores them: a 16-bit cache moves
+//! half the bytes of an f32 one, and nothing is converted on either side.
 
-use bytes::{BufMut, Bytes, BytesMut};
-use cleave_kernels::{Backend, KernelError};
+use bytes::Bytes;
+use cleave_kernels::{Backend, CacheDtype, KernelError};
+use cleave_protocol::KvDtype;
 
 use super::ModelConfig;
 use crate::Result;
 
+/// The kernels' name for a KV dtype.
+pub fn cache_dtype(d: KvDtype) -> CacheDtype {
+    match d {
+        KvDtype::F32 => CacheDtype::F32,
+        KvDtype::F16 => CacheDtype::F16,
+        KvDtype::Bf16 => CacheDtype::Bf16,
+    }
+}
+
+/// The shape of a KV cache: how many blocks of how many tokens, stored as what.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSpec {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
 pub struct KvStorage<B: Backend> {
-    pub(crate) k: Vec<B::Buf>,
-    pub(crate) v: Vec<B::Buf>,
+    pub(crate) k: Vec<B::KvBuf>,
+    pub(crate) v: Vec<B::KvBuf>,
     num_blocks: usize,
     block_size: usize,
     kv_width: usize,
+    dtype: KvDtype,
 }
 
 impl<B: Backend> KvStorage<B> {
     /// Bytes of K and V of one block over all layers.
-    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * cfg.num_layers * block_size * cfg.kv_width() * std::mem::size_of::<f32>()
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize, dtype: KvDtype) -> usize {
+        2 * cfg.num_layers * block_size * cfg.kv_width() * dtype.size_bytes()
     }
 
-    /// How many blocks a memory budget holds.
-    pub fn blocks_for_budget(cfg: &ModelConfig, block_size: usize, budget_bytes: usize) -> usize {
-        budget_bytes / Self::bytes_per_block(cfg, block_size)
+    /// How many blocks a memory budget holds (a 16-bit cache twice as many as an f32 one).
+    pub fn blocks_for_budget(cfg: &ModelConfig, block_size: usize, dtype: KvDtype, budget_bytes: usize) -> usize {
+        budget_bytes / Self::bytes_per_block(cfg, block_size, dtype)
     }
 
-    pub fn new(backend: &B, cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Result<Self> {
+    pub fn new(backend: &B, cfg: &ModelConfig, spec: KvSpec) -> Result<Self> {
+        let KvSpec { num_blocks, block_size, dtype } = spec;
         let kv_width = cfg.kv_width();
         let len = num_blocks * block_size * kv_width;
         let mut k = Vec::with_capacity(cfg.num_layers);
         let mut v = Vec::with_capacity(cfg.num_layers);
         for _ in 0..cfg.num_layers {
-            k.push(backend.alloc_zeros(len)?);
-            v.push(backend.alloc_zeros(len)?);
+            k.push(backend.alloc_kv(cache_dtype(dtype), len)?);
+            v.push(backend.alloc_kv(cache_dtype(dtype), len)?);
         }
-        Ok(Self { k, v, num_blocks, block_size, kv_width })
+        Ok(Self { k, v, num_blocks, block_size, kv_width, dtype })
+    }
+
+    /// What each element is stored as.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// Bytes of K (or V) of one token in one layer, as stored and as exported.
+    pub fn row_bytes(&self) -> usize {
+        self.kv_width * self.dtype.size_bytes()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -81,37 +113,12 @@ impl<B: Backend> KvStorage<B> {
     /// Copies block `src` to block `dst` in every layer (copy-on-write).
     pub fn copy_block(&mut self, backend: &B, src: u32, dst: u32) -> Result<()> {
         let (s, d, n) = (self.check_block(src)?, self.check_block(dst)?, self.block_len());
+        if s == d {
+            return Ok(());
+        }
         for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
-            // A buffer cannot be borrowed as both source and destination: stage through the host.
-            // COW copies are rare (forks, fully cached prompts), so the extra copy is acceptable.
-            let tmp = backend.read(pool, s, n)?;
-            backend.write(pool, d, &tmp)?;
+            backend.copy_kv(pool, s, d, n)?;
         }
-        Ok(())
-    }
-
-    /// K and V of one block of one layer, as host memory (for the KV transfer layer).
-    pub fn read_block(&self, backend: &B, layer: usize, block: u32) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.check_layer(layer)?;
-        let off = self.check_block(block)?;
-        let n = self.block_len();
-        Ok((backend.read(&self.k[layer], off, n)?, backend.read(&self.v[layer], off, n)?))
-    }
-
-    /// Writes K and V of one block of one layer (received from another node).
-    pub fn write_block(&mut self, backend: &B, layer: usize, block: u32, k: &[f32], v: &[f32]) -> Result<()> {
-        self.check_layer(layer)?;
-        let off = self.check_block(block)?;
-        let n = self.block_len();
-        if k.len() != n || v.len() != n {
-            return Err(KernelError::Shape {
-                op: "write_block",
-                detail: format!("need {n} elements, got k {} v {}", k.len(), v.len()),
-            }
-            .into());
-        }
-        backend.write(&mut self.k[layer], off, k)?;
-        backend.write(&mut self.v[layer], off, v)?;
         Ok(())
     }
 
@@ -148,8 +155,8 @@ impl<B: Backend> KvStorage<B> {
     }
 
     /// K and V of positions `start..end` of one layer of a sequence with block table `blocks`,
-    /// each as `(end - start) * kv_width` f32 little-endian values, token-major (position
-    /// order): the wire layout of a KV chunk.
+    /// each as `(end - start) * kv_width` little-endian values of the cache's dtype, token-major
+    /// (position order): the wire layout of a KV chunk.
     pub fn export_rows(
         &self,
         backend: &B,
@@ -159,17 +166,14 @@ impl<B: Backend> KvStorage<B> {
         end: usize,
     ) -> Result<(Bytes, Bytes)> {
         self.check_layer(layer)?;
-        let bytes = (end.saturating_sub(start)) * self.kv_width * 4;
-        let (mut k, mut v) = (BytesMut::with_capacity(bytes), BytesMut::with_capacity(bytes));
+        let bytes = (end.saturating_sub(start)) * self.row_bytes();
+        let (mut k, mut v) = (Vec::with_capacity(bytes), Vec::with_capacity(bytes));
         for (_, off, n) in self.runs(blocks, start, end)? {
             let len = n * self.kv_width;
-            for (pool, out) in [(&self.k[layer], &mut k), (&self.v[layer], &mut v)] {
-                for x in backend.read(pool, off, len)? {
-                    out.put_f32_le(x);
-                }
-            }
+            backend.read_kv_bytes(&self.k[layer], off, len, &mut k)?;
+            backend.read_kv_bytes(&self.v[layer], off, len, &mut v)?;
         }
-        Ok((k.freeze(), v.freeze()))
+        Ok((Bytes::from(k), Bytes::from(v)))
     }
 
     /// Writes K and V rows in the layout of [`KvStorage::export_rows`] (their length gives the
@@ -186,7 +190,7 @@ impl<B: Backend> KvStorage<B> {
         v: &[u8],
     ) -> Result<()> {
         self.check_layer(layer)?;
-        let row_bytes = self.kv_width * 4;
+        let row_bytes = self.row_bytes();
         if k.len() != v.len() || !k.len().is_multiple_of(row_bytes) {
             return Err(KernelError::Shape {
                 op: "import_rows",
@@ -200,15 +204,11 @@ impl<B: Backend> KvStorage<B> {
         }
         let count = k.len() / row_bytes;
         let runs = self.runs(blocks, token_start, token_start + count)?;
-        let mut floats = Vec::new();
         for (p, off, n) in runs {
             let from = (p - token_start) * row_bytes;
             let to = from + n * row_bytes;
-            for (src, pool) in [(&k[from..to], &mut self.k[layer]), (&v[from..to], &mut self.v[layer])] {
-                floats.clear();
-                floats.extend(src.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-                backend.write(pool, off, &floats)?;
-            }
+            backend.write_kv_bytes(&mut self.k[layer], off, &k[from..to])?;
+            backend.write_kv_bytes(&mut self.v[layer], off, &v[from..to])?;
         }
         Ok(())
     }

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use cleave_kernels::Backend;
-use cleave_protocol::{FinishReason, KvDtype, KvLayout, RequestId, TokenEvent};
+use cleave_protocol::{FinishReason, KvLayout, RequestId, TokenEvent};
 
 use super::{EngineCore, EngineRequest, Parked};
 use crate::export::{ExportItem, ExportState, KvChunk, KvExport, KvExportEvent};
@@ -39,7 +39,7 @@ impl<B: Backend> EngineCore<B> {
         let c = &self.model.config;
         KvLayout {
             model_fingerprint: self.model.fingerprint(),
-            dtype: KvDtype::F32,
+            dtype: self.kv.dtype(),
             num_layers: c.num_layers as u32,
             num_kv_heads: c.num_kv_heads as u32,
             head_dim: c.head_dim as u32,

@@ -13,12 +13,12 @@ use std::time::Instant;
 
 use cleave_constrain::{Compiler, ConstrainError, ConstraintState, Mask};
 use cleave_kernels::{AttnSeq, Backend};
-use cleave_protocol::{FinishReason, RequestId, SamplingParams, StopConditions, TokenEvent};
+use cleave_protocol::{FinishReason, KvDtype, RequestId, SamplingParams, StopConditions, TokenEvent};
 use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer};
 
 use crate::export::{ExportDone, ExportState, KvChunk, KvExportEvent};
 use crate::import::Imports;
-use crate::model::{ForwardBatch, KvStorage, Model, ModelFiles, Workspace};
+use crate::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles, Workspace};
 use crate::sampler::{Sampler, SamplerScratch};
 use crate::sched::{Scheduler, SchedulerConfig, SeqRequest};
 use crate::{EngineError, Result};
@@ -30,6 +30,11 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Bytes of K/V cache to allocate.
     pub kv_cache_memory: usize,
+    /// What the K/V cache stores: f32, or f16/bf16 (half the memory per block, so twice the
+    /// blocks for the same `kv_cache_memory`, and half the bytes on every handoff). Writes
+    /// round to nearest even; attention reads widen to f32. Part of the KV layout that two
+    /// engines must share to exchange K/V.
+    pub kv_dtype: KvDtype,
     /// Most tokens fed per step (decode tokens plus prefill chunks).
     pub max_num_batched_tokens: usize,
     /// Most sequences running at once.
@@ -46,6 +51,7 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             kv_cache_memory: 1 << 30,
+            kv_dtype: KvDtype::F32,
             max_num_batched_tokens: 2048,
             max_num_seqs: 64,
             max_model_len: None,
@@ -185,12 +191,13 @@ impl<B: Backend> EngineCore<B> {
         eos_token_ids: Vec<u32>,
         cfg: &EngineConfig,
     ) -> Result<Self> {
-        let num_blocks = KvStorage::<B>::blocks_for_budget(&model.config, cfg.block_size, cfg.kv_cache_memory);
+        let num_blocks =
+            KvStorage::<B>::blocks_for_budget(&model.config, cfg.block_size, cfg.kv_dtype, cfg.kv_cache_memory);
         if num_blocks == 0 {
             return Err(EngineError::Rejected(format!(
                 "kv cache memory of {} bytes holds no block of {} bytes",
                 cfg.kv_cache_memory,
-                KvStorage::<B>::bytes_per_block(&model.config, cfg.block_size)
+                KvStorage::<B>::bytes_per_block(&model.config, cfg.block_size, cfg.kv_dtype)
             )));
         }
         let max_model_len =
@@ -204,7 +211,11 @@ impl<B: Backend> EngineCore<B> {
             enable_prefix_caching: cfg.enable_prefix_caching,
             long_prefill_threshold: None,
         })?;
-        let kv = KvStorage::new(&backend, &model.config, num_blocks, cfg.block_size)?;
+        let kv = KvStorage::new(
+            &backend,
+            &model.config,
+            KvSpec { num_blocks, block_size: cfg.block_size, dtype: cfg.kv_dtype },
+        )?;
         let compiler = Compiler::new(&tokenizer, model.config.vocab_size, &eos_token_ids);
         Ok(Self {
             backend,

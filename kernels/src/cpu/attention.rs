@@ -13,8 +13,13 @@
 //! Sequences whose chunk has at least [`TILED_MIN_Q`] queries (prefill) go to the tiled
 //! matrix-product path instead ([`super::attention_tiled`]).
 //!
+//! The pools may hold f32, f16 or bf16 ([`KvElem`]): scores and value sums widen the elements
+//! to f32 as they load them, so a 16-bit cache halves the bytes this reads and changes nothing
+//! else.
+//!
 //! Inputs were validated by the caller (`check::paged_attention`).
 
+use super::kv::KvElem;
 use super::simd::{self, Isa};
 use crate::check::AttnDims;
 use crate::{AttnSeq, AttnShape};
@@ -36,12 +41,12 @@ struct Item {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn paged_attention(
+pub(crate) fn paged_attention<E: KvElem>(
     pool: &rayon::ThreadPool,
     isa: Isa,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     seqs: &[AttnSeq<'_>],
     shape: &AttnShape,
     dims: AttnDims,
@@ -73,17 +78,17 @@ pub(crate) fn paged_attention(
     }
 }
 
-struct Ctx<'a> {
+struct Ctx<'a, E> {
     isa: Isa,
     q: &'a [f32],
-    k_cache: &'a [f32],
-    v_cache: &'a [f32],
+    k_cache: &'a [E],
+    v_cache: &'a [E],
     seqs: &'a [AttnSeq<'a>],
     shape: &'a AttnShape,
     dims: AttnDims,
 }
 
-impl Ctx<'_> {
+impl<E: KvElem> Ctx<'_, E> {
     /// Attention output of one item: `[(q1 - q0) * group, head_dim]`, rows (query, head in
     /// group), query-major.
     fn attend(&self, it: &Item) -> Vec<f32> {
@@ -96,8 +101,8 @@ impl Ctx<'_> {
         let pos0 = s.context_len - s.q_len + it.q0;
         let nk = pos0 + nq;
         let key_offset = |t: usize| (s.block_table[t / bs] as usize * bs + t % bs) * self.dims.kv_width + kv_off;
-        let keys: Vec<&[f32]> = (0..nk).map(|t| &self.k_cache[key_offset(t)..key_offset(t) + d]).collect();
-        let vals: Vec<&[f32]> = (0..nk).map(|t| &self.v_cache[key_offset(t)..key_offset(t) + d]).collect();
+        let keys: Vec<&[E]> = (0..nk).map(|t| &self.k_cache[key_offset(t)..key_offset(t) + d]).collect();
+        let vals: Vec<&[E]> = (0..nk).map(|t| &self.v_cache[key_offset(t)..key_offset(t) + d]).collect();
 
         let mut p = vec![0f32; rows * nk];
         for r in 0..rows {
@@ -105,14 +110,14 @@ impl Ctx<'_> {
             let o = ((s.q_start + it.q0 + qi) * h + it.kv_head * g + gi) * d;
             let seen = pos0 + qi + 1;
             let row = &mut p[r * nk..r * nk + seen];
-            simd::dot_keys(self.isa, &self.q[o..o + d], &keys[..seen], row);
+            E::dot_keys(self.isa, &self.q[o..o + d], &keys[..seen], row);
             row.iter_mut().for_each(|v| *v *= self.shape.scale);
             let max = simd::max(self.isa, row);
             let inv = 1.0 / simd::exp_shifted(self.isa, row, max);
             row.iter_mut().for_each(|v| *v *= inv);
         }
         let mut out = vec![0f32; rows * d];
-        simd::accumulate_rows(self.isa, &p, nk, rows, &vals, &mut out, d);
+        E::accumulate_rows(self.isa, &p, nk, rows, &vals, &mut out, d);
         out
     }
 }

@@ -1,5 +1,5 @@
-//! The CPU backend: f32 `Vec` buffers, a private rayon pool, AVX-512/AVX2 inner loops chosen at
-//! runtime.
+//! The CPU backend: f32 `Vec` buffers (KV cache pools: a `Vec` of f32, f16 or bf16, [`KvPool`]),
+//! a private rayon pool, AVX-512/AVX2 inner loops chosen at runtime.
 //!
 //! Every method validates with the same `check` functions as [`crate::reference`], then runs a
 //! parallel kernel. Element-wise ops go parallel only above `PAR_MIN_ELEMS`, where the fork/join
@@ -9,11 +9,14 @@
 
 mod attention;
 mod attention_tiled;
+mod kv;
 mod matmul;
 mod packed;
 pub mod simd;
+mod simd_half;
 
-use crate::{check, AttnSeq, AttnShape, Backend, KernelError, Result};
+use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, Result};
+pub use kv::KvPool;
 pub use packed::{PackedLinear, NR as PANEL_COLUMNS};
 use rayon::prelude::*;
 pub use simd::Isa;
@@ -127,6 +130,7 @@ fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usiz
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Linear = PackedLinear;
+    type KvBuf = KvPool;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -366,30 +370,73 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn alloc_kv(&self, dtype: CacheDtype, len: usize) -> Result<KvPool> {
+        kv::alloc(dtype, len)
+    }
+
+    fn kv_info(&self, buf: &KvPool) -> (CacheDtype, usize) {
+        (buf.dtype(), buf.len())
+    }
+
+    fn read_kv_bytes(&self, src: &KvPool, off: usize, len: usize, out: &mut Vec<u8>) -> Result<()> {
+        kv::read_bytes(src, off, len, out)
+    }
+
+    fn write_kv_bytes(&self, dst: &mut KvPool, off: usize, bytes: &[u8]) -> Result<()> {
+        kv::write_bytes(dst, off, bytes)
+    }
+
+    fn copy_kv(&self, buf: &mut KvPool, src_off: usize, dst_off: usize, len: usize) -> Result<()> {
+        kv::copy_within(buf, src_off, dst_off, len)
+    }
+
     fn write_kv(
         &self,
         k: &Vec<f32>,
         v: &Vec<f32>,
         slots: &[u32],
         kv_width: usize,
-        k_cache: &mut Vec<f32>,
-        v_cache: &mut Vec<f32>,
+        k_cache: &mut KvPool,
+        v_cache: &mut KvPool,
     ) -> Result<()> {
-        // Scattered writes of a few KiB per token: a serial copy is memory-bound already.
-        crate::reference::write_kv(k, v, slots, kv_width, k_cache, v_cache)
+        const OP: &str = "write_kv";
+        kv::same_dtype(OP, k_cache, v_cache)?;
+        check::write_kv(k.len(), v.len(), slots, kv_width, k_cache.len(), v_cache.len())?;
+        let (isa, kv) = (self.isa, (k.as_slice(), v.as_slice()));
+        match (k_cache, v_cache) {
+            (KvPool::F32(kc), KvPool::F32(vc)) => kv::write_rows(isa, kv, slots, kv_width, kc, vc),
+            (KvPool::F16(kc), KvPool::F16(vc)) => kv::write_rows(isa, kv, slots, kv_width, kc, vc),
+            (KvPool::Bf16(kc), KvPool::Bf16(vc)) => kv::write_rows(isa, kv, slots, kv_width, kc, vc),
+            (kc, vc) => return kv::same_dtype(OP, kc, vc).map(|_| ()),
+        }
+        Ok(())
     }
 
     fn paged_attention(
         &self,
         q: &Vec<f32>,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
+        k_cache: &KvPool,
+        v_cache: &KvPool,
         seqs: &[AttnSeq<'_>],
         shape: AttnShape,
         out: &mut Vec<f32>,
     ) -> Result<()> {
+        const OP: &str = "paged_attention";
+        kv::same_dtype(OP, k_cache, v_cache)?;
         let dims = check::paged_attention(q.len(), k_cache.len(), v_cache.len(), seqs, &shape, out.len())?;
-        attention::paged_attention(&self.pool, self.isa, q, k_cache, v_cache, seqs, &shape, dims, out);
+        let (pool, isa) = (&self.pool, self.isa);
+        match (k_cache, v_cache) {
+            (KvPool::F32(kc), KvPool::F32(vc)) => {
+                attention::paged_attention(pool, isa, q, kc, vc, seqs, &shape, dims, out)
+            }
+            (KvPool::F16(kc), KvPool::F16(vc)) => {
+                attention::paged_attention(pool, isa, q, kc, vc, seqs, &shape, dims, out)
+            }
+            (KvPool::Bf16(kc), KvPool::Bf16(vc)) => {
+                attention::paged_attention(pool, isa, q, kc, vc, seqs, &shape, dims, out)
+            }
+            (kc, vc) => return kv::same_dtype(OP, kc, vc).map(|_| ()),
+        }
         Ok(())
     }
 }

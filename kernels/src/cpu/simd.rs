@@ -28,7 +28,9 @@ impl Isa {
             if is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // F16C (half-precision conversions, for 16-bit KV caches) came before AVX2 on every
+            // x86 line; it is checked anyway.
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2Fma;
             }
         }
@@ -235,6 +237,10 @@ mod portable {
     }
 }
 
+/// The transposing sum of 16 vectors (also used by the 16-bit KV kernels).
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::hsum16 as hsum16_avx512;
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
@@ -327,7 +333,7 @@ mod avx512 {
     /// add tree (about 45 shuffles and adds) instead of 16 separate reductions (about 130).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn hsum16(a: &[__m512; 16]) -> __m512 {
+    pub(crate) fn hsum16(a: &[__m512; 16]) -> __m512 {
         // Level 1: pairs interleaved; each 128-bit lane holds [x0+x2, y0+y2, x1+x3, y1+y3] of (x, y).
         let pair = |x: __m512, y: __m512| _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
         let p: [__m512; 8] = [

@@ -406,6 +406,15 @@ impl Registry {
             }
         }
         if let Some(l) = &self.layout {
+            if l.dtype != reg.layout.dtype {
+                return Err(Refusal(format!(
+                    "kv cache dtype {} of node `{}` differs from the cluster's {}: every node must run \
+                     with the same --kv-cache-dtype (K/V moves between nodes as stored)",
+                    dtype_name(reg.layout.dtype),
+                    reg.name,
+                    dtype_name(l.dtype)
+                )));
+            }
             if *l != reg.layout {
                 return Err(Refusal(format!(
                     "kv layout of node `{}` ({:?}) differs from the cluster's ({l:?})",
@@ -729,6 +738,15 @@ impl Registry {
     /// Names, roles and addresses of the live nodes.
     pub fn nodes(&self) -> Vec<NodeRef> {
         self.nodes.iter().map(|(&id, n)| n.node_ref(id)).collect()
+    }
+}
+
+/// A KV dtype as `--kv-cache-dtype` spells it.
+fn dtype_name(d: cleave_protocol::KvDtype) -> &'static str {
+    match d {
+        cleave_protocol::KvDtype::F32 => "f32",
+        cleave_protocol::KvDtype::F16 => "f16",
+        cleave_protocol::KvDtype::Bf16 => "bf16",
     }
 }
 

@@ -41,6 +41,28 @@ fn refuses_another_model_loudly() {
 }
 
 #[test]
+fn refuses_another_kv_cache_dtype_loudly() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), Some(1));
+    let mut bf16 = reg("p", NodeRole::Prefill, 1, 1);
+    bf16.layout.dtype = KvDtype::Bf16;
+    r.register(bf16, t).unwrap();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut other = reg("d", NodeRole::Decode, 1, 2);
+        other.layout.dtype = dtype;
+        let err = r.register(other, t).unwrap_err();
+        assert!(err.0.contains("kv cache dtype") && err.0.contains("--kv-cache-dtype"), "{err}");
+        assert!(err.0.contains("`d`") && err.0.contains("bf16"), "{err}");
+    }
+    assert_eq!(r.len(), 1);
+    // The same dtype is welcome.
+    let mut same = reg("d2", NodeRole::Decode, 1, 3);
+    same.layout.dtype = KvDtype::Bf16;
+    r.register(same, t).unwrap();
+    assert_eq!(r.len(), 2);
+}
+
+#[test]
 fn long_prompts_go_remote_short_ones_local() {
     let t = Instant::now();
     let mut r = Registry::new(RoutingConfig::default(), None);
