@@ -241,8 +241,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let snap = core.snapshot();
     println!();
     println!(
-        "kv cache: {:?}, {} B per token (K+V, all layers), {} tokens in {} MiB",
-        layout.dtype,
+        "kv cache: {}, {} B per token (K+V, all layers), {} tokens in {} MiB",
+        format!("{:?}", layout.dtype).to_lowercase(),
         layout.bytes_per_token(),
         snap.kv_blocks_total * layout.block_size as usize,
         args.engine.kv_cache_memory >> 20
