@@ -92,17 +92,22 @@ fn decode_round(
     let first = *id + 1;
     for _ in 0..batch {
         *id += 1;
-        // Room to spare: a chunked prefill gives some sequences their second token a step early.
+        // Room to spare: while later prompts are still prefilled in chunks, earlier sequences
+        // already decode.
         let mut req = request(*id, prompt(args.decode_context, vocab, *id), 2 * args.decode_steps + 8);
         req.params.constraint = constraint.cloned();
         core.add_request(req, Instant::now())?;
     }
     let mut out = Vec::new();
-    let mut keep = |evs: Vec<cleave_protocol::TokenEvent>| {
+    let mut counts = std::collections::HashMap::<u64, usize>::new();
+    let mut keep = |evs: Vec<cleave_protocol::TokenEvent>, counts: &mut std::collections::HashMap<u64, usize>| {
         let n = evs.iter().filter(|e| e.token_id.is_some()).count();
         for e in evs {
             if let Some(err) = e.error {
                 anyhow::bail!("request {} failed: {err}", e.request_id);
+            }
+            if e.token_id.is_some() {
+                *counts.entry(e.request_id.0).or_default() += 1;
             }
             if e.request_id.0 == first {
                 out.extend(e.token_id);
@@ -110,27 +115,34 @@ fn decode_round(
         }
         Ok(n)
     };
-    // Prefill everyone and take one decode step untimed, then time the decode steps.
-    let mut produced = 0usize;
-    while produced < 2 * batch && core.has_work() {
-        produced += keep(core.step(Instant::now())?)?;
+    // Prefill everyone and take a decode step untimed (every sequence has two tokens: no step
+    // below carries a prompt chunk), then time the decode steps.
+    while counts.len() < batch || counts.values().any(|&n| n < 2) {
+        if !core.has_work() {
+            anyhow::bail!("the engine went idle before every sequence was decoding");
+        }
+        keep(core.step(Instant::now())?, &mut counts)?;
     }
     let t = Instant::now();
     let mut steps = 0u32;
     let mut tokens = 0usize;
     while core.has_work() && steps < args.decode_steps {
-        tokens += keep(core.step(Instant::now())?)?;
+        tokens += keep(core.step(Instant::now())?, &mut counts)?;
         steps += 1;
     }
     let secs = t.elapsed().as_secs_f64();
     if tokens != steps as usize * batch {
-        anyhow::bail!("{tokens} tokens in {steps} steps of {batch}: sequences ended inside the timed steps");
+        anyhow::bail!(
+            "{tokens} tokens in {steps} steps of {batch}: sequences ended or were preempted inside the timed \
+             steps (does the KV cache hold {batch} x {} tokens? see --kv-cache-memory, --kv-cache-dtype)",
+            args.decode_context + 2 * args.decode_steps as usize + 8
+        );
     }
     for i in first..=*id {
         core.abort(RequestId(i));
     }
     while core.has_work() {
-        keep(core.step(Instant::now())?)?;
+        keep(core.step(Instant::now())?, &mut counts)?;
     }
     Ok((secs, steps.max(1), out))
 }
