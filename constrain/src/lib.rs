@@ -121,7 +121,7 @@ impl Compiler {
                 m
             }
         };
-        let mut state = ConstraintState { matcher, kind, vocab_size: self.vocab_size };
+        let mut state = ConstraintState { matcher, kind };
         for &t in history {
             state.commit(t)?;
         }
@@ -211,7 +211,6 @@ impl Mask {
 pub struct ConstraintState {
     matcher: Matcher,
     kind: &'static str,
-    vocab_size: usize,
 }
 
 impl std::fmt::Debug for ConstraintState {
@@ -231,7 +230,6 @@ impl ConstraintState {
         if bits.is_zero() {
             return Err(ConstrainError::Failed { kind: self.kind, reason: "no token can continue the text".into() });
         }
-        debug_assert!(bits.len() >= self.vocab_size.min(bits.len()));
         mask.bits = Some(bits);
         Ok(())
     }

@@ -3,17 +3,14 @@
 //! spells what the tokenizer decodes, a random walk through every mask yields text that
 //! belongs to the language, and bad constraints are refused with what is wrong.
 
-use cleave_constrain::{Compiler, ConstrainError, ConstraintState, Mask};
+mod common;
+
+use cleave_constrain::{Compiler, ConstrainError, Mask};
 use cleave_protocol::Constraint;
 use cleave_tokenizer::Tokenizer;
-use rand::{Rng, SeedableRng};
+use common::{random_walk, tokenizer, EOS};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-
-const EOS: u32 = 2;
-
-fn tokenizer() -> Tokenizer {
-    Tokenizer::from_model_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/tiny-llama")).unwrap()
-}
 
 fn compiler() -> Compiler {
     let tok = tokenizer();
@@ -48,28 +45,6 @@ fn an_added_token_not_marked_special_spells_its_text_for_the_grammar() {
     assert!(mask.allows(id), "the added token is the grammar's literal");
     state.commit(id).unwrap();
     assert_eq!(tok.decode(&[id], false).unwrap(), "<tool_call>", "the detokenizer writes it out as text");
-}
-
-/// Samples uniformly among the allowed tokens (EOS with probability one half whenever it is
-/// allowed) until the constraint is done: a model that knows nothing, so only the mask keeps
-/// the text in the language.
-fn random_walk(state: &mut ConstraintState, rng: &mut ChaCha8Rng, max_tokens: usize) -> Vec<u32> {
-    let mut mask = Mask::default();
-    let mut out = Vec::new();
-    for _ in 0..max_tokens {
-        state.fill_mask(&mut mask).unwrap();
-        let allowed: Vec<u32> = (0..32000u32).filter(|&t| mask.allows(t)).collect();
-        assert_eq!(allowed.len(), mask.count());
-        let t =
-            if mask.allows(EOS) && rng.random_bool(0.5) { EOS } else { allowed[rng.random_range(0..allowed.len())] };
-        state.commit(t).unwrap();
-        if t == EOS {
-            assert!(state.is_done(), "EOS was allowed, so the text was complete");
-            return out;
-        }
-        out.push(t);
-    }
-    panic!("no end after {max_tokens} tokens: {out:?}");
 }
 
 const SCHEMA: &str = r#"{

@@ -3,38 +3,14 @@
 //! parser reads back as calls to the allowed functions, with arguments the function's schema
 //! accepts; a call the grammar does not allow is refused.
 
+mod common;
+
 use cleave_constrain::tools::{call_grammar, Collected, Forced, ToolFormat, ToolSpec};
 use cleave_constrain::{Compiler, ConstraintState, Mask};
-use cleave_tokenizer::Tokenizer;
-use rand::{Rng, SeedableRng};
+use common::{random_walk, tokenizer, EOS};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
-
-const EOS: u32 = 2;
-
-fn tokenizer() -> Tokenizer {
-    Tokenizer::from_model_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/tiny-llama")).unwrap()
-}
-
-/// Uniform among the allowed tokens (EOS with probability one half when allowed): only the
-/// mask keeps the text in the language.
-fn random_walk(state: &mut ConstraintState, rng: &mut ChaCha8Rng, max_tokens: usize) -> Vec<u32> {
-    let mut mask = Mask::default();
-    let mut out = Vec::new();
-    for _ in 0..max_tokens {
-        state.fill_mask(&mut mask).unwrap();
-        let allowed: Vec<u32> = (0..32000u32).filter(|&t| mask.allows(t)).collect();
-        let t =
-            if mask.allows(EOS) && rng.random_bool(0.5) { EOS } else { allowed[rng.random_range(0..allowed.len())] };
-        state.commit(t).unwrap();
-        if t == EOS {
-            assert!(state.is_done());
-            return out;
-        }
-        out.push(t);
-    }
-    panic!("no end after {max_tokens} tokens: {out:?}");
-}
 
 fn tools() -> Vec<ToolSpec> {
     vec![

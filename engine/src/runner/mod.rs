@@ -136,8 +136,7 @@ pub struct EngineSnapshot {
 struct Masking {
     seq_id: u64,
     state: ConstraintState,
-    bits: Mask,
-    mask: std::result::Result<(), ConstrainError>,
+    mask: std::result::Result<Mask, ConstrainError>,
 }
 
 /// An imported request whose K/V is complete, waiting for a free sequence slot.
@@ -497,7 +496,8 @@ impl<B: Backend> EngineCore<B> {
             let (logits, done) = std::thread::scope(|scope| {
                 let worker = scope.spawn(move || {
                     for m in &mut masking {
-                        m.mask = m.state.fill_mask(&mut m.bits);
+                        let mut mask = Mask::default();
+                        m.mask = m.state.fill_mask(&mut mask).map(|()| mask);
                     }
                     masking
                 });
@@ -510,7 +510,7 @@ impl<B: Backend> EngineCore<B> {
                         if let Some(seq) = self.seqs.get_mut(&m.seq_id) {
                             seq.constraint = Some(m.state);
                         }
-                        masks.insert(m.seq_id, m.mask.map(|()| m.bits));
+                        masks.insert(m.seq_id, m.mask);
                     }
                 }
                 // fill_mask does not panic (llguidance catches its own panics); were it to,
@@ -650,7 +650,7 @@ impl<B: Backend> EngineCore<B> {
         let mut out = Vec::new();
         for item in batch.items.iter().filter(|i| i.sample) {
             if let Some(state) = self.seqs.get_mut(&item.seq_id).and_then(|s| s.constraint.take()) {
-                out.push(Masking { seq_id: item.seq_id, state, bits: Mask::default(), mask: Ok(()) });
+                out.push(Masking { seq_id: item.seq_id, state, mask: Ok(Mask::default()) });
             }
         }
         out
