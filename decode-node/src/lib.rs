@@ -28,13 +28,16 @@
 //! as the QUIC path's block write is) and frees the landing blocks. The engine's own cache is not a registered region:
 //! it is one buffer per layer, and a device backend keeps it in device memory.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_engine::{EngineHandle, EngineRequest, ImportStart, TokenStream};
 use cleave_kv_transfer::{
-    KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation, Reserved,
+    Ask, Grant, KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation,
+    Reserved,
 };
 use cleave_net::{DuplexStream, Listener, NetConfig, NetKind};
 use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
@@ -55,6 +58,8 @@ pub mod metric {
     pub const KV_WAIT_SECONDS: &str = "cleave_node_kv_wait_seconds";
     /// Handoffs whose KV never completed.
     pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_node_handoff_failures_total";
+    /// Prompt tokens whose K/V a handoff did not move: the node's prefix cache held them.
+    pub const HANDOFF_CACHED_TOKENS_TOTAL: &str = "cleave_node_handoff_cached_tokens_total";
 }
 
 /// Errors of a decode node.
@@ -122,12 +127,17 @@ impl LandingSink {
 impl KvSink for LandingSink {
     /// The engine's reservation first (its answer comes later), then the landing blocks the
     /// ticket names; landing blocks short: the engine's reservation is released again.
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Reserved {
-        let engine = self.engine.reserve(request_id, num_tokens, num_blocks);
+    ///
+    /// The whole prompt lands (no cached prefix): the landing blocks are copied into the
+    /// engine's reservation as a whole ([`land_into_engine`]), and an engine block holding a
+    /// cached prefix is shared, never written.
+    fn reserve(&mut self, ask: Ask) -> Reserved {
+        let (request_id, num_blocks) = (ask.request_id, ask.num_blocks);
+        let engine = self.engine.reserve(Ask { prompt: None, ..ask });
         let (handle, landing) = (self.engine.engine.clone(), self.landing.clone());
         Reserved::Later(Box::pin(async move {
             engine.wait().await?;
-            landing.take_blocks(num_blocks).inspect_err(|_| release_import(&handle, request_id))
+            landing.take_blocks(num_blocks).map(Grant::fresh).inspect_err(|_| release_import(&handle, request_id))
         }))
     }
 
@@ -178,20 +188,39 @@ pub struct EngineSink {
 }
 
 impl KvSink for EngineSink {
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, _num_blocks: usize) -> Reserved {
-        let rx = match self.engine.reserve_import(request_id, num_tokens as usize) {
-            Ok(rx) => rx,
-            Err(e) => return Reserved::Now(Err(sink_err(e))),
+    /// With the prompt, the engine reuses the blocks of its prefix cache that hold a prefix of
+    /// it (pinned for the lease), and the ticket asks the prefill node for the rest only.
+    fn reserve(&mut self, ask: Ask) -> Reserved {
+        let refused = |e: cleave_engine::EngineError| KvTransferError::InvalidRequest {
+            reason: format!("engine refused the reservation: {e}"),
         };
-        Reserved::Later(Box::pin(async move {
-            match rx.await {
-                Ok(Ok(blocks)) => Ok(blocks),
-                Ok(Err(e)) => {
-                    Err(KvTransferError::InvalidRequest { reason: format!("engine refused the reservation: {e}") })
-                }
-                Err(_) => Err(KvTransferError::Closed { what: "engine" }),
-            }
-        }))
+        let answer: Pin<Box<dyn Future<Output = cleave_kv_transfer::Result<Grant>> + Send>> = match ask.prompt {
+            Some(prompt) => match self.engine.reserve_import_prompt(ask.request_id, prompt.to_vec()) {
+                Ok(rx) => Box::pin(async move {
+                    match rx.await {
+                        Ok(Ok(g)) => {
+                            let cached_tokens = u32::try_from(g.cached_tokens).unwrap_or(0);
+                            metrics::counter!(metric::HANDOFF_CACHED_TOKENS_TOTAL).increment(u64::from(cached_tokens));
+                            Ok(Grant { blocks: g.blocks, cached_tokens })
+                        }
+                        Ok(Err(e)) => Err(refused(e)),
+                        Err(_) => Err(KvTransferError::Closed { what: "engine" }),
+                    }
+                }),
+                Err(e) => return Reserved::Now(Err(sink_err(e))),
+            },
+            None => match self.engine.reserve_import(ask.request_id, ask.num_tokens as usize) {
+                Ok(rx) => Box::pin(async move {
+                    match rx.await {
+                        Ok(Ok(blocks)) => Ok(Grant::fresh(blocks)),
+                        Ok(Err(e)) => Err(refused(e)),
+                        Err(_) => Err(KvTransferError::Closed { what: "engine" }),
+                    }
+                }),
+                Err(e) => return Reserved::Now(Err(sink_err(e))),
+            },
+        };
+        Reserved::Later(answer)
     }
 
     fn write(&mut self, w: &KvWrite) -> cleave_kv_transfer::Result<()> {
@@ -342,10 +371,10 @@ fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, Nod
 async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Result<Option<TokenStream>, NodeError> {
     let id = req.work.id;
     let started = Instant::now();
-    let num_tokens = req.work.prompt.len() as u32;
+    let prompt: Arc<[u32]> = req.work.prompt.as_slice().into();
     let mut m = KvWait::new(started);
     let (mut ticket, done, mut actions) =
-        match shared.receiver.reserve(id, num_tokens, Some(shared.cfg.lease_ttl)).await {
+        match shared.receiver.reserve_prompt(id, prompt, Some(shared.cfg.lease_ttl)).await {
             Ok(Reservation { ticket, done }) => {
                 let reserve_us = started.elapsed().as_micros() as u64;
                 tracing::debug!(lease = %ticket.lease_id, reserve_us, "leased");

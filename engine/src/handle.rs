@@ -26,7 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
 use crate::export::KvExport;
-use crate::import::ImportStart;
+use crate::import::{ImportGrant, ImportStart};
 use crate::runner::{EngineCore, EngineRequest, EngineSnapshot};
 use crate::{EngineError, Result};
 
@@ -49,6 +49,11 @@ enum Control {
         id: RequestId,
         num_tokens: usize,
         reply: oneshot::Sender<Result<Vec<u32>>>,
+    },
+    ReserveImportPrompt {
+        id: RequestId,
+        prompt: Vec<u32>,
+        reply: oneshot::Sender<Result<ImportGrant>>,
     },
     ReleaseImport {
         id: RequestId,
@@ -179,6 +184,18 @@ impl EngineHandle {
     pub fn reserve_import(&self, id: RequestId, num_tokens: usize) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Control(Control::ReserveImport { id, num_tokens, reply }))?;
+        Ok(rx)
+    }
+
+    /// Reserves blocks for the K/V of `prompt` that will arrive for `id`, reusing its cached
+    /// prefix ([`EngineCore::reserve_import_prompt`]).
+    pub fn reserve_import_prompt(
+        &self,
+        id: RequestId,
+        prompt: Vec<u32>,
+    ) -> Result<oneshot::Receiver<Result<ImportGrant>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Control(Control::ReserveImportPrompt { id, prompt, reply }))?;
         Ok(rx)
     }
 
@@ -477,6 +494,9 @@ fn control<B: Backend>(core: &mut EngineCore<B>, cmd: Control) -> bool {
     match cmd {
         Control::ReserveImport { id, num_tokens, reply } => {
             let _ = reply.send(core.reserve_import(id, num_tokens));
+        }
+        Control::ReserveImportPrompt { id, prompt, reply } => {
+            let _ = reply.send(core.reserve_import_prompt(id, &prompt));
         }
         Control::Wake => {}
         Control::ReleaseImport { id, reply } => {

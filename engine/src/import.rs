@@ -5,6 +5,10 @@
 //! 1. [`crate::EngineCore::reserve_import`]`(id, num_tokens)` takes
 //!    `ceil(num_tokens / block_size)` fresh blocks (refused up front, with no side effect, when
 //!    the pool cannot supply them) and returns their ids in position order.
+//!    [`crate::EngineCore::reserve_import_prompt`]`(id, prompt)` does the same for a known
+//!    prompt, whose leading full blocks may come from the prefix cache: those rows are covered
+//!    from the start, and only the rest must arrive (a delta handoff). A cached block is shared
+//!    and never written: the import writes past it, and at least the last token arrives.
 //! 2. [`crate::EngineCore::import_kv`]`(id, layer, token_start, k, v)` writes rows (the layout of
 //!    [`crate::export::KvChunk`]) into those blocks. Chunks may come in any order and may repeat
 //!    (a rewrite is harmless); a bad chunk is an error that leaves the reservation alone.
@@ -47,6 +51,15 @@ pub struct ImportStart {
     pub cached_tokens: u32,
 }
 
+/// A reservation for a known prompt ([`crate::EngineCore::reserve_import_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportGrant {
+    /// Blocks in position order; the first `cached_tokens / block_size` hold a cached prefix.
+    pub blocks: Vec<u32>,
+    /// Leading prompt tokens whose K/V the blocks already hold (0: none).
+    pub cached_tokens: usize,
+}
+
 /// One chunk's rows as [`crate::EngineCore::import_kv`] takes them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvRows<'a> {
@@ -87,13 +100,23 @@ impl Imports {
         self.map.values().map(|i| i.blocks.len()).sum()
     }
 
+    /// A reservation for `num_tokens` tokens; with `prompt` (of that length), its leading
+    /// blocks may come from the prefix cache ([`Scheduler::reserve_blocks_for_prompt`]), their
+    /// rows covered from the start. Returns the blocks and the tokens they already hold.
     pub fn reserve(
         &mut self,
         sched: &mut Scheduler,
         id: RequestId,
         num_tokens: usize,
         num_layers: usize,
-    ) -> Result<Vec<u32>> {
+        prompt: Option<&[u32]>,
+    ) -> Result<(Vec<u32>, usize)> {
+        if prompt.is_some_and(|p| p.len() != num_tokens) {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV import for {id} of {num_tokens} tokens with a prompt of {}",
+                prompt.map_or(0, <[u32]>::len)
+            )));
+        }
         if num_tokens == 0 {
             return Err(EngineError::InvalidRequest(format!("KV import for {id} of 0 tokens")));
         }
@@ -105,20 +128,19 @@ impl Imports {
         }
         let kv = sched.kv();
         let (need, available) = (kv.blocks_for(num_tokens), kv.num_available());
-        if need > available {
-            return Err(EngineError::ImportRefused { id, num_tokens, need, available });
+        let refused = EngineError::ImportRefused { id, num_tokens, need, available };
+        let (blocks, cached) = match prompt {
+            // Cached blocks count as available (evictable), so this check covers them too.
+            Some(p) if need <= available => sched.reserve_blocks_for_prompt(p)?,
+            _ if need > available => return Err(refused),
+            _ => (sched.reserve_blocks(num_tokens)?, 0),
+        };
+        let mut covered = vec![false; num_layers * num_tokens];
+        for layer in covered.chunks_mut(num_tokens) {
+            layer[..cached].fill(true);
         }
-        let blocks = sched.reserve_blocks(num_tokens)?;
-        self.map.insert(
-            id.0,
-            Import {
-                blocks: blocks.clone(),
-                num_tokens,
-                covered: vec![false; num_layers * num_tokens],
-                have: vec![0; num_layers],
-            },
-        );
-        Ok(blocks)
+        self.map.insert(id.0, Import { blocks: blocks.clone(), num_tokens, covered, have: vec![cached; num_layers] });
+        Ok((blocks, cached))
     }
 
     /// Writes one chunk (see the module docs).

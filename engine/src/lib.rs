@@ -24,5 +24,5 @@ pub mod sched;
 pub use error::{EngineError, Result};
 pub use export::{ExportDone, KvChunk, KvExport, KvExportEvent, SinkError};
 pub use handle::{EngineHandle, EngineInfo, EngineThread, TokenStream};
-pub use import::ImportStart;
+pub use import::{ImportGrant, ImportStart};
 pub use runner::{EngineConfig, EngineCore, EngineRequest, EngineSnapshot, EngineStats};

@@ -156,6 +156,30 @@ fn run_disagg(
     others_a: &[EngineRequest],
     others_b: &[EngineRequest],
 ) -> (BTreeMap<u64, Vec<u32>>, HashMap<u64, ExportDone>) {
+    let run = run_disagg_with(a, b, handoff, others_a, others_b);
+    (run.got, run.done)
+}
+
+/// What [`run_disagg_with`] saw.
+struct Run {
+    got: BTreeMap<u64, Vec<u32>>,
+    done: HashMap<u64, ExportDone>,
+    /// Per handed-off request: prompt tokens B already held (its reservation's cached prefix).
+    b_cached: HashMap<u64, usize>,
+    /// Token rows (per layer) imported into B, over all requests.
+    imported_rows: usize,
+}
+
+/// [`run_disagg`], with B reserving by prompt (`reserve_import_prompt`): a prefix B holds in
+/// its prefix cache is not imported again, and A's chunks are cut to what B lacks as the
+/// node's sender cuts them.
+fn run_disagg_with(
+    a: &mut Core,
+    b: &mut Core,
+    handoff: &[EngineRequest],
+    others_a: &[EngineRequest],
+    others_b: &[EngineRequest],
+) -> Run {
     let now = Instant::now();
     let log = Arc::new(Mutex::new(Vec::new()));
     for r in others_a {
@@ -164,10 +188,15 @@ fn run_disagg(
     for r in others_b {
         b.add_request(r.clone(), now).unwrap();
     }
+    let mut b_cached = HashMap::new();
     for r in handoff {
         a.add_prefill_only(r.clone(), recording_sink(log.clone(), a.kv_layers_written()), now).unwrap();
-        b.reserve_import(r.id, r.prompt.len()).unwrap();
+        let grant = b.reserve_import_prompt(r.id, &r.prompt).unwrap();
+        assert_eq!(grant.blocks.len(), r.prompt.len().div_ceil(b.kv_layout().block_size as usize));
+        b_cached.insert(r.id.0, grant.cached_tokens);
     }
+    let row = b.kv_layout().bytes_per_token() / b.kv_layout().num_layers as usize / 2;
+    let mut imported_rows = 0;
     let reqs: HashMap<u64, &EngineRequest> = handoff.iter().map(|r| (r.id.0, r)).collect();
     let mut out: BTreeMap<u64, Vec<TokenEvent>> = BTreeMap::new();
     let mut streams: HashMap<u64, Vec<KvExportEvent>> = HashMap::new();
@@ -181,7 +210,16 @@ fn run_disagg(
         }
         for (ev, _) in log.lock().unwrap().drain(..) {
             match &ev {
-                KvExportEvent::Chunk(c) => b.import_kv(c.request_id, c.layer, c.token_start, &c.k, &c.v).unwrap(),
+                KvExportEvent::Chunk(c) => {
+                    let cached = b_cached[&c.request_id.0];
+                    let (start, end) = (c.token_start as usize, (c.token_start + c.token_count) as usize);
+                    if end > cached {
+                        let from = start.max(cached);
+                        let at = (from - start) * row;
+                        b.import_kv(c.request_id, c.layer, from as u32, &c.k[at..], &c.v[at..]).unwrap();
+                        imported_rows += end - from;
+                    }
+                }
                 KvExportEvent::Done(d) => {
                     assert_eq!(d.finish, None, "handed-off requests must not finish on A");
                     let req = reqs[&d.request_id.0].clone();
@@ -231,7 +269,8 @@ fn run_disagg(
     }
     assert_no_blocks_in_use(a);
     assert_no_blocks_in_use(b);
-    (out.into_iter().map(|(id, evs)| (id, token_ids(&evs))).collect(), done)
+    let got = out.into_iter().map(|(id, evs)| (id, token_ids(&evs))).collect();
+    Run { got, done, b_cached, imported_rows }
 }
 
 fn assert_no_blocks_in_use(core: &Core) {
@@ -291,6 +330,44 @@ fn handoff_matches_single_engine_on_synthetic_qwen2_bias() {
     let a = engine(&dir.0, config(4, 16));
     assert!(a.model().config.attention_bias);
     check_model(&dir.0, 4096);
+}
+
+/// A conversation handed off turn by turn (prompt of turn 2 = turn 1's prompt, its answer and
+/// a new message): B reserves turn 2 with the blocks its prefix cache kept of turn 1 (prompt
+/// and answer), so only the new part is imported, and the tokens equal one engine's. A turn
+/// that shares nothing with B's cache imports everything; a released reservation leaves the
+/// cached prefix cached and unpinned.
+#[test]
+fn a_later_turn_imports_only_what_the_decode_engine_lacks() {
+    let dir = tiny_llama_dir();
+    let cfg = config(4, 16);
+    let (mut a, mut b) = (engine(&dir, cfg.clone()), engine(&dir, cfg.clone()));
+    let turn1 = greedy_request(1, tokens(31, 22, 32000), 9);
+    let run1 = run_disagg_with(&mut a, &mut b, std::slice::from_ref(&turn1), &[], &[]);
+    assert_eq!(run1.b_cached[&1], 0);
+    let layers = b.model().config.num_layers;
+    assert_eq!(run1.imported_rows, layers * 22, "the first turn imports every row of every layer");
+    let answer = run1.got[&1].clone();
+    let turn2 = greedy_request(2, [turn1.prompt.clone(), answer.clone(), tokens(32, 7, 32000)].concat(), 8);
+    let stranger = greedy_request(3, tokens(33, 19, 32000), 5);
+    let run2 = run_disagg_with(&mut a, &mut b, &[turn2.clone(), stranger.clone()], &[], &[]);
+    // Turn 1's prompt and the answer's full blocks are in B's cache (the last answer token's
+    // K/V was never computed on B: it was sampled last).
+    let held = (turn1.prompt.len() + answer.len() - 1) / 4 * 4;
+    assert_eq!(run2.b_cached[&2], held, "{:?}", run2.b_cached);
+    assert_eq!(run2.b_cached[&3], 0);
+    assert_eq!(run2.imported_rows, layers * (turn2.prompt.len() - held + stranger.prompt.len()));
+    let want = single_engine(&dir, &cfg, &[turn2.clone(), stranger.clone()]);
+    assert_eq!(run2.got, want, "a delta handoff changes no token");
+
+    let g = b.reserve_import_prompt(RequestId(4), &turn2.prompt).unwrap();
+    assert!(g.cached_tokens >= held);
+    let pinned = g.blocks[0];
+    assert_eq!(b.scheduler().kv().refcount(pinned), Some(1), "a cached block is pinned while reserved");
+    b.release_import(RequestId(4)).unwrap();
+    assert_eq!(b.scheduler().kv().refcount(pinned), Some(0));
+    assert!(b.scheduler().kv().is_cached(pinned), "released, the prefix stays cached");
+    assert_no_blocks_in_use(&b);
 }
 
 #[test]

@@ -25,6 +25,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cleave_protocol::{HandoffTicket, KvLayout, LeaseId, RequestId, TransportKind, HANDOFF_VERSION};
@@ -37,7 +38,7 @@ use crate::frame::{read_frame_recycling, write_control, Control, Frame, Limits};
 use crate::metrics as m;
 use crate::payload::{PathOutput, RecvPath};
 use crate::receiver::{DropReason, Effect, LeaseSpec, Receiver, ReceiverStats, StreamId};
-use crate::sink::{KvSink, Reserved};
+use crate::sink::{Ask, Grant, KvSink, Reserved};
 use crate::transport::{BoxFuture, FramePipe, Transport};
 use crate::{KvTransferError, Result};
 use cleave_net::{DuplexStream, Listener, PeerInfo, RecvHalf, SendHalf};
@@ -132,6 +133,7 @@ enum Cmd {
     Reserve {
         request_id: RequestId,
         num_tokens: u32,
+        prompt: Option<Arc<[u32]>>,
         ttl: Option<Duration>,
         reply: oneshot::Sender<Result<Reservation>>,
     },
@@ -140,7 +142,7 @@ enum Cmd {
         request_id: RequestId,
         num_tokens: u32,
         ttl: Option<Duration>,
-        blocks: Result<Vec<u32>>,
+        grant: Result<Grant>,
         reply: oneshot::Sender<Result<Reservation>>,
     },
     Cancel {
@@ -191,8 +193,34 @@ impl ReceiverHandle {
     /// Reserves blocks for `num_tokens` tokens of a request and returns the ticket. Refused up
     /// front ([`KvTransferError::OutOfBlocks`]) when the pool cannot hold them.
     pub async fn reserve(&self, request_id: RequestId, num_tokens: u32, ttl: Option<Duration>) -> Result<Reservation> {
+        self.reserve_inner(request_id, num_tokens, None, ttl).await
+    }
+
+    /// [`ReceiverHandle::reserve`] for the K and V of `prompt`: the pool may grant blocks that
+    /// already hold a prefix of it (its prefix cache), and the ticket then asks the sender for
+    /// the rest only ([`HandoffTicket::cached_tokens`]).
+    pub async fn reserve_prompt(
+        &self,
+        request_id: RequestId,
+        prompt: Arc<[u32]>,
+        ttl: Option<Duration>,
+    ) -> Result<Reservation> {
+        let num_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        self.reserve_inner(request_id, num_tokens, Some(prompt), ttl).await
+    }
+
+    async fn reserve_inner(
+        &self,
+        request_id: RequestId,
+        num_tokens: u32,
+        prompt: Option<Arc<[u32]>>,
+        ttl: Option<Duration>,
+    ) -> Result<Reservation> {
         let t0 = std::time::Instant::now();
-        let r = self.call("reserve", |reply| Cmd::Reserve { request_id, num_tokens, ttl, reply }).await.and_then(|r| r);
+        let r = self
+            .call("reserve", |reply| Cmd::Reserve { request_id, num_tokens, prompt, ttl, reply })
+            .await
+            .and_then(|r| r);
         match &r {
             Ok(_) => metrics::histogram!(m::RESERVATION_WAIT_SECONDS).record(t0.elapsed().as_secs_f64()),
             Err(e) => metrics::counter!(m::RESERVATIONS_REFUSED_TOTAL, "cause" => m::cause(e)).increment(1),
@@ -454,9 +482,11 @@ impl<S: KvSink> Actor<S> {
 
     fn command(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Reserve { request_id, num_tokens, ttl, reply } => self.reserve(request_id, num_tokens, ttl, reply),
-            Cmd::Reserved { request_id, num_tokens, ttl, blocks, reply } => {
-                let r = blocks.and_then(|blocks| self.open_lease(request_id, num_tokens, ttl, blocks));
+            Cmd::Reserve { request_id, num_tokens, prompt, ttl, reply } => {
+                self.reserve(request_id, num_tokens, prompt, ttl, reply)
+            }
+            Cmd::Reserved { request_id, num_tokens, ttl, grant, reply } => {
+                let r = grant.and_then(|grant| self.open_lease(request_id, num_tokens, ttl, grant));
                 let _ = reply.send(r);
             }
             Cmd::Cancel { lease, reply } => {
@@ -519,6 +549,7 @@ impl<S: KvSink> Actor<S> {
         &mut self,
         request_id: RequestId,
         num_tokens: u32,
+        prompt: Option<Arc<[u32]>>,
         ttl: Option<Duration>,
         reply: oneshot::Sender<Result<Reservation>>,
     ) {
@@ -526,32 +557,34 @@ impl<S: KvSink> Actor<S> {
             let _ = reply.send(Err(KvTransferError::InvalidRequest { reason: "a handoff of zero tokens".into() }));
             return;
         }
-        let need = HandoffTicket::blocks_for(num_tokens, self.cfg.layout.block_size);
-        match self.sink.reserve(request_id, num_tokens, need) {
-            Reserved::Now(blocks) => {
-                let r = blocks.and_then(|blocks| self.open_lease(request_id, num_tokens, ttl, blocks));
+        let num_blocks = HandoffTicket::blocks_for(num_tokens, self.cfg.layout.block_size);
+        match self.sink.reserve(Ask { request_id, num_tokens, num_blocks, prompt }) {
+            Reserved::Now(grant) => {
+                let r = grant.and_then(|grant| self.open_lease(request_id, num_tokens, ttl, grant));
                 let _ = reply.send(r);
             }
             Reserved::Later(answer) => {
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
-                    let blocks = answer.await;
-                    let _ = tx.send(Cmd::Reserved { request_id, num_tokens, ttl, blocks, reply }).await;
+                    let grant = answer.await;
+                    let _ = tx.send(Cmd::Reserved { request_id, num_tokens, ttl, grant, reply }).await;
                 });
             }
         }
     }
 
-    /// A lease over blocks the pool granted; the blocks go back to the pool if it cannot open.
+    /// A lease over blocks the pool granted; the blocks go back to the pool if it cannot open
+    /// (a grant that does not fit the ask included).
     fn open_lease(
         &mut self,
         request_id: RequestId,
         num_tokens: u32,
         ttl: Option<Duration>,
-        blocks: Vec<u32>,
+        grant: Grant,
     ) -> Result<Reservation> {
         let ttl = ttl.unwrap_or(self.cfg.lease_ttl);
-        let spec = LeaseSpec { request_id, blocks: blocks.clone(), num_tokens, ttl };
+        let Grant { blocks, cached_tokens } = grant;
+        let spec = LeaseSpec { request_id, blocks: blocks.clone(), num_tokens, cached_tokens, ttl };
         let lease = match self.sm.open_lease(now(), spec) {
             Ok(l) => l,
             Err(e) => {
@@ -573,6 +606,7 @@ impl<S: KvSink> Actor<S> {
                 num_tokens,
                 lease_ttl: ttl,
                 receiver_name: self.cfg.name.clone(),
+                cached_tokens,
             },
             done: LeaseWaiter { lease, rx },
         })

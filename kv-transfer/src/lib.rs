@@ -142,5 +142,5 @@ pub use error::{KvTransferError, Result};
 pub use payload::KvWrite;
 pub use receiver::ReceiverStats;
 pub use sender::{ChunkSender, KvSender, LayerChunk, SendConfig, TransferReport};
-pub use sink::{KvSink, MemoryPool, Reserved};
+pub use sink::{Ask, Grant, KvSink, MemoryPool, Reserved};
 pub use transport::{NetTransport, Transport, TransportSet};

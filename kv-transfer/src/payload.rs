@@ -273,6 +273,8 @@ pub struct LeaseCx<'a> {
     /// The leased blocks, in position order.
     pub blocks: &'a Arc<[u32]>,
     pub num_tokens: u32,
+    /// Leading tokens the blocks already held when the lease opened (none travel).
+    pub cached_tokens: u32,
     /// The receiver's layout (the `Open` was checked against it).
     pub layout: &'a KvLayout,
 }
@@ -315,8 +317,9 @@ pub trait LeasePayload: Send {
 /// The stream payload of a lease: chunk frames on its streams, each checked (bounds, order,
 /// CRC-32) and handed out as one [`KvWrite`].
 ///
-/// Invariant: for every layer, tokens `[0, next[layer])` were handed out exactly once, in token
-/// order, each with a verified checksum; nothing else was.
+/// Invariant: for every layer, tokens `[cached, next[layer])` were handed out exactly once, in
+/// token order, each with a verified checksum; nothing else was (`cached`: the lease's cached
+/// prefix, which the blocks held from the start).
 #[derive(Debug, Clone)]
 pub struct StreamLease {
     /// Next expected token per layer.
@@ -326,8 +329,9 @@ pub struct StreamLease {
 }
 
 impl StreamLease {
-    pub fn new(num_layers: u32) -> Self {
-        Self { next: vec![0; num_layers as usize], layers_done: 0 }
+    /// A lease whose blocks already hold tokens `0..cached` (below the lease's token count).
+    pub fn new(num_layers: u32, cached: u32) -> Self {
+        Self { next: vec![cached; num_layers as usize], layers_done: 0 }
     }
 }
 

@@ -89,6 +89,9 @@ pub struct LeaseSpec {
     /// Destination blocks in position order.
     pub blocks: Vec<u32>,
     pub num_tokens: u32,
+    /// Leading tokens the blocks already hold ([`HandoffTicket::cached_tokens`]): the lease
+    /// covers `cached_tokens..num_tokens`, and a chunk below it is a duplicate.
+    pub cached_tokens: u32,
     pub ttl: Duration,
 }
 
@@ -108,6 +111,7 @@ struct Lease {
     request_id: RequestId,
     blocks: Arc<[u32]>,
     num_tokens: u32,
+    cached_tokens: u32,
     expires_at: Instant,
     /// First token and the stream that sent Complete (the Ack goes there).
     complete: Option<(u32, StreamId)>,
@@ -135,7 +139,14 @@ impl Lease {
         id: LeaseId,
         layout: &'a KvLayout,
     ) -> (Option<&'a mut Box<dyn LeasePayload>>, LeaseCx<'a>) {
-        let cx = LeaseCx { id, request_id: self.request_id, blocks: &self.blocks, num_tokens: self.num_tokens, layout };
+        let cx = LeaseCx {
+            id,
+            request_id: self.request_id,
+            blocks: &self.blocks,
+            num_tokens: self.num_tokens,
+            cached_tokens: self.cached_tokens,
+            layout,
+        };
         (self.payload.as_mut(), cx)
     }
 }
@@ -178,16 +189,21 @@ impl Receiver {
         &self.layout
     }
 
-    /// Starts holding a reservation. Refuses a block list that does not fit the token count.
+    /// Starts holding a reservation. Refuses a block list that does not fit the token count, and
+    /// a cached prefix that is not whole blocks below the token count.
     pub fn open_lease(&mut self, now: Instant, spec: LeaseSpec) -> Result<LeaseId> {
-        let need = HandoffTicket::blocks_for(spec.num_tokens, self.layout.block_size);
+        let bs = self.layout.block_size;
+        let need = HandoffTicket::blocks_for(spec.num_tokens, bs);
         if spec.num_tokens == 0 || spec.blocks.len() != need {
             return Err(KvTransferError::InvalidRequest {
+                reason: format!("{} tokens need {need} blocks of {bs}, got {}", spec.num_tokens, spec.blocks.len()),
+            });
+        }
+        if spec.cached_tokens >= spec.num_tokens || (bs > 0 && !spec.cached_tokens.is_multiple_of(bs)) {
+            return Err(KvTransferError::InvalidRequest {
                 reason: format!(
-                    "{} tokens need {need} blocks of {}, got {}",
-                    spec.num_tokens,
-                    self.layout.block_size,
-                    spec.blocks.len()
+                    "{} cached of {} tokens: need whole blocks of {bs} below the token count",
+                    spec.cached_tokens, spec.num_tokens
                 ),
             });
         }
@@ -204,6 +220,7 @@ impl Receiver {
                 request_id: spec.request_id,
                 blocks: spec.blocks.into(),
                 num_tokens: spec.num_tokens,
+                cached_tokens: spec.cached_tokens,
                 expires_at: now + spec.ttl,
                 complete: None,
                 streams: Vec::new(),
@@ -330,6 +347,13 @@ impl Receiver {
                         open.lease_id, lease.num_tokens, open.num_tokens
                     ),
                 })
+            } else if link.is_some() && lease.cached_tokens > 0 {
+                Some(KvTransferError::Protocol {
+                    reason: format!(
+                        "{} holds a cached prefix of {} tokens; a link carries whole prompts only",
+                        open.lease_id, lease.cached_tokens
+                    ),
+                })
             } else if link.is_some() && (open.stream_count != 1 || !lease.streams.is_empty()) {
                 Some(KvTransferError::Protocol {
                     reason: format!("a handoff of {} over a link uses exactly one control stream", open.lease_id),
@@ -353,8 +377,8 @@ impl Receiver {
         self.streams.insert(stream, StreamState::Bound(open.lease_id));
         match link {
             None => {
-                let layers = self.layout.num_layers;
-                let payload = lease.payload.get_or_insert_with(|| Box::new(StreamLease::new(layers)));
+                let (layers, cached) = (self.layout.num_layers, lease.cached_tokens);
+                let payload = lease.payload.get_or_insert_with(|| Box::new(StreamLease::new(layers, cached)));
                 fx.push(Effect::Send { stream, msg: payload.accept(open.lease_id) });
             }
             Some(link) => fx.push(Effect::Bind {

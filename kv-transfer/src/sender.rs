@@ -106,6 +106,8 @@ pub struct ChunkSender {
     lease: LeaseId,
     layout: KvLayout,
     num_tokens: u32,
+    /// The ticket's cached prefix: the receiver holds tokens below it, so they never travel.
+    cached_tokens: u32,
     txs: Arc<[mpsc::Sender<Item>]>,
     /// Set when the [`KvSender`] is finished or dropped: later chunks fail at once.
     ended: Arc<AtomicBool>,
@@ -130,14 +132,39 @@ impl ChunkSender {
         Ok(c.layer as usize % self.txs.len())
     }
 
+    /// The part of `c` the receiver lacks: `None` when the whole chunk lies in the cached
+    /// prefix, else the chunk from the prefix's end on (a zero-copy slice of its bytes).
+    fn uncached(&self, c: LayerChunk) -> Option<LayerChunk> {
+        let end = c.token_start + c.token_count;
+        if end <= self.cached_tokens {
+            return None;
+        }
+        if c.token_start >= self.cached_tokens {
+            return Some(c);
+        }
+        let skip = self.cached_tokens - c.token_start;
+        let at = run_bytes(&self.layout, skip);
+        Some(LayerChunk {
+            layer: c.layer,
+            token_start: self.cached_tokens,
+            token_count: c.token_count - skip,
+            k: c.k.slice(at..),
+            v: c.v.slice(at..),
+        })
+    }
+
     fn closed(&self) -> KvTransferError {
         KvTransferError::Closed { what: "kv transfer (see finish() for the cause)" }
     }
 
     /// Enqueues a chunk, waiting while the stream's queue is full. The wait is bounded: a
     /// stream that cannot write fails its writer within `io_timeout`, which closes the queue.
+    ///
+    /// Tokens of the ticket's cached prefix are dropped here, checked but never sent (the
+    /// engine exports a prompt's every token; only this side knows what the receiver holds).
     pub async fn send(&self, c: LayerChunk) -> Result<()> {
         let i = self.check(&c)?;
+        let Some(c) = self.uncached(c) else { return Ok(()) };
         self.txs[i].send(Item::Chunk(c)).await.map_err(|_| self.closed())
     }
 
@@ -145,12 +172,14 @@ impl ChunkSender {
     /// blocking while the stream's queue is full. Must not be called from async code.
     pub fn blocking_send(&self, c: LayerChunk) -> Result<()> {
         let i = self.check(&c)?;
+        let Some(c) = self.uncached(c) else { return Ok(()) };
         self.txs[i].blocking_send(Item::Chunk(c)).map_err(|_| self.closed())
     }
 
     /// Enqueues a chunk without waiting; `Ok(false)` when the queue is full.
     pub fn try_send(&self, c: LayerChunk) -> Result<bool> {
         let i = self.check(&c)?;
+        let Some(c) = self.uncached(c) else { return Ok(true) };
         match self.txs[i].try_send(Item::Chunk(c)) {
             Ok(()) => Ok(true),
             Err(mpsc::error::TrySendError::Full(_)) => Ok(false),
@@ -265,6 +294,7 @@ impl KvSender {
                 lease,
                 layout: local.clone(),
                 num_tokens: ticket.num_tokens,
+                cached_tokens: ticket.cached_tokens,
                 txs: Arc::from(Vec::new()),
                 ended: Arc::new(AtomicBool::new(false)),
             },

@@ -3,10 +3,13 @@
 //! implementation for tests and benchmarks.
 //!
 //! Contract of an implementation:
-//! - `reserve(request, tokens, n)` answers, at once or later ([`Reserved`]), either exactly `n`
-//!   distinct free blocks (for `tokens` tokens of `request`; a pool keyed by request, like the
-//!   engine's, uses those), which stay out of the free pool until `release`d or adopted by a
-//!   request, or [`KvTransferError::OutOfBlocks`] without reserving anything. It never blocks:
+//! - `reserve(ask)` answers, at once or later ([`Reserved`]), either a [`Grant`] of exactly
+//!   `ask.num_blocks` distinct blocks (for `ask.num_tokens` tokens of `ask.request_id`; a pool
+//!   keyed by request, like the engine's, uses those), which stay out of the free pool until
+//!   `release`d or adopted by a request, or [`KvTransferError::OutOfBlocks`] without reserving
+//!   anything. When the ask carries the prompt, a pool with a prefix cache may grant its
+//!   leading blocks already holding that prefix's K and V (pinned for the lease, never written
+//!   by it): [`Grant::cached_tokens`] says how many tokens, and only the rest travels. It never blocks:
 //!   a pool owned by another thread (the engine's, which answers between its steps) answers
 //!   [`Reserved::Later`], and the receiver's actor goes on with every other lease's frames
 //!   meanwhile. Writes for a request come only after its reservation was answered (they follow
@@ -26,16 +29,45 @@ use cleave_protocol::{KvLayout, RequestId};
 use crate::payload::KvWrite;
 use crate::{KvTransferError, Result};
 
+/// What a reservation asks of the pool.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub request_id: RequestId,
+    pub num_tokens: u32,
+    /// `ceil(num_tokens / block_size)`.
+    pub num_blocks: usize,
+    /// The prompt whose K and V will arrive (`num_tokens` long), when the decode node knows it:
+    /// a pool may match it against its prefix cache. `None`: every token travels.
+    pub prompt: Option<Arc<[u32]>>,
+}
+
+/// Blocks a pool granted for a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// `Ask::num_blocks` blocks in position order.
+    pub blocks: Vec<u32>,
+    /// Leading tokens whose K and V the first blocks already hold (a cached prefix of the
+    /// prompt): a multiple of the block size, below `num_tokens`. The sender skips them.
+    pub cached_tokens: u32,
+}
+
+impl Grant {
+    /// Fresh blocks, nothing cached.
+    pub fn fresh(blocks: Vec<u32>) -> Self {
+        Self { blocks, cached_tokens: 0 }
+    }
+}
+
 /// A reservation's answer: now (a pool in this thread's reach), or a future the receiver's actor
 /// does not wait for (a pool owned by another thread).
 pub enum Reserved {
-    Now(Result<Vec<u32>>),
-    Later(Pin<Box<dyn Future<Output = Result<Vec<u32>>> + Send>>),
+    Now(Result<Grant>),
+    Later(Pin<Box<dyn Future<Output = Result<Grant>> + Send>>),
 }
 
 impl Reserved {
     /// The answer, waited for.
-    pub async fn wait(self) -> Result<Vec<u32>> {
+    pub async fn wait(self) -> Result<Grant> {
         match self {
             Reserved::Now(r) => r,
             Reserved::Later(f) => f.await,
@@ -54,7 +86,7 @@ impl std::fmt::Debug for Reserved {
 
 /// Where a receiver reserves blocks and writes the KV it receives.
 pub trait KvSink: Send + 'static {
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> Reserved;
+    fn reserve(&mut self, ask: Ask) -> Reserved;
     fn write(&mut self, w: &KvWrite) -> Result<()>;
     fn release(&mut self, request_id: RequestId, blocks: &[u32]);
 
@@ -211,8 +243,8 @@ impl MemoryPool {
 }
 
 impl KvSink for MemoryPool {
-    fn reserve(&mut self, _request_id: RequestId, _num_tokens: u32, num_blocks: usize) -> Reserved {
-        Reserved::Now(self.take_blocks(num_blocks))
+    fn reserve(&mut self, ask: Ask) -> Reserved {
+        Reserved::Now(self.take_blocks(ask.num_blocks).map(Grant::fresh))
     }
 
     fn write(&mut self, w: &KvWrite) -> Result<()> {

@@ -131,16 +131,16 @@ struct GatedPool {
 }
 
 impl cleave_kv_transfer::KvSink for GatedPool {
-    fn reserve(&mut self, request_id: RequestId, num_tokens: u32, num_blocks: usize) -> cleave_kv_transfer::Reserved {
+    fn reserve(&mut self, ask: cleave_kv_transfer::Ask) -> cleave_kv_transfer::Reserved {
         let pool = self.pool.clone();
-        match (request_id, self.gate.take()) {
+        match (ask.request_id, self.gate.take()) {
             (RequestId(1), Some(gate)) => cleave_kv_transfer::Reserved::Later(Box::pin(async move {
                 let _ = gate.await;
-                pool.take_blocks(num_blocks)
+                pool.take_blocks(ask.num_blocks).map(cleave_kv_transfer::Grant::fresh)
             })),
             (_, gate) => {
                 self.gate = gate;
-                self.pool.reserve(request_id, num_tokens, num_blocks)
+                self.pool.reserve(ask)
             }
         }
     }
@@ -194,4 +194,109 @@ async fn a_reservation_answered_later_does_not_block_other_leases() {
     let st = receiver.handle().stats().await.unwrap();
     assert_eq!((st.completed, st.reserved_blocks), (2, 0));
     assert_eq!(pool.free_blocks(), 64);
+}
+
+/// A pool with a prefix cache of one entry: blocks that already hold the K and V of `prefix`
+/// (whole blocks). A reservation whose prompt starts with it (and goes on past it) gets those
+/// blocks first, pinned: a release gives back only the fresh ones.
+struct PrefixPool {
+    pool: cleave_kv_transfer::MemoryPool,
+    prefix: Vec<u32>,
+    blocks: Vec<u32>,
+}
+
+impl cleave_kv_transfer::KvSink for PrefixPool {
+    fn reserve(&mut self, ask: cleave_kv_transfer::Ask) -> cleave_kv_transfer::Reserved {
+        let hit = ask.prompt.as_ref().is_some_and(|p| p.len() > self.prefix.len() && p.starts_with(&self.prefix));
+        if !hit {
+            return self.pool.reserve(ask);
+        }
+        let fresh = self.pool.take_blocks(ask.num_blocks - self.blocks.len());
+        cleave_kv_transfer::Reserved::Now(fresh.map(|fresh| cleave_kv_transfer::Grant {
+            blocks: self.blocks.iter().copied().chain(fresh).collect(),
+            cached_tokens: self.prefix.len() as u32,
+        }))
+    }
+    fn write(&mut self, w: &cleave_kv_transfer::KvWrite) -> cleave_kv_transfer::Result<()> {
+        assert!(
+            w.token_start >= self.prefix.len() as u32 || !w.blocks.starts_with(&self.blocks),
+            "a cached block written"
+        );
+        self.pool.write(w)
+    }
+    fn release(&mut self, request_id: RequestId, blocks: &[u32]) {
+        let fresh: Vec<u32> = blocks.iter().copied().filter(|b| !self.blocks.contains(b)).collect();
+        self.pool.release(request_id, &fresh)
+    }
+}
+
+/// A delta handoff over every stream transport: the receiver's pool holds the first 8 tokens of
+/// the prompt, the ticket says so, the sender is given every token (as the prefill engine
+/// exports them, in chunks that straddle the prefix's end) and moves only tokens 8..21; the
+/// blocks then hold the whole prompt. A reservation without the prompt, or with another
+/// prompt, moves everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_handoff_moves_only_what_the_receiver_lacks() {
+    use cleave_kv_transfer::{KvWrite, MemoryPool};
+    let l = layout();
+    let row = l.bytes_per_token() as u64;
+    for kind in [TransportKind::InProcess, TransportKind::TcpPlain, TransportKind::Quic] {
+        let pool = MemoryPool::new(l.clone(), 64);
+        // An earlier request left tokens 0..8 in two blocks.
+        let held = pool.take_blocks(2).unwrap();
+        for c in prefill_chunks(&l, 8, 8) {
+            let w = KvWrite {
+                lease: cleave_protocol::LeaseId(0),
+                request_id: RequestId(0),
+                blocks: held.clone().into(),
+                layer: c.layer,
+                token_start: 0,
+                token_count: 8,
+                k: c.k,
+                v: c.v,
+            };
+            cleave_kv_transfer::KvSink::write(&mut pool.clone(), &w).unwrap();
+        }
+        let prompt: Vec<u32> = (100..121).collect();
+        let sink = PrefixPool { pool: pool.clone(), prefix: prompt[..8].to_vec(), blocks: held.clone() };
+        let (receiver, transport) = common::spawn_receiver_with(kind, sink).await;
+        let cases: [(Option<Vec<u32>>, u32); 3] =
+            [(Some(prompt.clone()), 8), (None, 0), (Some((200..221).collect()), 0)];
+        for (i, (p, cached)) in cases.into_iter().enumerate() {
+            let id = RequestId(1 + i as u64);
+            let res = match p {
+                Some(p) => receiver.handle().reserve_prompt(id, p.into(), None).await.unwrap(),
+                None => receiver.handle().reserve(id, 21, None).await.unwrap(),
+            };
+            assert_eq!(res.ticket.cached_tokens, cached, "{kind:?} case {i}");
+            let sender = bounded("start", KvSender::start(transport.as_ref(), &res.ticket, &l, &SendConfig::default()))
+                .await
+                .unwrap();
+            for c in prefill_chunks(&l, 21, 5) {
+                bounded("send", sender.send(c)).await.unwrap();
+            }
+            let report = bounded("finish", sender.finish(9)).await.unwrap();
+            assert_eq!(
+                report.bytes,
+                u64::from(21 - cached) * row,
+                "{kind:?} case {i}: only the uncached tokens travel"
+            );
+            let done = res.done.wait(common::WAIT).await.unwrap();
+            assert_eq!(&done.blocks[..2] == &held[..], cached > 0, "{kind:?} case {i}");
+            for layer in 0..l.num_layers {
+                let (k, v) = pool.gather(&done.blocks, layer, 0, 21);
+                assert_eq!(k, kv_bytes(&l, 0, layer, 0, 21), "{kind:?} case {i} layer {layer} K");
+                assert_eq!(v, kv_bytes(&l, 1, layer, 0, 21), "{kind:?} case {i} layer {layer} V");
+            }
+            let fresh: Vec<u32> = done.blocks.iter().copied().filter(|b| !held.contains(b)).collect();
+            pool.free_request(&fresh);
+        }
+        // A lease that fails gives back its fresh blocks and keeps the cached ones.
+        let res = receiver.handle().reserve_prompt(RequestId(9), prompt.clone().into(), None).await.unwrap();
+        receiver.handle().cancel(res.ticket.lease_id).await.unwrap();
+        assert!(res.done.wait(common::WAIT).await.is_err());
+        let st = receiver.handle().stats().await.unwrap();
+        assert_eq!((st.completed, st.reserved_blocks), (3, 0), "{kind:?}");
+        assert_eq!(pool.free_blocks(), 62, "{kind:?}: all but the two cached blocks");
+    }
 }

@@ -24,7 +24,9 @@ fn setup(num_tokens: u32) -> (Receiver, Instant, LeaseId) {
     let mut r = Receiver::new(layout(), 100);
     let now = Instant::now();
     let blocks = (0..num_tokens.div_ceil(4)).map(|b| 10 + b).collect();
-    let lease = r.open_lease(now, LeaseSpec { request_id: RequestId(7), blocks, num_tokens, ttl: TTL }).unwrap();
+    let lease = r
+        .open_lease(now, LeaseSpec { request_id: RequestId(7), blocks, num_tokens, cached_tokens: 0, ttl: TTL })
+        .unwrap();
     (r, now, lease)
 }
 

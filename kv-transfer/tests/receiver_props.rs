@@ -140,7 +140,7 @@ proptest! {
             let nb = n.div_ceil(l.block_size) as usize;
             let blocks = (next_block..next_block + nb as u32).collect();
             next_block += nb as u32;
-            let id = r.open_lease(now, LeaseSpec { request_id: RequestId(i as u64), blocks, num_tokens: n, ttl: Duration::from_secs(10) }).unwrap();
+            let id = r.open_lease(now, LeaseSpec { request_id: RequestId(i as u64), blocks, num_tokens: n, cached_tokens: 0, ttl: Duration::from_secs(10) }).unwrap();
             m.ids.push(id);
             m.blocks.insert(id, nb);
         }

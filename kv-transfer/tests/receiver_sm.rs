@@ -19,7 +19,9 @@ fn setup(num_tokens: u32) -> (Receiver, Instant, LeaseId) {
     let mut r = Receiver::new(layout(), 100);
     let now = Instant::now();
     let blocks = (0..num_tokens.div_ceil(4)).map(|b| 10 + b).collect();
-    let lease = r.open_lease(now, LeaseSpec { request_id: RequestId(7), blocks, num_tokens, ttl: TTL }).unwrap();
+    let lease = r
+        .open_lease(now, LeaseSpec { request_id: RequestId(7), blocks, num_tokens, cached_tokens: 0, ttl: TTL })
+        .unwrap();
     (r, now, lease)
 }
 
@@ -289,7 +291,10 @@ fn lease_spec_must_fit_its_tokens() {
     let mut r = Receiver::new(layout(), 1);
     let now = Instant::now();
     let err = r
-        .open_lease(now, LeaseSpec { request_id: RequestId(1), blocks: vec![1], num_tokens: 5, ttl: TTL })
+        .open_lease(
+            now,
+            LeaseSpec { request_id: RequestId(1), blocks: vec![1], num_tokens: 5, cached_tokens: 0, ttl: TTL },
+        )
         .unwrap_err();
     assert!(matches!(err, KvTransferError::InvalidRequest { .. }), "{err}");
     assert_eq!(r.reserved_blocks(), 0);
@@ -515,4 +520,51 @@ fn an_open_naming_an_unknown_link_keeps_the_lease_for_a_new_link() {
     r.on_frame(now, 1, open_linked(lease, 6, 1));
     r.bound(lease, 1, Err(KvTransferError::RdmaUnknownLink { link: 3 }));
     bind(&mut r, now, lease, 6);
+}
+
+/// A lease whose first blocks already hold a cached prefix (8 of 10 tokens, blocks of 4):
+/// it completes once every layer holds tokens 8..10, a chunk inside the prefix is a duplicate,
+/// one straddling its end a gap, and a prefix that is not whole blocks below the token count
+/// is refused at reservation.
+#[test]
+fn a_cached_prefix_travels_not_and_the_lease_completes_on_the_rest() {
+    let mut r = Receiver::new(layout(), 100);
+    let now = Instant::now();
+    let spec = |cached| LeaseSpec {
+        request_id: RequestId(7),
+        blocks: vec![10, 11, 12],
+        num_tokens: 10,
+        cached_tokens: cached,
+        ttl: TTL,
+    };
+    for bad in [2, 10, 12] {
+        let err = r.open_lease(now, spec(bad)).unwrap_err();
+        assert!(matches!(err, KvTransferError::InvalidRequest { .. }), "{bad}: {err}");
+    }
+    assert_eq!(r.reserved_blocks(), 0);
+    let lease = r.open_lease(now, spec(8)).unwrap();
+    bind(&mut r, now, lease, 10);
+    let fx = r.on_frame(now, 1, chunk_frame(&layout(), lease, 0, 4, 4));
+    assert!(matches!(&fx[..], [Effect::Dropped { why: DropReason::Duplicate, .. }]), "{fx:?}");
+    let mut last = Vec::new();
+    for layer in 0..3 {
+        last = r.on_frame(now, 1, chunk_frame(&layout(), lease, layer, 8, 2));
+        assert_eq!(writes(&last), 1);
+    }
+    assert!(last.is_empty() || !last.iter().any(|e| matches!(e, Effect::Completed { .. })));
+    let fx = r.on_frame(now, 1, Frame::Control(Control::Complete { lease_id: lease, first_token: 5 }));
+    let done = fx.iter().find_map(|e| match e {
+        Effect::Completed { blocks, .. } => Some(blocks.clone()),
+        _ => None,
+    });
+    assert_eq!(done, Some(vec![10, 11, 12]));
+    assert_eq!(r.reserved_blocks(), 0);
+
+    let lease = r.open_lease(now, spec(8)).unwrap();
+    r.stream_opened(2);
+    let fx = r.on_frame(now, 2, open(lease, 10));
+    assert!(matches!(&fx[..], [Effect::Send { msg: Control::Accept { .. }, .. }]), "{fx:?}");
+    let fx = r.on_frame(now, 2, chunk_frame(&layout(), lease, 0, 6, 4));
+    assert!(matches!(released(&fx), Some(KvTransferError::ChunkGap { expected: 8, got: 6, .. })), "{fx:?}");
+    assert_eq!(r.reserved_blocks(), 0);
 }

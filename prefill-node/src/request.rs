@@ -260,6 +260,7 @@ mod tests {
             num_tokens: 3,
             lease_ttl: Duration::from_secs(5),
             receiver_name: None,
+            cached_tokens: 0,
         }
     }
 

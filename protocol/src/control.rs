@@ -411,6 +411,7 @@ fn ticket_to_fb(t: &HandoffTicket) -> fb::TicketT {
         num_tokens: t.num_tokens,
         lease_ms: u32::try_from(t.lease_ttl.as_millis()).unwrap_or(u32::MAX),
         receiver_name: t.receiver_name.clone(),
+        cached_tokens: t.cached_tokens,
     }
 }
 
@@ -638,6 +639,16 @@ fn ticket_from_fb(t: &fb::TicketT) -> Result<HandoffTicket, WireError> {
             ),
         ));
     }
+    if t.cached_tokens >= t.num_tokens || !t.cached_tokens.is_multiple_of(layout.block_size) {
+        return Err(invalid(
+            M,
+            "cached_tokens",
+            format!(
+                "{} cached of {} tokens: need a multiple of the block size {} below the token count",
+                t.cached_tokens, t.num_tokens, layout.block_size
+            ),
+        ));
+    }
     Ok(HandoffTicket {
         version: crate::handoff::HANDOFF_VERSION,
         request_id: RequestId(t.request_id),
@@ -649,6 +660,7 @@ fn ticket_from_fb(t: &fb::TicketT) -> Result<HandoffTicket, WireError> {
         num_tokens: t.num_tokens,
         lease_ttl: std::time::Duration::from_millis(u64::from(t.lease_ms)),
         receiver_name: t.receiver_name.clone(),
+        cached_tokens: t.cached_tokens,
     })
 }
 

@@ -69,6 +69,12 @@ pub struct HandoffTicket {
     /// ticket naming an address now held by another node). None where links are not
     /// authenticated (plain TCP, in-process).
     pub receiver_name: Option<String>,
+    /// Leading tokens whose K and V the receiver already holds (a prefix of the prompt found in
+    /// its prefix cache, pinned for the lease): the sender delivers tokens
+    /// `cached_tokens..num_tokens` only. A multiple of the block size and below `num_tokens`
+    /// (at least one token always travels), 0 when nothing is cached.
+    #[serde(default)]
+    pub cached_tokens: u32,
 }
 
 impl HandoffTicket {
@@ -82,7 +88,10 @@ impl HandoffTicket {
 
     /// True when the block list matches the token count (see the module invariants).
     pub fn is_consistent(&self) -> bool {
-        self.layout.block_size > 0 && self.block_ids.len() == Self::blocks_for(self.num_tokens, self.layout.block_size)
+        self.layout.block_size > 0
+            && self.block_ids.len() == Self::blocks_for(self.num_tokens, self.layout.block_size)
+            && self.cached_tokens < self.num_tokens
+            && self.cached_tokens.is_multiple_of(self.layout.block_size)
     }
 }
 
@@ -112,10 +121,18 @@ mod tests {
             num_tokens: 17,
             lease_ttl: Duration::from_secs(1),
             receiver_name: None,
+            cached_tokens: 16,
         };
         assert!(t.is_consistent());
+        t.cached_tokens = 8;
+        assert!(!t.is_consistent(), "not a whole block");
+        t.cached_tokens = 0;
         t.num_tokens = 33;
         assert!(!t.is_consistent());
+        t.num_tokens = 16;
+        t.block_ids = vec![0];
+        t.cached_tokens = 16;
+        assert!(!t.is_consistent(), "every token cached: nothing would travel");
         assert_eq!(HandoffTicket::blocks_for(0, 16), 0);
     }
 }

@@ -38,6 +38,7 @@ fn ticket(num_tokens: u32) -> HandoffTicket {
         num_tokens,
         lease_ttl: std::time::Duration::from_millis(5000),
         receiver_name: Some("decode-1".into()),
+        cached_tokens: 0,
     }
 }
 
@@ -107,6 +108,7 @@ fn samples() -> Vec<ControlMsg> {
             generated: vec![8, 9],
         }),
         ControlMsg::Ticket(ticket(16)),
+        ControlMsg::Ticket(HandoffTicket { cached_tokens: 8, ..ticket(17) }),
         ControlMsg::Cancel(RequestId(42)),
         ControlMsg::Token(TokenEvent {
             request_id: RequestId(1),
@@ -220,6 +222,12 @@ fn invalid_contents_are_refused_with_the_field_named() {
     t.block_ids.pop();
     let err = decode(&encode(&ControlMsg::Ticket(t))).unwrap_err();
     assert!(err.to_string().contains("block_ids"), "{err}");
+    for cached in [9, 6, 12] {
+        // Past the tokens, not a whole block (the layout's block is 4), every token cached.
+        let t = HandoffTicket { cached_tokens: cached, ..ticket(if cached == 12 { 12 } else { 9 }) };
+        let err = decode(&encode(&ControlMsg::Ticket(t))).unwrap_err();
+        assert!(err.to_string().contains("cached_tokens"), "{cached}: {err}");
+    }
 
     let mut w = work(1, vec![1], None, None);
     w.stop.max_tokens = 0;
@@ -236,7 +244,7 @@ proptest! {
     }
 
     #[test]
-    fn mutated_messages_never_panic(which in 0usize..15, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+    fn mutated_messages_never_panic(which in 0usize..64, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
         let all = samples();
         let mut b = encode(&all[which % all.len()]);
         for (at, x) in flips {

@@ -11,7 +11,7 @@ use cleave_protocol::{FinishReason, KvLayout, RequestId, TokenEvent};
 
 use super::{EngineCore, EngineRequest, Parked};
 use crate::export::{ExportItem, ExportState, KvChunk, KvExport, KvExportEvent};
-use crate::import::{ImportStart, KvRows};
+use crate::import::{ImportGrant, ImportStart, KvRows};
 use crate::sched::{Batch, SchedError};
 use crate::{EngineError, Result};
 
@@ -132,7 +132,18 @@ impl<B: Backend> EngineCore<B> {
     pub fn reserve_import(&mut self, id: RequestId, num_tokens: usize) -> Result<Vec<u32>> {
         self.check_new_id(id)?;
         let layers = self.model.config.num_layers;
-        self.imports.reserve(&mut self.sched, id, num_tokens, layers)
+        Ok(self.imports.reserve(&mut self.sched, id, num_tokens, layers, None)?.0)
+    }
+
+    /// [`EngineCore::reserve_import`] for the K/V of `prompt`: leading full blocks of it found
+    /// in the prefix cache are reserved as they are (pinned for the import) and count as
+    /// arrived, so only tokens `cached_tokens..` must come with [`EngineCore::import_kv`].
+    /// `cached_tokens` is a multiple of the block size below the prompt's length.
+    pub fn reserve_import_prompt(&mut self, id: RequestId, prompt: &[u32]) -> Result<ImportGrant> {
+        self.check_new_id(id)?;
+        let layers = self.model.config.num_layers;
+        let (blocks, cached_tokens) = self.imports.reserve(&mut self.sched, id, prompt.len(), layers, Some(prompt))?;
+        Ok(ImportGrant { blocks, cached_tokens })
     }
 
     /// Writes K and V rows of one layer for positions `token_start..` (the layout of

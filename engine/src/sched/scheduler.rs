@@ -211,6 +211,29 @@ impl Scheduler {
         Ok(self.kv.reserve(self.kv.blocks_for(num_tokens))?)
     }
 
+    /// [`Scheduler::reserve_blocks`] for the K/V of `prompt`, whose leading full blocks may
+    /// already be in the prefix cache: those blocks come first (a reference taken on each, so
+    /// they stay cached and are never written: the sequence writes only past them), fresh
+    /// ones after. Returns the blocks and how many leading tokens they already hold: whole
+    /// blocks, and below `prompt.len()` (the last token's K/V always arrives, so the sequence
+    /// owns the block it goes on writing into). All or nothing.
+    pub fn reserve_blocks_for_prompt(&mut self, prompt: &[u32]) -> Result<(Vec<u32>, usize), SchedError> {
+        let bs = self.kv.block_size();
+        let hit = self.kv.find_prefix(prompt);
+        let cached = hit.num_tokens(bs).min(prompt.len().saturating_sub(1) / bs * bs);
+        let table = self.kv.adopt_prefix(&hit, cached)?;
+        let fresh = match self.kv.reserve(self.kv.blocks_for(prompt.len()) - table.blocks().len()) {
+            Ok(f) => f,
+            Err(e) => {
+                self.kv.free(table)?;
+                return Err(e.into());
+            }
+        };
+        let mut blocks = table.blocks().to_vec();
+        blocks.extend(fresh);
+        Ok((blocks, cached))
+    }
+
     /// Returns reserved blocks that will not be used (e.g. the transfer failed).
     pub fn release_reserved(&mut self, blocks: &[u32]) -> Result<(), SchedError> {
         Ok(self.kv.release_blocks(blocks)?)

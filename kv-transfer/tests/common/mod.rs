@@ -301,3 +301,24 @@ pub async fn rebind(cfg: &NetConfig, addr: SocketAddr) -> Listener {
     }
     panic!("could not rebind {addr}: {last:?}");
 }
+
+/// A receiver over `sink` (any pool, not only a [`MemoryPool`]) on a stream transport of
+/// `kind`, and a sender-side transport to it.
+pub async fn spawn_receiver_with<S: cleave_kv_transfer::KvSink>(
+    kind: TransportKind,
+    sink: S,
+) -> (ReceiverService, Arc<dyn Transport>) {
+    let opts = PairOptions::default();
+    if kind == TransportKind::InProcess {
+        let receiver = ReceiverService::spawn(receiver_cfg(kind, "127.0.0.1:1".parse().unwrap(), &opts), sink, None);
+        let transport: Arc<dyn Transport> = Arc::new(receiver.handle().in_process());
+        return (receiver, transport);
+    }
+    let ids = NodeIdentity::generate_test_cluster(&["decode-0", "prefill-0"]).unwrap();
+    let nk = net_kind(kind);
+    let (rid, sid) = if nk == NetKind::TcpPlain { (None, None) } else { (Some(ids[0].clone()), Some(ids[1].clone())) };
+    let listener = Listener::bind(&NetConfig::new(nk, rid), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = listener.local_addr();
+    let receiver = ReceiverService::spawn(receiver_cfg(kind, addr, &opts), sink, Some(listener));
+    (receiver, Arc::new(NetTransport::new(&NetConfig::new(nk, sid)).unwrap()))
+}

@@ -2736,6 +2736,7 @@ impl<'a> Ticket<'a> {
   pub const VT_NUM_TOKENS: ::flatbuffers::VOffsetT = 16;
   pub const VT_LEASE_MS: ::flatbuffers::VOffsetT = 18;
   pub const VT_RECEIVER_NAME: ::flatbuffers::VOffsetT = 20;
+  pub const VT_CACHED_TOKENS: ::flatbuffers::VOffsetT = 22;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -2749,6 +2750,7 @@ impl<'a> Ticket<'a> {
     let mut builder = TicketBuilder::new(_fbb);
     builder.add_lease_id(args.lease_id);
     builder.add_request_id(args.request_id);
+    builder.add_cached_tokens(args.cached_tokens);
     if let Some(x) = args.receiver_name { builder.add_receiver_name(x); }
     builder.add_lease_ms(args.lease_ms);
     builder.add_num_tokens(args.num_tokens);
@@ -2777,6 +2779,7 @@ impl<'a> Ticket<'a> {
     let receiver_name = self.receiver_name().map(|x| {
       alloc::string::ToString::to_string(x)
     });
+    let cached_tokens = self.cached_tokens();
     TicketT {
       request_id,
       lease_id,
@@ -2787,6 +2790,7 @@ impl<'a> Ticket<'a> {
       num_tokens,
       lease_ms,
       receiver_name,
+      cached_tokens,
     }
   }
 
@@ -2855,6 +2859,15 @@ impl<'a> Ticket<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Ticket::VT_RECEIVER_NAME, None)}
   }
+  /// Leading prompt tokens the receiver already holds (its prefix cache): the sender delivers
+  /// tokens cached_tokens..num_tokens only. A multiple of the block size, below num_tokens.
+  #[inline]
+  pub fn cached_tokens(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(Ticket::VT_CACHED_TOKENS, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Ticket<'_> {
@@ -2872,6 +2885,7 @@ impl ::flatbuffers::Verifiable for Ticket<'_> {
      .visit_field::<u32>("num_tokens", Self::VT_NUM_TOKENS, false)?
      .visit_field::<u32>("lease_ms", Self::VT_LEASE_MS, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("receiver_name", Self::VT_RECEIVER_NAME, false)?
+     .visit_field::<u32>("cached_tokens", Self::VT_CACHED_TOKENS, false)?
      .finish();
     Ok(())
   }
@@ -2886,6 +2900,7 @@ pub struct TicketArgs<'a> {
     pub num_tokens: u32,
     pub lease_ms: u32,
     pub receiver_name: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub cached_tokens: u32,
 }
 impl<'a> Default for TicketArgs<'a> {
   #[inline]
@@ -2900,6 +2915,7 @@ impl<'a> Default for TicketArgs<'a> {
       num_tokens: 0,
       lease_ms: 0,
       receiver_name: None,
+      cached_tokens: 0,
     }
   }
 }
@@ -2946,6 +2962,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> TicketBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Ticket::VT_RECEIVER_NAME, receiver_name);
   }
   #[inline]
+  pub fn add_cached_tokens(&mut self, cached_tokens: u32) {
+    self.fbb_.push_slot::<u32>(Ticket::VT_CACHED_TOKENS, cached_tokens, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> TicketBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     TicketBuilder {
@@ -2972,6 +2992,7 @@ impl ::core::fmt::Debug for Ticket<'_> {
       ds.field("num_tokens", &self.num_tokens());
       ds.field("lease_ms", &self.lease_ms());
       ds.field("receiver_name", &self.receiver_name());
+      ds.field("cached_tokens", &self.cached_tokens());
       ds.finish()
   }
 }
@@ -2987,6 +3008,7 @@ pub struct TicketT {
   pub num_tokens: u32,
   pub lease_ms: u32,
   pub receiver_name: Option<alloc::string::String>,
+  pub cached_tokens: u32,
 }
 impl Default for TicketT {
   fn default() -> Self {
@@ -3000,6 +3022,7 @@ impl Default for TicketT {
       num_tokens: 0,
       lease_ms: 0,
       receiver_name: None,
+      cached_tokens: 0,
     }
   }
 }
@@ -3025,6 +3048,7 @@ impl TicketT {
     let receiver_name = self.receiver_name.as_ref().map(|x|{
       _fbb.create_string(x)
     });
+    let cached_tokens = self.cached_tokens;
     Ticket::create(_fbb, &TicketArgs{
       request_id,
       lease_id,
@@ -3035,6 +3059,7 @@ impl TicketT {
       num_tokens,
       lease_ms,
       receiver_name,
+      cached_tokens,
     })
   }
 }

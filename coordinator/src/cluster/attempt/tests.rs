@@ -81,6 +81,7 @@ fn ticket() -> HandoffTicket {
         num_tokens: 4,
         lease_ttl: Duration::from_secs(5),
         receiver_name: None,
+        cached_tokens: 0,
     }
 }
 
