@@ -116,6 +116,73 @@ fn responses_say_how_they_were_served_and_the_metrics_agree() {
     });
 }
 
+/// A multi-turn chat through one prefill and one decode node: from the second turn on, the
+/// decode node holds the conversation so far (earlier prompts and answers) in its prefix cache,
+/// reserves the turn with those blocks, and the prefill node sends only the rest: the handoff
+/// bytes (coordinator and both nodes' metrics) are the uncached tokens' 512 bytes each. Every
+/// turn's greedy text equals `cleave generate --messages` on the same conversation.
+#[test]
+fn a_multi_turn_chat_hands_off_only_what_the_decode_node_lacks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["prefill", "decode"], &["--local-prefill-max-tokens", "0"]);
+    let dir = std::env::temp_dir().join(format!("cleave-turns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let get = |url: String| async move { reqwest::get(url).await.unwrap().text().await.unwrap() };
+        let dm_url = format!("http://{}/metrics", c.nodes[1].ready["metrics"]);
+        let users = ["Tell me a story about a dragon.", "And then what happened?", "How does it end?"];
+        let mut messages = Vec::new();
+        let (mut sent_before, mut cached_before, mut prev_prompt) = (0.0, 0.0, 0.0f64);
+        for (turn, user) in users.iter().enumerate() {
+            messages.push(json!({"role": "user", "content": user}));
+            let body = json!({"model": "tiny-llama", "messages": messages, "max_tokens": 20, "temperature": 0});
+            let v: Value = c
+                .client
+                .post(format!("{}/v1/chat/completions", c.http))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let text = v["choices"][0]["message"]["content"].as_str().unwrap_or_else(|| panic!("{v}")).to_string();
+            let prompt_tokens = v["usage"]["prompt_tokens"].as_f64().unwrap();
+            let m = get(format!("{}/metrics", c.http)).await;
+            let sent = sample(&m, "cleave_handoff_transfer_bytes_sum", &[]);
+            let cached = sample(&get(dm_url.clone()).await, "cleave_node_handoff_cached_tokens_total", &[]);
+            let (sent_now, cached_now) = (sent - sent_before, cached - cached_before);
+            (sent_before, cached_before) = (sent, cached);
+            assert_eq!(sent_now, (prompt_tokens - cached_now) * 512.0, "turn {turn}: only uncached tokens travel");
+            if turn == 0 {
+                assert_eq!(cached_now, 0.0);
+            } else {
+                // At least the previous turn's prompt, in full blocks of 16 tokens.
+                let floor = 16.0 * (prev_prompt / 16.0).floor();
+                assert!(cached_now >= floor, "turn {turn}: {cached_now} of {prompt_tokens} cached, want {floor}");
+            }
+            prev_prompt = prompt_tokens;
+            let pm = get(format!("http://{}/metrics", c.nodes[0].ready["metrics"])).await;
+            assert_eq!(sample(&pm, "cleave_kv_transfer_bytes_total", &[("side", "sender")]), sent, "{pm}");
+            let file = dir.join(format!("turn{turn}.json"));
+            std::fs::write(&file, serde_json::to_string(&messages).unwrap()).unwrap();
+            let out = Command::new(exe())
+                .args(["generate", "--model", tiny_llama().to_str().unwrap(), "--max-tokens", "20", "--messages"])
+                .arg(&file)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let want = String::from_utf8(out.stdout).unwrap();
+            assert_eq!(text, want.strip_suffix('\n').unwrap_or(&want), "turn {turn}");
+            messages.push(json!({"role": "assistant", "content": text}));
+        }
+        assert!(cached_before > 0.0, "no turn found its prefix on the decode node");
+        c.wait_blocks_free().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn two_prefill_two_decode_and_two_colocated_match_transformers() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -20,8 +20,13 @@ pub struct GenerateArgs {
     #[arg(long, env = "CLEAVE_MODEL")]
     model: PathBuf,
     /// The prompt text.
-    #[arg(long)]
-    prompt: String,
+    #[arg(long, required_unless_present = "messages")]
+    prompt: Option<String>,
+    /// A conversation instead of a prompt: a JSON file holding an array of chat messages
+    /// (`{"role", "content"}`, as in the OpenAI API), rendered through the model's chat template
+    /// with the assistant's turn opened; `-` reads standard input.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "chat"])]
+    messages: Option<PathBuf>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
@@ -88,12 +93,26 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let tokenizer = files.tokenizer.clone();
-    let prompt = if args.chat {
-        let text = tokenizer.render_chat(&[ChatMessage::new("user", &args.prompt)], true)?;
+    let messages = match (&args.messages, &args.prompt) {
+        (Some(path), _) => {
+            let text = if path.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading messages from standard input")?
+            } else {
+                std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+            };
+            let m: Vec<ChatMessage> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not a JSON array of chat messages", path.display()))?;
+            anyhow::ensure!(!m.is_empty(), "{}: no messages", path.display());
+            Some(m)
+        }
+        (None, Some(p)) if args.chat => Some(vec![ChatMessage::new("user", p)]),
+        (None, _) => None,
+    };
+    let prompt = match (&messages, &args.prompt) {
         // The template renders special tokens (BOS) itself.
-        tokenizer.encode(&text, false)?
-    } else {
-        tokenizer.encode(&args.prompt, true)?
+        (Some(m), _) => tokenizer.encode(&tokenizer.render_chat(m, true)?, false)?,
+        (None, Some(p)) => tokenizer.encode(p, true)?,
+        (None, None) => anyhow::bail!("give --prompt or --messages"),
     };
     let cfg: EngineConfig = args.engine.to_config();
     let mut core = EngineCore::load(CpuBackend::new(args.engine.threads)?, files, &cfg)?;

@@ -133,10 +133,15 @@ impl BlockPool {
         self.meta.get(block as usize).is_some_and(|m| m.cached.is_some())
     }
 
-    /// Keys of every block registered in the prefix cache (in use or evictable), in no
-    /// particular order. Compact enough for a coordinator to route on.
+    /// Keys of every block registered in the prefix cache, most worth reporting first: the
+    /// blocks live sequences hold (in use), then the evictable ones from the most recently
+    /// released, which are the last to be evicted. A coordinator that takes only the first `n`
+    /// (a bounded report) thereby gets the prefixes most likely to still be here when a request
+    /// it routes arrives, not an arbitrary subset of the table.
     pub fn cached_hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.cache.keys().copied()
+        let key = |b: u32| self.meta[b as usize].cached.as_ref().map(|e| e.hash);
+        let in_use = self.cache.values().copied().filter(|&b| self.meta[b as usize].refcount > 0);
+        in_use.chain(self.lru.values().rev().copied()).filter_map(key)
     }
 
     fn meta_mut(&mut self, block: u32) -> Result<&mut BlockMeta, KvError> {
@@ -310,6 +315,26 @@ mod tests {
         p.check_invariants().unwrap();
         assert!(BlockPool::new(0, 4).is_err());
         assert!(BlockPool::new(4, 0).is_err());
+    }
+
+    #[test]
+    fn cached_hashes_come_in_use_first_then_most_recently_released() {
+        let mut p = BlockPool::new(4, 2).unwrap();
+        let blocks = p.allocate_n(4).unwrap();
+        let hashes: Vec<u64> = blocks
+            .iter()
+            .map(|&b| {
+                let tokens = [b * 10, b * 10 + 1];
+                p.register(b, ROOT_HASH, &tokens).unwrap();
+                block_hash(ROOT_HASH, &tokens)
+            })
+            .collect();
+        // Released in the order 2, 0, 3; block 1 stays in use.
+        for b in [2, 0, 3] {
+            p.release(b).unwrap();
+        }
+        let got: Vec<u64> = p.cached_hashes().collect();
+        assert_eq!(got, vec![hashes[1], hashes[3], hashes[0], hashes[2]]);
     }
 
     #[test]

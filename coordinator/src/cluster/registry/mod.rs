@@ -216,9 +216,12 @@ impl Node {
         NodeRef { id, name: self.reg.name.clone(), role: self.reg.role, rpc_addr: self.reg.rpc_addr }
     }
 
-    /// Leading prompt blocks this node holds in its prefix cache.
+    /// Leading prompt blocks this node holds in its prefix cache: up to the last block whose
+    /// key it reported. A block's key chains every block before it (`prefix::block_hash`), so
+    /// that key alone names the whole prefix; a middle key missing from a bounded report does
+    /// not hide the rest of the match.
     fn overlap(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.prefix.contains(h)).count()
+        hashes.iter().rposition(|h| self.prefix.contains(h)).map_or(0, |i| i + 1)
     }
 
     /// The kinds of new work routed here: its role's when active; while it switches, what the

@@ -328,3 +328,30 @@ fn a_node_is_never_given_a_role_its_certificate_does_not_allow() {
     let any = r.register(reg("a", NodeRole::Decode, 1, 2), t).unwrap();
     r.set_role(any, NodeRole::Both, None, t).unwrap();
 }
+
+/// A report that misses a middle block's key still counts the blocks up to the last key it
+/// has (a key names its whole prefix), and the decode node holding the prompt's prefix wins
+/// over an equal one (a delta handoff then moves only the rest).
+#[test]
+fn a_missing_middle_key_does_not_hide_the_rest_of_a_match() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let _p = r.register(reg("p1", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d1 = r.register(reg("d1", NodeRole::Decode, 1, 2), t).unwrap();
+    let d2 = r.register(reg("d2", NodeRole::Decode, 1, 3), t).unwrap();
+    let mut hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q(200).tokens, 4).collect();
+    assert!(hashes.len() >= 40);
+    hashes.truncate(40);
+    let full = |prefix_hashes| LoadReport { total_blocks: 100, free_blocks: 100, prefix_hashes, ..Default::default() };
+    // d2 reports the first 40 blocks but one in the middle; d1 the first 10, all of them.
+    let mut gap = hashes.clone();
+    gap.remove(20);
+    r.report(d1, full(hashes[..10].to_vec()), t);
+    r.report(d2, full(gap), t);
+    assert_eq!(r.nodes[&d2].overlap(&hashes), 40);
+    assert_eq!(r.nodes[&d1].overlap(&hashes), 10);
+    let (plan, a) = r.plan(&q(200)).unwrap();
+    let Plan::Remote { decode, .. } = plan else { panic!("{plan:?}") };
+    assert_eq!(decode.id, d2, "the node holding more of the prompt decodes it");
+    r.release(&a, t);
+}
