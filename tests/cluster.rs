@@ -287,8 +287,14 @@ fn a_bf16_kv_cache_cluster_matches_generate_and_refuses_another_dtype() {
             assert!(std::time::Instant::now() < deadline, "handoff reports missing");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // 2 layers x K and V x 2 heads x 16 x 2 bytes.
-        assert_eq!(metric(&c, "cleave_handoff_transfer_bytes_sum").await, prompt_tokens as f64 * 256.0);
+        // 2 layers x K and V x 2 heads x 16 x 2 bytes, for every token the decode node lacked
+        // (each prompt went twice: the second time its full blocks were in the decode node's
+        // prefix cache, and stayed there).
+        let dm = reqwest::get(format!("http://{}/metrics", c.nodes[1].ready["metrics"])).await.unwrap();
+        let cached = sample(&dm.text().await.unwrap(), "cleave_node_handoff_cached_tokens_total", &[]);
+        assert!(cached >= 16.0, "a repeated prompt found none of its blocks on the decode node");
+        let sent = metric(&c, "cleave_handoff_transfer_bytes_sum").await;
+        assert_eq!(sent, (prompt_tokens as f64 - cached) * 256.0);
         c.wait_blocks_free().await;
     });
     for (dtype, extra) in [("f32", &[][..]), ("f16", &["--kv-cache-dtype", "f16"][..])] {

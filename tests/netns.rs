@@ -39,9 +39,16 @@ fn cluster_in(net: &Net, nodes: &[(&str, &str)], coordinator_args: &[&str]) -> T
     let mut c = coordinator_in(net, &tiny_llama(), nodes, coordinator_args);
     let cluster = c.cluster.clone();
     for (name, role) in nodes {
-        c.nodes.push(node_in(net, &c, name, role, &cluster, (0, 0), &[]));
+        c.nodes.push(node_in(net, &c, name, role, &cluster, (0, 0), &no_prefix_cache()));
     }
     c
+}
+
+/// Node flags of these tests: no prefix cache, so that every handoff moves its whole prompt.
+/// They exercise the links, and a prompt sent again would otherwise find its blocks on the
+/// decode node and move only the last of them (a delta handoff).
+fn no_prefix_cache() -> Vec<String> {
+    vec!["--no-prefix-caching".into()]
 }
 
 /// The coordinator of a cluster in `net` (on the host named "coordinator"), with certificates
@@ -424,11 +431,12 @@ fn decode_behind_relays(
         [relay(cluster).await, relay((d, rpc_port).into()).await, relay((d, kv_port).into()).await]
     });
     let [control, rpc, kv] = &relays;
-    let t = ["--transport".to_string(), transport.into()];
+    let t = ["--transport".to_string(), transport.into(), no_prefix_cache()[0].clone()];
     c.nodes.push(node_in(net, &c, "prefill", "prefill", &c.cluster, (0, 0), &t));
     let advertise = [
         t[0].clone(),
         t[1].clone(),
+        t[2].clone(),
         "--rpc-advertise".into(),
         rpc.addr.to_string(),
         "--kv-advertise".into(),
