@@ -281,7 +281,23 @@ async fn chat_endpoint_sends_one_user_message_and_reads_deltas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_with_duration_stops_sending_at_the_end() {
-    let (addr, _) = gated_server(1).await;
+    // Each answer takes 2 ms, so that 0.3 s hold at most ~150 requests whatever the machine's
+    // speed (an instant server answered all 5000 within the duration on a fast machine).
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_request(&mut s).await.is_none() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                let body = format!("{head}{}data: [DONE]\n\n", chunk("x", Some("length")));
+                let _ = s.write_all(body.as_bytes()).await;
+            });
+        }
+    });
     let tok = Tokenizer::from_model_dir(testdata_dir().join("tiny-llama")).unwrap();
     let mut args = ServeArgs::default();
     args.base_url = Some(format!("http://{addr}"));
