@@ -48,9 +48,20 @@ impl std::fmt::Debug for PackedLinear {
 impl PackedLinear {
     /// Packs `w: [n, k]` (row-major; only its first `n * k` elements are read).
     pub(crate) fn pack(pool: &rayon::ThreadPool, w: &[f32], n: usize, k: usize) -> Result<Self> {
+        check::at_least("prepare_linear", "w", w.len(), check::mul("prepare_linear", n, k)?)?;
+        Self::pack_with(pool, n, k, |j, row| row.copy_from_slice(&w[j * k..(j + 1) * k]))
+    }
+
+    /// Packs the `[n, k]` weight whose row `j` `row(j, out)` writes into `out` (`k` floats),
+    /// calling it once per row, from the pool's threads.
+    pub(crate) fn pack_with(
+        pool: &rayon::ThreadPool,
+        n: usize,
+        k: usize,
+        row: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Result<Self> {
         const OP: &str = "prepare_linear";
-        let need = check::mul(OP, n, k)?;
-        check::at_least(OP, "w", w.len(), need)?;
+        check::mul(OP, n, k)?;
         let panels = n.div_ceil(NR);
         let len = check::mul(OP, check::mul(OP, panels, k)?, NR)?;
         // 16 spare floats to align the panels to 64 bytes.
@@ -62,9 +73,10 @@ impl PackedLinear {
         if k > 0 {
             pool.install(|| {
                 data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
+                    let mut buf = vec![0f32; k];
                     for j in 0..NR.min(n - p * NR) {
-                        let row = &w[(p * NR + j) * k..(p * NR + j + 1) * k];
-                        for (kk, &v) in row.iter().enumerate() {
+                        row(p * NR + j, &mut buf);
+                        for (kk, &v) in buf.iter().enumerate() {
                             panel[kk * NR + j] = v;
                         }
                     }
@@ -109,25 +121,13 @@ impl PackedLinear {
     }
 }
 
-/// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
+/// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`, where row `r` of `out`
+/// starts at `out[r * ld]` (`ld >= n`; `ld == n` for a whole output).
 pub(crate) struct Product<'a> {
     pub w: &'a PackedLinear,
     pub bias: Option<&'a [f32]>,
     pub out: &'a mut [f32],
-}
-
-/// `out[m, n] = x[m, k] · wᵀ (+ bias)`; sizes were checked by the caller (`x: m*k`, `out: m*n`,
-/// `bias: n`).
-pub(crate) fn linear(
-    pool: &rayon::ThreadPool,
-    isa: Isa,
-    x: &[f32],
-    w: &PackedLinear,
-    bias: Option<&[f32]>,
-    m: usize,
-    out: &mut [f32],
-) {
-    linear_many(pool, isa, x, m, &mut [Product { w, bias, out }]);
+    pub ld: usize,
 }
 
 /// A product's share of the task space of [`linear_many`].
@@ -135,6 +135,7 @@ struct Plan<'a> {
     w: &'a PackedLinear,
     bias: Option<&'a [f32]>,
     dst: OutPtr,
+    ld: usize,
     tiles_per_block: usize,
     per_run: usize,
     runs: usize,
@@ -144,7 +145,8 @@ struct Plan<'a> {
 
 /// Several products of the same `x` (q/k/v, gate/up) in one parallel region, so a layer pays
 /// fewer fork/joins (each is a chance to wait for a preempted thread on a shared machine). Every
-/// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
+/// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out` holds `m` rows
+/// of `n` at a stride of `ld`, `bias: n`).
 pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
     let Some(k) = products.first().map(|p| p.w.k) else { return };
     debug_assert!(products.iter().all(|p| p.w.k == k));
@@ -153,7 +155,8 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
     }
     if k == 0 {
         for p in products.iter_mut() {
-            for row in p.out.chunks_exact_mut(p.w.n.max(1)) {
+            for row in p.out.chunks_mut(p.ld.max(1)).take(m) {
+                let row = &mut row[..p.w.n];
                 match p.bias {
                     Some(b) => row.copy_from_slice(&b[..p.w.n]),
                     None => row.fill(0.0),
@@ -179,7 +182,7 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
         let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
         let runs = panels.div_ceil(per_run);
         let dst = OutPtr(p.out.as_mut_ptr());
-        plans.push(Plan { w: p.w, bias: p.bias, dst, tiles_per_block, per_run, runs, first });
+        plans.push(Plan { w: p.w, bias: p.bias, dst, ld: p.ld, tiles_per_block, per_run, runs, first });
         first += blocks * runs;
     }
     let plans = &plans;
@@ -208,11 +211,11 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
                 let pf = &next[pass * lines / passes * 16..(pass + 1) * lines / passes * 16];
                 micro(isa, xt, panel, pf, k, rows, &mut acc);
                 for (rr, acc) in acc.iter().enumerate().take(rows) {
-                    // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row
-                    // `r0 + rr < m`, columns `c0..c0 + cols <= n`. Tasks own disjoint (product,
-                    // row block, panel run) rectangles, and nothing reads an `out` until the
-                    // parallel loop has joined.
-                    let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add((r0 + rr) * n + c0), cols) };
+                    // SAFETY: this product's `out` holds `m` rows of `n` at a stride of `ld`
+                    // (checked by the caller); row `r0 + rr < m`, columns `c0..c0 + cols <= n`.
+                    // Tasks own disjoint (product, row block, panel run) rectangles, and nothing
+                    // reads an `out` until the parallel loop has joined.
+                    let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add((r0 + rr) * plan.ld + c0), cols) };
                     match plan.bias {
                         Some(b) => {
                             for ((o, a), b) in o.iter_mut().zip(acc).zip(&b[c0..c0 + cols]) {
