@@ -170,7 +170,7 @@ fn prepared_embedding_matches_reference() {
 /// Quantized weights through the backend (every ISA): `linear_prepared` alone and mixed with an
 /// f32 weight in one `linear_prepared_many`, and `embedding_prepared` from a quantized table, all
 /// against the reference on the dequantized weight. The tolerance covers the 8-bit rounding of
-/// the activations in the integer kernels (`m <= QUANT_MAX_M`): 1% of the sum of the terms'
+/// the activations in the integer kernels (`m <= QuantIsa::max_m`): 1% of the sum of the terms'
 /// magnitudes is far above it for these sizes and far below any layout error; the kernels' own
 /// tests (`cpu::quant::tests`) check every format and path against the exact bound.
 #[test]

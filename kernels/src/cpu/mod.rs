@@ -20,7 +20,7 @@ use crate::quant::QuantMatrix;
 use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, Result};
 pub use kv::KvPool;
 pub use packed::{PackedLinear, NR as PANEL_COLUMNS};
-pub use quant::{QuantIsa, QUANT_MAX_M};
+pub use quant::QuantIsa;
 use rayon::prelude::*;
 pub use simd::Isa;
 use std::sync::Arc;
@@ -35,6 +35,10 @@ pub struct CpuBackend {
     isa: Isa,
     /// The quantized kernels' path, the best that `isa` allows.
     qisa: QuantIsa,
+    /// Quantized `linear` calls with `m <= quant_max_m` use the integer kernels, larger ones
+    /// dequantized f32 panels (default: [`QuantIsa::max_m`]; `None` after
+    /// [`CpuBackend::with_quant_max_m`] is `Some`).
+    quant_max_m: Option<usize>,
     /// `linear` calls with `m <= skinny_max_m` use the weight-streaming kernel, larger ones gemm.
     skinny_max_m: usize,
 }
@@ -45,6 +49,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("threads", &self.threads())
             .field("isa", &self.isa)
             .field("quant_isa", &self.qisa)
+            .field("quant_max_m", &self.quant_max_m)
             .field("skinny_max_m", &self.skinny_max_m)
             .finish()
     }
@@ -70,7 +75,13 @@ impl CpuBackend {
             .build()
             .map_err(|e| KernelError::Device { backend: "cpu", detail: format!("thread pool: {e}") })?;
         let isa = Isa::detect();
-        Ok(CpuBackend { pool: Arc::new(pool), isa, qisa: QuantIsa::for_isa(isa), skinny_max_m: matmul::SKINNY_MAX_M })
+        Ok(CpuBackend {
+            pool: Arc::new(pool),
+            isa,
+            qisa: QuantIsa::for_isa(isa),
+            quant_max_m: None,
+            skinny_max_m: matmul::SKINNY_MAX_M,
+        })
     }
 
     /// The same backend restricted to a given instruction set (for tests and benchmarks of the
@@ -105,6 +116,14 @@ impl CpuBackend {
     /// `linear` with `m <= max_m` streams the weights (for tuning and benchmarks).
     pub fn with_skinny_max_m(mut self, max_m: usize) -> Self {
         self.skinny_max_m = max_m;
+        self
+    }
+
+    /// The same backend with another crossover between the quantized integer kernels and f32
+    /// panels: quantized `linear` with `m <= max_m` uses the integer kernels (for tuning and
+    /// benchmarks).
+    pub fn with_quant_max_m(mut self, max_m: usize) -> Self {
+        self.quant_max_m = Some(max_m);
         self
     }
 
@@ -343,7 +362,9 @@ impl Backend for CpuBackend {
             packed::linear_many(&self.pool, self.isa, x, m, &mut f32s);
         }
         if !quants.is_empty() {
-            quant::linear_many(&self.pool, self.isa, self.qisa, x, m, &mut quants)?;
+            let max_m = self.quant_max_m.unwrap_or(self.qisa.max_m());
+            let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
+            quant::linear_many(&self.pool, kernels, x, m, &mut quants)?;
         }
         Ok(())
     }

@@ -73,11 +73,20 @@ impl PackedLinear {
         if k > 0 {
             pool.install(|| {
                 data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
-                    let mut buf = vec![0f32; k];
-                    for j in 0..NR.min(n - p * NR) {
-                        row(p * NR + j, &mut buf);
-                        for (kk, &v) in buf.iter().enumerate() {
-                            panel[kk * NR + j] = v;
+                    // Eight rows at a time, so each step of `kk` writes eight consecutive
+                    // floats of the panel rather than one at a stride of `NR`.
+                    const G: usize = 8;
+                    let mut buf = vec![0f32; G * k];
+                    let rows = NR.min(n - p * NR);
+                    for j0 in (0..rows).step_by(G) {
+                        let g = G.min(rows - j0);
+                        for (jj, b) in buf.chunks_exact_mut(k).take(g).enumerate() {
+                            row(p * NR + j0 + jj, b);
+                        }
+                        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                            for (jj, d) in dst[j0..j0 + g].iter_mut().enumerate() {
+                                *d = buf[jj * k + kk];
+                            }
                         }
                     }
                 })

@@ -23,6 +23,8 @@ pub(crate) struct QActs {
     pub d: Vec<f32>,
     /// `[m, k / 16]` scaled half-block sums.
     pub s: Vec<f32>,
+    /// `[m, k / 32]` scaled block sums (`d * Σ q` over the whole block).
+    pub s32: Vec<f32>,
 }
 
 impl QActs {
@@ -36,6 +38,7 @@ impl QActs {
         self.q.resize(m * k, 0);
         self.d.resize(m * k / 32, 0.0);
         self.s.resize(m * k / 16, 0.0);
+        self.s32.resize(m * k / 32, 0.0);
         let blocks = x[..m * k].chunks_exact(32).zip(self.q.chunks_exact_mut(32));
         for (i, (x, q)) in blocks.enumerate() {
             let x: &[f32; 32] = x.try_into().expect("32");
@@ -49,14 +52,29 @@ impl QActs {
             self.d[i] = d;
             self.s[2 * i] = d * sums[0] as f32;
             self.s[2 * i + 1] = d * sums[1] as f32;
+            self.s32[i] = d * (sums[0] + sums[1]) as f32;
         }
     }
 
-    /// Row `r`'s quants, block scales and half-block sums.
-    pub fn row(&self, r: usize) -> (&[i8], &[f32], &[f32]) {
+    /// Row `r`'s quants, block scales, half-block sums and block sums.
+    pub fn row(&self, r: usize) -> ActRow<'_> {
         let k = self.k;
-        (&self.q[r * k..(r + 1) * k], &self.d[r * k / 32..(r + 1) * k / 32], &self.s[r * k / 16..(r + 1) * k / 16])
+        ActRow {
+            q: &self.q[r * k..(r + 1) * k],
+            d: &self.d[r * k / 32..(r + 1) * k / 32],
+            s16: &self.s[r * k / 16..(r + 1) * k / 16],
+            s32: &self.s32[r * k / 32..(r + 1) * k / 32],
+        }
     }
+}
+
+/// One quantized activation row (see [`QActs`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ActRow<'a> {
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub s16: &'a [f32],
+    pub s32: &'a [f32],
 }
 
 /// `d` and `1 / d` of a block whose largest magnitude is `amax` (both 0 for an all-zero block).

@@ -1,16 +1,15 @@
 //! `linear` on block-quantized weights ([`QuantMatrix`]), multiplied without widening them to
 //! f32 in memory, so a decode step reads each weight's quantized bytes once.
 //!
-//! Two regimes, split at [`QUANT_MAX_M`] activation rows:
+//! Two regimes, split at [`QuantIsa::max_m`] activation rows:
 //! - **Integer** (decode and small batches): the activations are quantized to 8 bits per block
-//!   of 32 ([`acts`]); each task takes a run of weight rows, decodes `C` of them at a time,
-//!   a chunk of `k` at a time, into one canonical form whatever the format ([`decode`]), and
-//!   multiplies the chunk against every activation row in tiles of `R` rows with exact integer
-//!   dot products of four bytes ([`dot`]: AVX2 `maddubs`, AVX-512BW, AVX-512 VNNI `vpdpbusd`, or
-//!   portable), scaled in f32 per 32 values; the weight offsets (Q4_1's `m`, Q4_0's `-8 d`,
-//!   the K-quants' mins) meet the activations' block sums in one short f32 dot per row pair.
-//!   The decoded chunk (a few KiB) stays in L1 while the activation rows stream past it, so the
-//!   decoding is paid once per weight per call, and each weight byte is read from memory once.
+//!   of 32 ([`acts`]); each task takes a run of weight rows and decodes every 32-value unit of a
+//!   row into one canonical form whatever the format ([`portable`]: quant bytes, a scale per four
+//!   of them, offsets), in registers on x86 ([`x86`]: AVX2, AVX-512BW, AVX-512 VNNI), and
+//!   multiplies it at once against up to eight activation rows with exact integer dot products
+//!   of four bytes, scaled in f32 per unit; the weight offsets (Q4_1's `m`, Q4_0's `-8 d`, the
+//!   K-quants' mins) meet the activations' block sums in scalar FMAs. Each weight byte is read
+//!   from memory once per group of eight activation rows.
 //! - **Wide** (prefill): columns in blocks of panels are dequantized into the f32 panel layout
 //!   of [`super::packed`] (a bounded scratch) and multiplied by its micro-kernel; the cost of
 //!   dequantizing is small beside `m` rows of FMAs, and the f32 kernel needs no per-row scaling.
@@ -23,29 +22,18 @@
 //! same `x` share one parallel region), each writing its own columns of `out`.
 
 mod acts;
-mod decode;
-mod dot;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use rayon::prelude::*;
 
 use super::packed::{self, PackedLinear};
-use super::simd::{self, Isa};
+use super::simd::Isa;
 use crate::quant::QuantMatrix;
 use crate::Result;
 use acts::QActs;
-use dot::{WRow, XRow};
 
-/// Largest `m` served by the integer kernels; larger batches dequantize panels for the f32
-/// micro-kernel (measured crossover: `examples/quant_shapes.rs`).
-pub const QUANT_MAX_M: usize = 32;
-
-/// Activation rows per integer tile.
-const RMAX: usize = 4;
-/// Weight rows decoded and multiplied together.
-const CMAX: usize = 2;
-/// Values of `k` decoded per chunk: a multiple of every block size, small enough that `CMAX`
-/// decoded rows stay in L1.
-const KC: usize = 4096;
 /// Floats of the wide path's f32 panel scratch (16 MiB); columns are done in blocks that fit.
 const WIDE_SCRATCH_FLOATS: usize = 4 << 20;
 
@@ -89,6 +77,18 @@ impl QuantIsa {
         all.into_iter().filter(|&q| rank(q) <= rank(best)).collect()
     }
 
+    /// Largest `m` served by the integer kernels; larger batches dequantize panels for the f32
+    /// micro-kernel. The crossovers measured on SmolLM2's shapes (`examples/quant_shapes.rs`,
+    /// Q4_1, one thread): with AVX-512 the f32 kernel (two FMAs per 32 values and row, 6 × 64
+    /// tiles) overtakes at about 24 rows; with AVX2 (four FMAs) at about 56.
+    pub fn max_m(self) -> usize {
+        match self {
+            QuantIsa::Avx512Vnni | QuantIsa::Avx512Bw => 24,
+            QuantIsa::Avx2 => 56,
+            QuantIsa::Portable => 16,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             QuantIsa::Avx512Vnni => "avx512-vnni",
@@ -97,6 +97,15 @@ impl QuantIsa {
             QuantIsa::Portable => "portable",
         }
     }
+}
+
+/// Which kernels [`linear_many`] runs: the f32 and quantized ISAs, and the largest `m` for the
+/// integer kernels (normally [`QuantIsa::max_m`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Kernels {
+    pub isa: Isa,
+    pub qisa: QuantIsa,
+    pub max_m: usize,
 }
 
 /// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
@@ -110,8 +119,7 @@ pub(crate) struct Product<'a> {
 /// were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
 pub(crate) fn linear_many(
     pool: &rayon::ThreadPool,
-    isa: Isa,
-    qisa: QuantIsa,
+    Kernels { isa, qisa, max_m }: Kernels,
     x: &[f32],
     m: usize,
     products: &mut [Product<'_>],
@@ -127,9 +135,9 @@ pub(crate) fn linear_many(
         }
         return Ok(());
     }
-    if m > QUANT_MAX_M {
+    if m > max_m {
         for p in products.iter_mut() {
-            wide(pool, isa, x, m, p)?;
+            wide(pool, isa, qisa, x, m, p)?;
         }
         return Ok(());
     }
@@ -142,7 +150,7 @@ pub(crate) fn linear_many(
     let mut first = 0;
     for p in products.iter_mut().filter(|p| p.w.n() > 0) {
         let n = p.w.n();
-        let rows = n.div_ceil(wanted).next_multiple_of(CMAX);
+        let rows = n.div_ceil(wanted);
         let tasks = n.div_ceil(rows);
         plans.push(Plan { w: p.w, bias: p.bias, dst: OutPtr(p.out.as_mut_ptr()), rows, first });
         first += tasks;
@@ -154,7 +162,7 @@ pub(crate) fn linear_many(
         let j0 = (i - plan.first) * plan.rows;
         let j1 = (j0 + plan.rows).min(n);
         let mut res = vec![0f32; m * (j1 - j0)];
-        rows_task(isa, qisa, plan.w, acts, m, j0..j1, &mut res);
+        rows_task(qisa, plan.w, acts, m, j0..j1, &mut res);
         for r in 0..m {
             // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row `r < m`,
             // columns `j0..j1 <= n`. Tasks own disjoint (product, column run) pieces, and
@@ -200,116 +208,40 @@ fn fill_bias(out: &mut [f32], bias: Option<&[f32]>, n: usize) {
     }
 }
 
-/// Decoded weight rows of one chunk (see [`decode`]), `CMAX` rows of `KC` values.
-struct Scratch {
-    q: Vec<u8>,
-    ds: Vec<f32>,
-    wm: Vec<f32>,
-}
-
-/// `res[r, j - j0] = x[r] · w[j]` for the weight rows `j` of `rows`, without bias.
-fn rows_task(
-    isa: Isa,
-    qisa: QuantIsa,
-    w: &QuantMatrix,
-    acts: &QActs,
-    m: usize,
-    rows: std::ops::Range<usize>,
-    res: &mut [f32],
-) {
-    let (format, k) = (w.format(), w.k());
-    let (bv, bb) = (format.block_values(), format.block_bytes());
-    let signed = decode::signed(format);
-    let kc = KC.min(k);
-    let mut s = Scratch { q: vec![0; CMAX * kc], ds: vec![0.0; CMAX * kc / 4], wm: vec![0.0; CMAX * kc / 16] };
+/// `res[r, j - j0] = x[r] · w[j]` for the weight rows `j` of `rows` (`j0 = rows.start`), without
+/// bias.
+fn rows_task(qisa: QuantIsa, w: &QuantMatrix, acts: &QActs, m: usize, rows: std::ops::Range<usize>, res: &mut [f32]) {
     let width = rows.len();
-    for j in rows.clone().step_by(CMAX) {
-        let c = CMAX.min(rows.end - j);
-        for k0 in (0..k).step_by(kc) {
-            let k1 = (k0 + kc).min(k);
-            let len = k1 - k0;
-            for cc in 0..c {
-                let blocks = &w.row(j + cc)[k0 / bv * bb..k1 / bv * bb];
-                decode::decode(
-                    qisa,
-                    format,
-                    blocks,
-                    &mut s.q[cc * kc..],
-                    &mut s.ds[cc * kc / 4..],
-                    &mut s.wm[cc * kc / 16..],
-                );
-            }
-            let wrow =
-                |cc: usize| WRow { q: &s.q[cc * kc..cc * kc + len], ds: &s.ds[cc * kc / 4..cc * kc / 4 + len / 4] };
-            for r0 in (0..m).step_by(RMAX) {
-                let rr = RMAX.min(m - r0);
-                let xrow = |r: usize| {
-                    let (q, d, _) = acts.row(r0 + r);
-                    XRow { q: &q[k0..k1], d: &d[k0 / 32..k1 / 32] }
-                };
-                let sums = tile_dispatch(qisa, signed, rr, c, &wrow, &xrow, len / 32);
-                for (cc, sums) in sums.iter().enumerate().take(c) {
-                    for (r, v) in sums.iter().enumerate().take(rr) {
-                        let mut v = *v;
-                        if !signed {
-                            let wm = &s.wm[cc * kc / 16..cc * kc / 16 + len / 16];
-                            v += simd::dot(isa, wm, &acts.row(r0 + r).2[k0 / 16..k1 / 16]);
-                        }
-                        res[(r0 + r) * width + (j - rows.start) + cc] += v;
-                    }
-                }
+    match qisa {
+        QuantIsa::Portable => portable::rows_task(w, acts, m, rows, res, width),
+        #[cfg(target_arch = "x86_64")]
+        _ => {
+            let mut r0 = 0;
+            while r0 < m {
+                let rr = x86::GROUPS.into_iter().find(|&g| g <= m - r0).unwrap_or(1);
+                x86::run(qisa, w, rows.clone(), (acts, r0, rr), (&mut res[r0 * width..], width));
+                r0 += rr;
             }
         }
-    }
-}
-
-/// [`dot::tile`] for `rr <= RMAX` activation rows and `c <= CMAX` weight rows, as a
-/// `RMAX × CMAX` array (entries past `rr`, `c` are zero).
-fn tile_dispatch<'a>(
-    qisa: QuantIsa,
-    signed: bool,
-    rr: usize,
-    c: usize,
-    wrow: &dyn Fn(usize) -> WRow<'a>,
-    xrow: &dyn Fn(usize) -> XRow<'a>,
-    units: usize,
-) -> [[f32; RMAX]; CMAX] {
-    fn run<'a, const R: usize, const C: usize>(
-        qisa: QuantIsa,
-        signed: bool,
-        wrow: &dyn Fn(usize) -> WRow<'a>,
-        xrow: &dyn Fn(usize) -> XRow<'a>,
-        units: usize,
-    ) -> [[f32; RMAX]; CMAX] {
-        let w: [WRow<'a>; C] = std::array::from_fn(wrow);
-        let x: [XRow<'a>; R] = std::array::from_fn(xrow);
-        let t = dot::tile::<R, C>(qisa, signed, &w, &x, units);
-        let mut out = [[0f32; RMAX]; CMAX];
-        for (o, t) in out.iter_mut().zip(&t) {
-            o[..R].copy_from_slice(t);
-        }
-        out
-    }
-    match (rr, c) {
-        (1, 1) => run::<1, 1>(qisa, signed, wrow, xrow, units),
-        (2, 1) => run::<2, 1>(qisa, signed, wrow, xrow, units),
-        (3, 1) => run::<3, 1>(qisa, signed, wrow, xrow, units),
-        (_, 1) => run::<4, 1>(qisa, signed, wrow, xrow, units),
-        (1, _) => run::<1, 2>(qisa, signed, wrow, xrow, units),
-        (2, _) => run::<2, 2>(qisa, signed, wrow, xrow, units),
-        (3, _) => run::<3, 2>(qisa, signed, wrow, xrow, units),
-        _ => run::<4, 2>(qisa, signed, wrow, xrow, units),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => portable::rows_task(w, acts, m, rows, res, width),
     }
 }
 
 /// The wide regime: columns in blocks whose f32 panels fit [`WIDE_SCRATCH_FLOATS`], each block
 /// dequantized into panels and multiplied by the packed micro-kernel.
-fn wide(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usize, p: &mut Product<'_>) -> Result<()> {
+fn wide(pool: &rayon::ThreadPool, isa: Isa, qisa: QuantIsa, x: &[f32], m: usize, p: &mut Product<'_>) -> Result<()> {
     let (n, k) = (p.w.n(), p.w.k());
     let cols = (WIDE_SCRATCH_FLOATS / k).max(packed::NR) / packed::NR * packed::NR;
+    let w = p.w;
+    let row = |j: usize, out: &mut [f32]| match qisa {
+        #[cfg(target_arch = "x86_64")]
+        QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => x86::dequantize_row(qisa, w, j, out),
+        _ => w.dequantize_row(j, out),
+    };
     for c0 in (0..n).step_by(cols) {
         let nb = cols.min(n - c0);
-        let panels = PackedLinear::pack_with(pool, nb, k, |j, row| p.w.dequantize_row(c0 + j, row))?;
+        let panels = PackedLinear::pack_with(pool, nb, k, |j, out| row(c0 + j, out))?;
         let bias = p.bias.map(|b| &b[c0..c0 + nb]);
         let out = &mut p.out[c0..];
         packed::linear_many(pool, isa, x, m, &mut [packed::Product { w: &panels, bias, out, ld: n }]);

@@ -1,6 +1,6 @@
 //! Every format on every quantized path this CPU has, against dequantize-then-f32 (f64 sums),
-//! for `m` from 1 to 70 (the integer kernels and, past [`QUANT_MAX_M`], the wide path) and a
-//! large `m`, with `n` and `k` that are not multiples of the tile sizes (`n` odd, `k` an odd
+//! for `m` from 1 to 70 on both the integer kernels and the wide path (whichever
+//! [`QuantIsa::max_m`] picks for a given `m`), and a large `m`, with `n` and `k` that are not multiples of the tile sizes (`n` odd, `k` an odd
 //! number of blocks where the format allows).
 //!
 //! Tolerances:
@@ -83,9 +83,10 @@ fn pool() -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap()
 }
 
+/// `x · wᵀ (+ bias)` through [`linear_many`], with the integer kernels up to `max_m` rows.
 fn run(
     pool: &rayon::ThreadPool,
-    qisa: QuantIsa,
+    (qisa, max_m): (QuantIsa, usize),
     w: &QuantMatrix,
     x: &[f32],
     m: usize,
@@ -98,7 +99,8 @@ fn run(
     };
     let mut out = vec![f32::NAN; m * w.n() + 3];
     let (body, tail) = out.split_at_mut(m * w.n());
-    linear_many(pool, isa, qisa, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]).unwrap();
+    let kernels = Kernels { isa, qisa, max_m };
+    linear_many(pool, kernels, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]).unwrap();
     assert!(tail.iter().all(|v| v.is_nan()), "wrote past m * n");
     out.truncate(m * w.n());
     out
@@ -143,13 +145,13 @@ fn every_format_and_path_matches_dequantize_then_f32() {
             for qisa in QuantIsa::available() {
                 for m in 1..=mmax {
                     let b = (m % 3 == 0).then_some(&bias[..]);
-                    let got = run(&pool, qisa, &w, &x, m, b);
-                    let what = format!("{format} {} n={n} k={k} m={m}", qisa.name());
                     let rows = m * n;
-                    if m <= QUANT_MAX_M {
-                        check(&what, &got, &want_q[..rows], &mag_q[..rows], None, b, n);
-                    }
-                    check(&what, &got, &want[..rows], &mag[..rows], Some(&bound[..rows]), b, n);
+                    let what = format!("{format} {} n={n} k={k} m={m}", qisa.name());
+                    let int = run(&pool, (qisa, usize::MAX), &w, &x, m, b);
+                    check(&format!("{what} integer"), &int, &want_q[..rows], &mag_q[..rows], None, b, n);
+                    check(&format!("{what} integer"), &int, &want[..rows], &mag[..rows], Some(&bound[..rows]), b, n);
+                    let wide = run(&pool, (qisa, 0), &w, &x, m, b);
+                    check(&format!("{what} wide"), &wide, &want[..rows], &mag[..rows], None, b, n);
                 }
             }
         }
@@ -165,7 +167,7 @@ fn a_large_batch_takes_the_wide_path_in_several_column_blocks() {
         let w = QuantMatrix::new(format, n, k, synthetic_blocks(format, n * k / format.block_values(), 7)).unwrap();
         let x = activations(m, k, 8);
         let (want, mag) = reference(&x, &w.to_f32(), m, n, k);
-        let got = run(&pool, QuantIsa::for_isa(Isa::detect()), &w, &x, m, None);
+        let got = run(&pool, (QuantIsa::for_isa(Isa::detect()), 0), &w, &x, m, None);
         check(&format!("{format} wide"), &got, &want, &mag, None, None, n);
     }
     let m = 300;
@@ -174,7 +176,7 @@ fn a_large_batch_takes_the_wide_path_in_several_column_blocks() {
     let x = activations(m, k, 10);
     let (want, mag) = reference(&x, &w.to_f32(), m, n, k);
     for qisa in QuantIsa::available() {
-        let got = run(&pool, qisa, &w, &x, m, None);
+        let got = run(&pool, (qisa, qisa.max_m()), &w, &x, m, None);
         check(&format!("Q4_K {} m={m}", qisa.name()), &got, &want, &mag, None, None, n);
     }
 }
@@ -194,9 +196,9 @@ fn several_products_share_one_region() {
         let isa = Isa::detect();
         let mut products: Vec<Product<'_>> =
             ws.iter().zip(outs.iter_mut()).map(|(w, out)| Product { w, bias: None, out }).collect();
-        linear_many(&pool, isa, qisa, &x, m, &mut products).unwrap();
+        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products).unwrap();
         for (w, got) in ws.iter().zip(&outs) {
-            assert_eq!(got, &run(&pool, qisa, w, &x, m, None), "{} m={m}", w.format());
+            assert_eq!(got, &run(&pool, (qisa, qisa.max_m()), w, &x, m, None), "{} m={m}", w.format());
         }
     }
 }
@@ -218,31 +220,29 @@ fn activation_quantization_is_the_same_on_every_path() {
 }
 
 #[test]
-fn decoding_is_the_same_on_every_path_and_matches_dequantize() {
+fn the_canonical_form_decodes_to_the_dequantized_values() {
     for format in QuantFormat::ALL {
         let nb = 3;
         let blocks = synthetic_blocks(format, nb, 5);
         let values = nb * format.block_values();
         let mut want = vec![0f32; values];
         crate::quant::dequantize(format, &blocks, &mut want).unwrap();
-        let mut first = None;
-        for qisa in QuantIsa::available() {
-            let (mut q, mut ds, mut wm) = (vec![0u8; values], vec![0f32; values / 4], vec![0f32; values / 16]);
-            decode::decode(qisa, format, &blocks, &mut q, &mut ds, &mut wm);
-            for i in 0..values {
-                let qv = if decode::signed(format) { f32::from(q[i] as i8) } else { f32::from(q[i]) };
-                let off = if decode::signed(format) { 0.0 } else { wm[i / 16] };
-                let v = ds[i / 4] * qv + off;
-                assert!(
-                    (v - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
-                    "{format} value {i}: {v} vs {}",
-                    want[i]
-                );
-            }
-            let got = (q, ds, wm);
-            match &first {
-                None => first = Some(got),
-                Some(f) => assert!(f == &got, "{format}: {} decodes differently", qisa.name()),
+        let (mut q, mut ds, mut wm) = (vec![0u8; values], vec![0f32; values / 4], vec![0f32; values / 16]);
+        portable::decode(format, &blocks, &mut q, &mut ds, &mut wm);
+        for i in 0..values {
+            let signed = portable::signed(format);
+            let qv = if signed { f32::from(q[i] as i8) } else { f32::from(q[i]) };
+            let v = ds[i / 4] * qv + if signed { 0.0 } else { wm[i / 16] };
+            assert!((v - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3), "{format} value {i}: {v} vs {}", want[i]);
+        }
+        // The x86 unit decoders widened to f32 (the wide path's panels) give the same values.
+        #[cfg(target_arch = "x86_64")]
+        for qisa in QuantIsa::available().into_iter().filter(|&q| q != QuantIsa::Portable) {
+            let w = QuantMatrix::new(format, 1, values, blocks.clone()).unwrap();
+            let mut got = vec![0f32; values];
+            x86::dequantize_row(qisa, &w, 0, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-6 * w.abs().max(1e-3), "{format} {}: value {i}: {g} vs {w}", qisa.name());
             }
         }
     }
