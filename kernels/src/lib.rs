@@ -90,6 +90,19 @@ pub enum RopeScaling {
     },
 }
 
+/// What a prepared linear weight is ([`Backend::linear_info`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearInfo {
+    /// Output features.
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Bytes one multiply reads of the weight as the backend holds it.
+    pub bytes: usize,
+    /// "f32", or the name of the quantized format it is held in ("Q4_1").
+    pub format: &'static str,
+}
+
 /// One sequence's share of a batched paged-attention call.
 ///
 /// The sequence's queries are rows `q_start .. q_start + q_len` of the packed query tensor; they
@@ -166,6 +179,8 @@ pub trait Backend: Send + Sync + 'static {
     fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<Self::Linear> {
         self.prepare_linear(&w.to_f32(), w.n(), w.k())
     }
+    /// The shape, bytes and format of a prepared weight (what a decode step reads of it).
+    fn linear_info(&self, w: &Self::Linear) -> LinearInfo;
     /// [`Backend::linear`] with a prepared weight: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
     fn linear_prepared(
         &self,

@@ -28,31 +28,41 @@ pub(crate) struct QActs {
 }
 
 impl QActs {
-    /// Quantizes `x: [m, k]`, `k` a multiple of 32.
+    /// Quantizes `x: [m, k]`, `k` a multiple of 32, in `passes` rows per row of `x`: row
+    /// `r * passes` holds `x[r]` quantized, each next one the rounding error of the rows before
+    /// it, quantized again (so the rows of `x[r]` sum to it within `d / 2` of its last pass).
     ///
     /// # Panics
-    /// If `k` is not a multiple of 32 or `x` is shorter than `m * k`.
-    pub fn quantize(&mut self, isa: QuantIsa, x: &[f32], m: usize, k: usize) {
-        assert!(k.is_multiple_of(32) && x.len() >= m * k);
+    /// If `k` is not a multiple of 32, `passes` is 0 or `x` is shorter than `m * k`.
+    pub fn quantize(&mut self, isa: QuantIsa, x: &[f32], m: usize, k: usize, passes: usize) {
+        assert!(k.is_multiple_of(32) && passes > 0 && x.len() >= m * k);
+        let rows = m * passes;
         self.k = k;
-        self.q.resize(m * k, 0);
-        self.d.resize(m * k / 32, 0.0);
-        self.s.resize(m * k / 16, 0.0);
-        self.s32.resize(m * k / 32, 0.0);
-        let blocks = x[..m * k].chunks_exact(32).zip(self.q.chunks_exact_mut(32));
-        for (i, (x, q)) in blocks.enumerate() {
-            let x: &[f32; 32] = x.try_into().expect("32");
-            let q: &mut [i8; 32] = q.try_into().expect("32");
-            let (d, sums) = match isa {
-                // SAFETY: a non-portable `QuantIsa` is only chosen when AVX2 is present.
-                #[cfg(target_arch = "x86_64")]
-                QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => unsafe { avx2::block(x, q) },
-                _ => block(x, q),
-            };
-            self.d[i] = d;
-            self.s[2 * i] = d * sums[0] as f32;
-            self.s[2 * i + 1] = d * sums[1] as f32;
-            self.s32[i] = d * (sums[0] + sums[1]) as f32;
+        self.q.resize(rows * k, 0);
+        self.d.resize(rows * k / 32, 0.0);
+        self.s.resize(rows * k / 16, 0.0);
+        self.s32.resize(rows * k / 32, 0.0);
+        let per_row = k / 32;
+        for (i, x) in x[..m * k].chunks_exact(32).enumerate() {
+            let mut cur: [f32; 32] = x.try_into().expect("32");
+            let (r, b) = (i / per_row, i % per_row);
+            for pass in 0..passes {
+                let o = (r * passes + pass) * per_row + b;
+                let q: &mut [i8; 32] = (&mut self.q[32 * o..32 * o + 32]).try_into().expect("32");
+                let (d, sums) = match isa {
+                    // SAFETY: a non-portable `QuantIsa` is only chosen when AVX2 is present.
+                    #[cfg(target_arch = "x86_64")]
+                    QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => unsafe { avx2::block(&cur, q) },
+                    _ => block(&cur, q),
+                };
+                self.d[o] = d;
+                self.s[2 * o] = d * sums[0] as f32;
+                self.s[2 * o + 1] = d * sums[1] as f32;
+                self.s32[o] = d * (sums[0] + sums[1]) as f32;
+                for (c, &q) in cur.iter_mut().zip(q.iter()) {
+                    *c -= d * f32::from(q);
+                }
+            }
         }
     }
 

@@ -106,6 +106,9 @@ pub(crate) struct Kernels {
     pub isa: Isa,
     pub qisa: QuantIsa,
     pub max_m: usize,
+    /// Activation passes of the integer kernels (1, or 2 for a second pass on the rounding
+    /// error: see [`acts::QActs::quantize`]).
+    pub passes: usize,
 }
 
 /// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
@@ -119,7 +122,7 @@ pub(crate) struct Product<'a> {
 /// were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
 pub(crate) fn linear_many(
     pool: &rayon::ThreadPool,
-    Kernels { isa, qisa, max_m }: Kernels,
+    Kernels { isa, qisa, max_m, passes }: Kernels,
     x: &[f32],
     m: usize,
     products: &mut [Product<'_>],
@@ -142,8 +145,9 @@ pub(crate) fn linear_many(
         return Ok(());
     }
     let mut acts = QActs::default();
-    acts.quantize(qisa, x, m, k);
+    acts.quantize(qisa, x, m, k, passes);
     let acts = &acts;
+    let rows_x = m * passes;
     // Runs of weight rows per task: enough tasks to balance the pool.
     let wanted = 4 * pool.current_num_threads();
     let mut plans = Vec::with_capacity(products.len());
@@ -161,14 +165,22 @@ pub(crate) fn linear_many(
         let n = plan.w.n();
         let j0 = (i - plan.first) * plan.rows;
         let j1 = (j0 + plan.rows).min(n);
-        let mut res = vec![0f32; m * (j1 - j0)];
-        rows_task(qisa, plan.w, acts, m, j0..j1, &mut res);
+        let width = j1 - j0;
+        let mut res = vec![0f32; rows_x * width];
+        rows_task(qisa, plan.w, acts, rows_x, j0..j1, &mut res);
+        // The passes of each activation row add up.
+        for r in 0..m {
+            let (first, rest) = res[r * passes * width..(r + 1) * passes * width].split_at_mut(width);
+            for pass in rest.chunks_exact(width) {
+                first.iter_mut().zip(pass).for_each(|(a, b)| *a += b);
+            }
+        }
         for r in 0..m {
             // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row `r < m`,
             // columns `j0..j1 <= n`. Tasks own disjoint (product, column run) pieces, and
             // nothing reads an `out` until the parallel loop has joined.
             let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add(r * n + j0), j1 - j0) };
-            let res = &res[r * (j1 - j0)..(r + 1) * (j1 - j0)];
+            let res = &res[r * passes * width..r * passes * width + width];
             match plan.bias {
                 Some(b) => o.iter_mut().zip(res).zip(&b[j0..j1]).for_each(|((o, v), b)| *o = v + b),
                 None => o.copy_from_slice(res),

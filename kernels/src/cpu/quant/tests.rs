@@ -75,7 +75,7 @@ fn rounding_bound(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64
 /// `x̂ = d · q`: the activations as the integer kernels see them.
 fn dequantized_acts(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let mut a = QActs::default();
-    a.quantize(QuantIsa::Portable, x, m, k);
+    a.quantize(QuantIsa::Portable, x, m, k, 1);
     a.q.iter().enumerate().map(|(i, &q)| a.d[i / 32] * f32::from(q)).collect()
 }
 
@@ -99,7 +99,7 @@ fn run(
     };
     let mut out = vec![f32::NAN; m * w.n() + 3];
     let (body, tail) = out.split_at_mut(m * w.n());
-    let kernels = Kernels { isa, qisa, max_m };
+    let kernels = Kernels { isa, qisa, max_m, passes: 1 };
     linear_many(pool, kernels, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]).unwrap();
     assert!(tail.iter().all(|v| v.is_nan()), "wrote past m * n");
     out.truncate(m * w.n());
@@ -196,7 +196,7 @@ fn several_products_share_one_region() {
         let isa = Isa::detect();
         let mut products: Vec<Product<'_>> =
             ws.iter().zip(outs.iter_mut()).map(|(w, out)| Product { w, bias: None, out }).collect();
-        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products).unwrap();
+        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m(), passes: 1 }, &x, m, &mut products).unwrap();
         for (w, got) in ws.iter().zip(&outs) {
             assert_eq!(got, &run(&pool, (qisa, qisa.max_m()), w, &x, m, None), "{} m={m}", w.format());
         }
@@ -208,13 +208,13 @@ fn activation_quantization_is_the_same_on_every_path() {
     let k = 320;
     let x = activations(3, k, 11);
     let mut want = QActs::default();
-    want.quantize(QuantIsa::Portable, &x, 3, k);
+    want.quantize(QuantIsa::Portable, &x, 3, k, 1);
     assert!(want.q.iter().all(|&q| q != i8::MIN));
     // The all-zero block of row 1 has a zero scale and zero quants.
     assert_eq!((want.d[k / 32], want.s[k / 16]), (0.0, 0.0));
     for qisa in QuantIsa::available() {
         let mut got = QActs::default();
-        got.quantize(qisa, &x, 3, k);
+        got.quantize(qisa, &x, 3, k, 1);
         assert_eq!((&got.q, &got.d, &got.s), (&want.q, &want.d, &want.s), "{}", qisa.name());
     }
 }
