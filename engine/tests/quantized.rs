@@ -1,7 +1,8 @@
 //! SmolLM2-135M-Instruct Q4_1 with its weights kept quantized (the default) against the same
 //! file dequantized to f32 at load (`EngineConfig::dequantize_weights`), skipped with a message
 //! when the GGUF is absent (unless CLEAVE_REQUIRE_SMOLLM2 is set):
-//! - the greedy chat answer to "What is the capital of France?" names Paris on both;
+//! - the greedy chat answer to "What is the capital of France?" names Paris on both, with the
+//!   quantized kernels of every instruction set the machine has (AVX2 is the EPYC class's);
 //! - the perplexity of the fixed text of `kv_dtype.rs` (`fixtures/perplexity_text.txt`, by
 //!   teacher forcing in prefill chunks of 64 and 8) is within 1% of the dequantized path's;
 //! - both loads have the same model fingerprint, and the quantized one reads 5x fewer weight
@@ -16,7 +17,7 @@ use std::time::Instant;
 
 use cleave_engine::model::{LoadOptions, Model, ModelFiles};
 use cleave_engine::{EngineConfig, EngineCore};
-use cleave_kernels::cpu::CpuBackend;
+use cleave_kernels::cpu::{CpuBackend, Isa};
 use cleave_protocol::{FinishReason, KvDtype};
 use cleave_tokenizer::ChatMessage;
 use common::*;
@@ -28,9 +29,16 @@ fn config(dequantize_weights: bool) -> EngineConfig {
 #[test]
 fn smollm2_quantized_answers_the_capital_of_france() {
     let Some(path) = smollm2() else { return };
-    for dequantize in [true, false] {
-        let mut core =
-            EngineCore::load(CpuBackend::default(), ModelFiles::open(&path).unwrap(), &config(dequantize)).unwrap();
+    let base = CpuBackend::default();
+    let mut runs = vec![(base.clone(), true)];
+    for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512] {
+        if base.clone().with_isa(isa).isa() == isa {
+            runs.push((base.clone().with_isa(isa), false));
+        }
+    }
+    for (backend, dequantize) in runs {
+        let what = format!("dequantize_weights={dequantize} {}", backend.quant_isa().name());
+        let mut core = EngineCore::load(backend, ModelFiles::open(&path).unwrap(), &config(dequantize)).unwrap();
         let text = core.tokenizer().render_chat(&[ChatMessage::user("What is the capital of France?")], true).unwrap();
         let prompt = core.tokenizer().encode(&text, false).unwrap();
         let mut req = greedy_request(1, prompt, 24);
@@ -39,8 +47,8 @@ fn smollm2_quantized_answers_the_capital_of_france() {
         let events = run_to_end(&mut core).remove(&1).unwrap();
         let answer = common::text(&events);
         let finish = events.last().and_then(|e| e.finish_reason);
-        println!("dequantize_weights={dequantize}: {answer:?} ({finish:?}); weights {}", core.weight_bytes());
-        assert!(answer.contains("Paris"), "dequantize_weights={dequantize}: {answer:?}");
+        println!("{what}: {answer:?} ({finish:?}); weights {}", core.weight_bytes());
+        assert!(answer.contains("Paris"), "{what}: {answer:?}");
         assert!(matches!(finish, Some(FinishReason::Stop | FinishReason::Length)));
     }
 }

@@ -81,10 +81,7 @@ fn main() -> anyhow::Result<()> {
         }
         .with_quant_isa(qisa);
     }
-    // QS_PASSES: activation passes of the integer kernels (1 or 2).
-    let passes = std::env::var("QS_PASSES").ok().and_then(|p| p.parse().ok()).unwrap_or(1);
-    b = b.with_quant_passes(passes);
-    println!("{format}, {threads} threads, quantized path {}, {passes} activation pass(es)", b.quant_isa().name());
+    println!("{format}, {threads} threads, quantized path {}", b.quant_isa().name());
     let layer = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
     let mut shapes: Vec<(usize, usize)> = (0..30).flat_map(|_| layer).collect();
     shapes.push((49152, 576));

@@ -193,7 +193,7 @@ impl<B: Backend> Model<B> {
                 None => out.by_format.push((info.format, info.bytes)),
             }
         }
-        out.by_format.sort_by(|a, b| b.1.cmp(&a.1));
+        out.by_format.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
         out
     }
 

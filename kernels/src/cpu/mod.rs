@@ -39,8 +39,6 @@ pub struct CpuBackend {
     /// dequantized f32 panels (default: [`QuantIsa::max_m`]; `None` after
     /// [`CpuBackend::with_quant_max_m`] is `Some`).
     quant_max_m: Option<usize>,
-    /// Activation passes of the integer kernels (see [`CpuBackend::with_quant_passes`]).
-    quant_passes: usize,
     /// `linear` calls with `m <= skinny_max_m` use the weight-streaming kernel, larger ones gemm.
     skinny_max_m: usize,
 }
@@ -82,7 +80,6 @@ impl CpuBackend {
             isa,
             qisa: QuantIsa::for_isa(isa),
             quant_max_m: None,
-            quant_passes: 1,
             skinny_max_m: matmul::SKINNY_MAX_M,
         })
     }
@@ -127,14 +124,6 @@ impl CpuBackend {
     /// benchmarks).
     pub fn with_quant_max_m(mut self, max_m: usize) -> Self {
         self.quant_max_m = Some(max_m);
-        self
-    }
-
-    /// The same backend with `passes` (1 or 2) activation passes in the quantized integer kernels:
-    /// 2 quantizes each activation block's rounding error again, for about 16 bits of precision
-    /// at twice the dot products (not the decoding).
-    pub fn with_quant_passes(mut self, passes: usize) -> Self {
-        self.quant_passes = passes.clamp(1, 2);
         self
     }
 
@@ -378,7 +367,7 @@ impl Backend for CpuBackend {
         }
         if !quants.is_empty() {
             let max_m = self.quant_max_m.unwrap_or(self.qisa.max_m());
-            let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m, passes: self.quant_passes };
+            let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
             quant::linear_many(&self.pool, kernels, x, m, &mut quants)?;
         }
         Ok(())

@@ -14,6 +14,10 @@
 //! contiguous runs; one rayon task per (row block, panel run), each writing its own disjoint
 //! part of `out`.
 //!
+//! The panels come from a [`Panels`]: stored ones ([`PackedLinear`]), or panels a task decodes
+//! as it reaches them (quantized weights, `super::quant`), into a buffer of its own that stays in
+//! L2 while every row tile of its block passes over it.
+//!
 //! Invariant of [`PackedLinear`]: `data[off..off + panels * k * NR]` holds the panels and
 //! `data.as_ptr() + off` is 64-byte aligned (so no panel row straddles a cache line).
 
@@ -54,12 +58,7 @@ impl PackedLinear {
 
     /// Packs the `[n, k]` weight whose row `j` `row(j, out)` writes into `out` (`k` floats),
     /// calling it once per row, from the pool's threads.
-    pub(crate) fn pack_with(
-        pool: &rayon::ThreadPool,
-        n: usize,
-        k: usize,
-        row: impl Fn(usize, &mut [f32]) + Sync,
-    ) -> Result<Self> {
+    fn pack_with(pool: &rayon::ThreadPool, n: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> Result<Self> {
         const OP: &str = "prepare_linear";
         check::mul(OP, n, k)?;
         let panels = n.div_ceil(NR);
@@ -72,24 +71,10 @@ impl PackedLinear {
         let off = (data.as_ptr() as usize).wrapping_neg() % 64 / std::mem::size_of::<f32>();
         if k > 0 {
             pool.install(|| {
-                data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
-                    // Eight rows at a time, so each step of `kk` writes eight consecutive
-                    // floats of the panel rather than one at a stride of `NR`.
-                    const G: usize = 8;
-                    let mut buf = vec![0f32; G * k];
-                    let rows = NR.min(n - p * NR);
-                    for j0 in (0..rows).step_by(G) {
-                        let g = G.min(rows - j0);
-                        for (jj, b) in buf.chunks_exact_mut(k).take(g).enumerate() {
-                            row(p * NR + j0 + jj, b);
-                        }
-                        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                            for (jj, d) in dst[j0..j0 + g].iter_mut().enumerate() {
-                                *d = buf[jj * k + kk];
-                            }
-                        }
-                    }
-                })
+                data[off..off + len]
+                    .par_chunks_mut(k * NR)
+                    .enumerate()
+                    .for_each(|(p, panel)| fill_panel(panel, p, n, k, &row))
             });
         }
         Ok(PackedLinear { n, k, data, off })
@@ -105,7 +90,7 @@ impl PackedLinear {
         self.k
     }
 
-    fn panel(&self, p: usize) -> &[f32] {
+    fn stored_panel(&self, p: usize) -> &[f32] {
         let size = self.k * NR;
         &self.data[self.off + p * size..self.off + (p + 1) * size]
     }
@@ -113,7 +98,7 @@ impl PackedLinear {
     /// Copies row `j` of the original weight into `out[..k]` (an embedding lookup in a tied
     /// table): `k` reads at a stride of `NR`.
     pub(crate) fn row_into(&self, j: usize, out: &mut [f32]) {
-        let panel = self.panel(j / NR);
+        let panel = self.stored_panel(j / NR);
         let c = j % NR;
         for (kk, o) in out[..self.k].iter_mut().enumerate() {
             *o = panel[kk * NR + c];
@@ -130,10 +115,60 @@ impl PackedLinear {
     }
 }
 
+/// Fills `panel` (`k * NR` floats) with panel `p` of an `[n, k]` weight whose row `j`
+/// `row(j, out)` writes into `out` (`k` floats); columns past `n` are left as they are.
+pub(crate) fn fill_panel(panel: &mut [f32], p: usize, n: usize, k: usize, row: &(impl Fn(usize, &mut [f32]) + ?Sized)) {
+    // Eight rows at a time, so each step of `kk` writes eight consecutive floats of the panel
+    // rather than one at a stride of `NR`.
+    const G: usize = 8;
+    let mut buf = vec![0f32; G * k];
+    let rows = NR.min(n - p * NR);
+    for j0 in (0..rows).step_by(G) {
+        let g = G.min(rows - j0);
+        for (jj, b) in buf.chunks_exact_mut(k).take(g).enumerate() {
+            row(p * NR + j0 + jj, b);
+        }
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+            for (jj, d) in dst[j0..j0 + g].iter_mut().enumerate() {
+                *d = buf[jj * k + kk];
+            }
+        }
+    }
+}
+
+/// Where [`linear_many`] finds the panels (`k * NR` floats each) of a weight `[n, k]`.
+pub(crate) trait Panels: Sync {
+    fn n(&self) -> usize;
+    fn k(&self) -> usize;
+    /// Panel `p`, if this weight stores its panels.
+    fn stored(&self, p: usize) -> Option<&[f32]>;
+    /// Writes panel `p` into `buf` (`k * NR` floats; columns past `n` may hold anything), for a
+    /// weight that stores none.
+    fn decode(&self, p: usize, buf: &mut [f32]);
+}
+
+impl Panels for PackedLinear {
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn stored(&self, p: usize) -> Option<&[f32]> {
+        Some(self.stored_panel(p))
+    }
+
+    fn decode(&self, p: usize, buf: &mut [f32]) {
+        buf.copy_from_slice(self.stored_panel(p));
+    }
+}
+
 /// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`, where row `r` of `out`
 /// starts at `out[r * ld]` (`ld >= n`; `ld == n` for a whole output).
 pub(crate) struct Product<'a> {
-    pub w: &'a PackedLinear,
+    pub w: &'a dyn Panels,
     pub bias: Option<&'a [f32]>,
     pub out: &'a mut [f32],
     pub ld: usize,
@@ -141,7 +176,7 @@ pub(crate) struct Product<'a> {
 
 /// A product's share of the task space of [`linear_many`].
 struct Plan<'a> {
-    w: &'a PackedLinear,
+    w: &'a dyn Panels,
     bias: Option<&'a [f32]>,
     dst: OutPtr,
     ld: usize,
@@ -157,17 +192,18 @@ struct Plan<'a> {
 /// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out` holds `m` rows
 /// of `n` at a stride of `ld`, `bias: n`).
 pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
-    let Some(k) = products.first().map(|p| p.w.k) else { return };
-    debug_assert!(products.iter().all(|p| p.w.k == k));
+    let Some(k) = products.first().map(|p| p.w.k()) else { return };
+    debug_assert!(products.iter().all(|p| p.w.k() == k));
     if m == 0 {
         return;
     }
     if k == 0 {
         for p in products.iter_mut() {
+            let n = p.w.n();
             for row in p.out.chunks_mut(p.ld.max(1)).take(m) {
-                let row = &mut row[..p.w.n];
+                let row = &mut row[..n];
                 match p.bias {
-                    Some(b) => row.copy_from_slice(&b[..p.w.n]),
+                    Some(b) => row.copy_from_slice(&b[..n]),
                     None => row.fill(0.0),
                 }
             }
@@ -186,8 +222,8 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
     let wanted = 8 * pool.current_num_threads();
     let mut first = 0;
     let mut plans = Vec::with_capacity(products.len());
-    for p in products.iter_mut().filter(|p| p.w.n > 0) {
-        let panels = p.w.n.div_ceil(NR);
+    for p in products.iter_mut().filter(|p| p.w.n() > 0) {
+        let panels = p.w.n().div_ceil(NR);
         let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
         let runs = panels.div_ceil(per_run);
         let dst = OutPtr(p.out.as_mut_ptr());
@@ -197,14 +233,22 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
     let plans = &plans;
     let task = |i: usize| {
         let plan = plans.iter().rev().find(|p| p.first <= i).expect("task index inside the plans");
-        let (w, n, per_run) = (plan.w, plan.w.n, plan.per_run);
+        let (w, n, per_run) = (plan.w, plan.w.n(), plan.per_run);
         let panels = n.div_ceil(NR);
         let (b, r) = ((i - plan.first) / plan.runs, (i - plan.first) % plan.runs);
         let tile_range = b * plan.tiles_per_block..((b + 1) * plan.tiles_per_block).min(tiles);
         let mut acc = [[0f32; NR]; MR];
         let run_end = ((r + 1) * per_run).min(panels);
+        let mut buf = Vec::new();
         for p in r * per_run..run_end {
-            let panel = w.panel(p);
+            let panel = match w.stored(p) {
+                Some(panel) => panel,
+                None => {
+                    buf.resize(k * NR, 0.0);
+                    w.decode(p, &mut buf);
+                    &buf[..]
+                }
+            };
             let (c0, cols) = (p * NR, NR.min(n - p * NR));
             // The task's next panel is fetched into L2 a slice per row tile while this one
             // computes, so the weights' trip from memory overlaps the FMAs instead of stalling
@@ -212,7 +256,10 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
             let passes = tile_range.len();
             // With one or two row tiles the kernel is bandwidth-bound and the hardware
             // prefetcher does better alone.
-            let next = if p + 1 < run_end && passes >= 3 { w.panel(p + 1) } else { &[] };
+            let next = match p + 1 < run_end && passes >= 3 {
+                true => w.stored(p + 1).unwrap_or(&[]),
+                false => &[],
+            };
             for (pass, t) in tile_range.clone().enumerate() {
                 let (r0, rows) = tile(t);
                 let xt = &x[r0 * k..(r0 + rows) * k];
@@ -421,7 +468,7 @@ mod tests {
             assert_eq!(p.data[p.off..].as_ptr() as usize % 64, 0);
             // Padding columns are zero.
             if n % NR != 0 && k > 0 {
-                let last = p.panel(n / NR);
+                let last = p.stored_panel(n / NR);
                 assert!(last.chunks_exact(NR).all(|row| row[n % NR..].iter().all(|&v| v == 0.0)));
             }
         }

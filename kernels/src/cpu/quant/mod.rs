@@ -10,9 +10,10 @@
 //!   of four bytes, scaled in f32 per unit; the weight offsets (Q4_1's `m`, Q4_0's `-8 d`, the
 //!   K-quants' mins) meet the activations' block sums in scalar FMAs. Each weight byte is read
 //!   from memory once per group of eight activation rows.
-//! - **Wide** (prefill): columns in blocks of panels are dequantized into the f32 panel layout
-//!   of [`super::packed`] (a bounded scratch) and multiplied by its micro-kernel; the cost of
-//!   dequantizing is small beside `m` rows of FMAs, and the f32 kernel needs no per-row scaling.
+//! - **Wide** (prefill, larger batches): the f32 micro-kernel of [`super::packed`], on panels
+//!   each task decodes as it reaches them into a buffer that stays in L2 while every row tile of
+//!   its block passes over it; decoding is small beside `m` rows of FMAs, the activations stay
+//!   f32 (exact up to summation order), and no f32 copy of the weight reaches memory.
 //!
 //! Why integer dot products rather than f32 activations against weights widened in registers:
 //! measured, see BENCHMARKS.md ("Quantized weights") and `examples/quant_shapes.rs`. The accuracy
@@ -28,14 +29,11 @@ mod x86;
 
 use rayon::prelude::*;
 
-use super::packed::{self, PackedLinear};
+use super::packed;
 use super::simd::Isa;
 use crate::quant::QuantMatrix;
 use crate::Result;
 use acts::QActs;
-
-/// Floats of the wide path's f32 panel scratch (16 MiB); columns are done in blocks that fit.
-const WIDE_SCRATCH_FLOATS: usize = 4 << 20;
 
 /// The instruction set of the quantized kernels: AVX-512 needs BW (byte multiplies) and uses
 /// VNNI where present, which the f32 kernels' [`Isa::Avx512`] (AVX-512F) does not imply.
@@ -77,16 +75,15 @@ impl QuantIsa {
         all.into_iter().filter(|&q| rank(q) <= rank(best)).collect()
     }
 
-    /// Largest `m` served by the integer kernels; larger batches dequantize panels for the f32
-    /// micro-kernel. The crossovers measured on SmolLM2's shapes (`examples/quant_shapes.rs`,
-    /// Q4_1, one thread): with AVX-512 the f32 kernel (two FMAs per 32 values and row, 6 × 64
-    /// tiles) overtakes at about 24 rows; with AVX2 (four FMAs) at about 56.
+    /// Largest `m` served by the integer kernels; larger batches go to the f32 micro-kernel on
+    /// decoded panels. Measured on SmolLM2's shapes (`examples/quant_shapes.rs`, Q4_1, 2
+    /// threads) the integer kernels are faster up to about 40 rows with AVX-512 and 56 with
+    /// AVX2; the crossover is set lower, at 16, for accuracy: prefill chunks then see the f32
+    /// activations (the K/V of a prompt as `--dequantize-weights` computes it), where the 8-bit
+    /// activations' noise (about 0.05 nats on a log-prob) had flipped SmolLM2's first answer
+    /// token on a near-tie. Batches of 17-40 pay 10-30% for it.
     pub fn max_m(self) -> usize {
-        match self {
-            QuantIsa::Avx512Vnni | QuantIsa::Avx512Bw => 24,
-            QuantIsa::Avx2 => 56,
-            QuantIsa::Portable => 16,
-        }
+        16
     }
 
     pub fn name(self) -> &'static str {
@@ -106,9 +103,6 @@ pub(crate) struct Kernels {
     pub isa: Isa,
     pub qisa: QuantIsa,
     pub max_m: usize,
-    /// Activation passes of the integer kernels (1, or 2 for a second pass on the rounding
-    /// error: see [`acts::QActs::quantize`]).
-    pub passes: usize,
 }
 
 /// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
@@ -122,7 +116,7 @@ pub(crate) struct Product<'a> {
 /// were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
 pub(crate) fn linear_many(
     pool: &rayon::ThreadPool,
-    Kernels { isa, qisa, max_m, passes }: Kernels,
+    Kernels { isa, qisa, max_m }: Kernels,
     x: &[f32],
     m: usize,
     products: &mut [Product<'_>],
@@ -139,15 +133,12 @@ pub(crate) fn linear_many(
         return Ok(());
     }
     if m > max_m {
-        for p in products.iter_mut() {
-            wide(pool, isa, qisa, x, m, p)?;
-        }
+        wide(pool, isa, qisa, x, m, products);
         return Ok(());
     }
     let mut acts = QActs::default();
-    acts.quantize(qisa, x, m, k, passes);
+    acts.quantize(qisa, x, m, k);
     let acts = &acts;
-    let rows_x = m * passes;
     // Runs of weight rows per task: enough tasks to balance the pool.
     let wanted = 4 * pool.current_num_threads();
     let mut plans = Vec::with_capacity(products.len());
@@ -166,21 +157,14 @@ pub(crate) fn linear_many(
         let j0 = (i - plan.first) * plan.rows;
         let j1 = (j0 + plan.rows).min(n);
         let width = j1 - j0;
-        let mut res = vec![0f32; rows_x * width];
-        rows_task(qisa, plan.w, acts, rows_x, j0..j1, &mut res);
-        // The passes of each activation row add up.
-        for r in 0..m {
-            let (first, rest) = res[r * passes * width..(r + 1) * passes * width].split_at_mut(width);
-            for pass in rest.chunks_exact(width) {
-                first.iter_mut().zip(pass).for_each(|(a, b)| *a += b);
-            }
-        }
+        let mut res = vec![0f32; m * width];
+        rows_task(qisa, plan.w, acts, m, j0..j1, &mut res);
         for r in 0..m {
             // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row `r < m`,
             // columns `j0..j1 <= n`. Tasks own disjoint (product, column run) pieces, and
             // nothing reads an `out` until the parallel loop has joined.
             let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add(r * n + j0), j1 - j0) };
-            let res = &res[r * passes * width..r * passes * width + width];
+            let res = &res[r * width..(r + 1) * width];
             match plan.bias {
                 Some(b) => o.iter_mut().zip(res).zip(&b[j0..j1]).for_each(|((o, v), b)| *o = v + b),
                 None => o.copy_from_slice(res),
@@ -240,25 +224,46 @@ fn rows_task(qisa: QuantIsa, w: &QuantMatrix, acts: &QActs, m: usize, rows: std:
     }
 }
 
-/// The wide regime: columns in blocks whose f32 panels fit [`WIDE_SCRATCH_FLOATS`], each block
-/// dequantized into panels and multiplied by the packed micro-kernel.
-fn wide(pool: &rayon::ThreadPool, isa: Isa, qisa: QuantIsa, x: &[f32], m: usize, p: &mut Product<'_>) -> Result<()> {
-    let (n, k) = (p.w.n(), p.w.k());
-    let cols = (WIDE_SCRATCH_FLOATS / k).max(packed::NR) / packed::NR * packed::NR;
-    let w = p.w;
-    let row = |j: usize, out: &mut [f32]| match qisa {
-        #[cfg(target_arch = "x86_64")]
-        QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => x86::dequantize_row(qisa, w, j, out),
-        _ => w.dequantize_row(j, out),
-    };
-    for c0 in (0..n).step_by(cols) {
-        let nb = cols.min(n - c0);
-        let panels = PackedLinear::pack_with(pool, nb, k, |j, out| row(c0 + j, out))?;
-        let bias = p.bias.map(|b| &b[c0..c0 + nb]);
-        let out = &mut p.out[c0..];
-        packed::linear_many(pool, isa, x, m, &mut [packed::Product { w: &panels, bias, out, ld: n }]);
+/// A quantized weight seen as panels for the f32 micro-kernel, each decoded when a task reaches
+/// it (into the task's own buffer, which stays in L2 while every row tile of its block passes).
+struct QuantPanels<'a> {
+    w: &'a QuantMatrix,
+    qisa: QuantIsa,
+}
+
+impl packed::Panels for QuantPanels<'_> {
+    fn n(&self) -> usize {
+        self.w.n()
     }
-    Ok(())
+
+    fn k(&self) -> usize {
+        self.w.k()
+    }
+
+    fn stored(&self, _: usize) -> Option<&[f32]> {
+        None
+    }
+
+    fn decode(&self, p: usize, buf: &mut [f32]) {
+        let (w, qisa) = (self.w, self.qisa);
+        let row = |j: usize, out: &mut [f32]| match qisa {
+            #[cfg(target_arch = "x86_64")]
+            QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => x86::dequantize_row(qisa, w, j, out),
+            _ => w.dequantize_row(j, out),
+        };
+        packed::fill_panel(buf, p, w.n(), w.k(), &row);
+    }
+}
+
+/// The wide regime: the f32 micro-kernel on panels decoded as they are reached.
+fn wide(pool: &rayon::ThreadPool, isa: Isa, qisa: QuantIsa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
+    let panels: Vec<QuantPanels<'_>> = products.iter().map(|p| QuantPanels { w: p.w, qisa }).collect();
+    let mut f32s: Vec<packed::Product<'_>> = products
+        .iter_mut()
+        .zip(&panels)
+        .map(|(p, w)| packed::Product { w, bias: p.bias, ld: p.w.n(), out: &mut *p.out })
+        .collect();
+    packed::linear_many(pool, isa, x, m, &mut f32s);
 }
 
 #[cfg(test)]

@@ -51,8 +51,8 @@ pub(super) fn rows_task(
                 let x = acts.row(r);
                 let mut acc = [0f32; 8];
                 for u in 0..(k1 - k0) / 32 {
-                    let dx = x.d[k0 / 32 + u];
                     for (lane, acc) in acc.iter_mut().enumerate() {
+                        let dx = x.d[k0 / 4 + 8 * u + lane];
                         let i = 32 * u + 4 * lane;
                         let p: i32 = (i..i + 4)
                             .map(|i| {

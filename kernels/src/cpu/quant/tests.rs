@@ -54,16 +54,17 @@ fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> (Vec<f64>, V
     (y, mag)
 }
 
-/// The activations' rounding bound of each output: `Σ_blocks d / 2 · Σ_block |w|`.
+/// The activations' rounding bound of each output: `Σ_groups d / 2 · Σ_group |w|` (groups of
+/// four values).
 fn rounding_bound(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
     let mut out = vec![0f64; m * n];
     for r in 0..m {
         for j in 0..n {
-            out[r * n + j] = (0..k / 32)
-                .map(|b| {
-                    let xb = &x[r * k + 32 * b..r * k + 32 * b + 32];
-                    let d = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
-                    let wabs: f64 = w[j * k + 32 * b..j * k + 32 * b + 32].iter().map(|v| v.abs() as f64).sum();
+            out[r * n + j] = (0..k / 4)
+                .map(|g| {
+                    let xg = &x[r * k + 4 * g..r * k + 4 * g + 4];
+                    let d = xg.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                    let wabs: f64 = w[j * k + 4 * g..j * k + 4 * g + 4].iter().map(|v| v.abs() as f64).sum();
                     d / 2.0 * wabs
                 })
                 .sum();
@@ -75,8 +76,8 @@ fn rounding_bound(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64
 /// `x̂ = d · q`: the activations as the integer kernels see them.
 fn dequantized_acts(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let mut a = QActs::default();
-    a.quantize(QuantIsa::Portable, x, m, k, 1);
-    a.q.iter().enumerate().map(|(i, &q)| a.d[i / 32] * f32::from(q)).collect()
+    a.quantize(QuantIsa::Portable, x, m, k);
+    a.q.iter().enumerate().map(|(i, &q)| a.d[i / 4] * f32::from(q)).collect()
 }
 
 fn pool() -> rayon::ThreadPool {
@@ -99,7 +100,7 @@ fn run(
     };
     let mut out = vec![f32::NAN; m * w.n() + 3];
     let (body, tail) = out.split_at_mut(m * w.n());
-    let kernels = Kernels { isa, qisa, max_m, passes: 1 };
+    let kernels = Kernels { isa, qisa, max_m };
     linear_many(pool, kernels, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]).unwrap();
     assert!(tail.iter().all(|v| v.is_nan()), "wrote past m * n");
     out.truncate(m * w.n());
@@ -159,9 +160,9 @@ fn every_format_and_path_matches_dequantize_then_f32() {
 }
 
 #[test]
-fn a_large_batch_takes_the_wide_path_in_several_column_blocks() {
+fn large_batches_and_long_rows_take_the_wide_path() {
     let pool = pool();
-    // k = 2048 with a 4 Mi-float scratch: column blocks of 2048 rows; n = 2100 needs two.
+    // Long rows: one row block of x per few row tiles, so every panel is decoded once per block.
     for format in [QuantFormat::Q4_1, QuantFormat::Q6_K] {
         let (n, k, m) = (2100, 2048, 40);
         let w = QuantMatrix::new(format, n, k, synthetic_blocks(format, n * k / format.block_values(), 7)).unwrap();
@@ -196,7 +197,7 @@ fn several_products_share_one_region() {
         let isa = Isa::detect();
         let mut products: Vec<Product<'_>> =
             ws.iter().zip(outs.iter_mut()).map(|(w, out)| Product { w, bias: None, out }).collect();
-        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m(), passes: 1 }, &x, m, &mut products).unwrap();
+        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products).unwrap();
         for (w, got) in ws.iter().zip(&outs) {
             assert_eq!(got, &run(&pool, (qisa, qisa.max_m()), w, &x, m, None), "{} m={m}", w.format());
         }
@@ -208,13 +209,13 @@ fn activation_quantization_is_the_same_on_every_path() {
     let k = 320;
     let x = activations(3, k, 11);
     let mut want = QActs::default();
-    want.quantize(QuantIsa::Portable, &x, 3, k, 1);
+    want.quantize(QuantIsa::Portable, &x, 3, k);
     assert!(want.q.iter().all(|&q| q != i8::MIN));
-    // The all-zero block of row 1 has a zero scale and zero quants.
-    assert_eq!((want.d[k / 32], want.s[k / 16]), (0.0, 0.0));
+    // The all-zero block of row 1 has zero scales and zero quants.
+    assert_eq!((&want.d[k / 4..k / 4 + 8], want.s[k / 16]), (&[0.0; 8][..], 0.0));
     for qisa in QuantIsa::available() {
         let mut got = QActs::default();
-        got.quantize(qisa, &x, 3, k, 1);
+        got.quantize(qisa, &x, 3, k);
         assert_eq!((&got.q, &got.d, &got.s), (&want.q, &want.d, &want.s), "{}", qisa.name());
     }
 }

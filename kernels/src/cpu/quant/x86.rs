@@ -135,8 +135,8 @@ struct Job {
     rows: usize,
     /// Units of 32 values per row (`k / 32`).
     units: usize,
-    /// Activation row `r` at `x + r * k`, its scales at `xd + r * k / 32`, sums at
-    /// `s16 + r * k / 16` and `s32 + r * k / 32`.
+    /// Activation row `r` at `x + r * k`, its scales (one per four values) at `xd + r * k / 4`,
+    /// sums at `s16 + r * k / 16` and `s32 + r * k / 32`.
     x: *const i8,
     xd: *const f32,
     s16: *const f32,
@@ -365,12 +365,12 @@ unsafe fn offset<const F: u8>(job: &Job, r: usize, u: usize, w: &Unit) -> f32 {
 /// One unit against one activation row on 256-bit vectors: `acc += cvt(Σ4 q·x) · ds · dx`.
 ///
 /// # Safety
-/// `x` valid for 32 reads, `dx` for 1.
+/// `x` valid for 32 reads, `dx` (the unit's eight activation scales) for 8.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn step256(signed: bool, w: &Unit, wa: __m256i, x: *const i8, dx: *const f32, acc: __m256) -> __m256 {
     // SAFETY: the caller's contract.
-    let (xv, dx) = unsafe { (_mm256_loadu_si256(x as *const __m256i), _mm256_broadcast_ss(&*dx)) };
+    let (xv, dx) = unsafe { (_mm256_loadu_si256(x as *const __m256i), _mm256_loadu_ps(dx)) };
     let xs = if signed { _mm256_sign_epi8(xv, w.q) } else { xv };
     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), _mm256_set1_epi16(1));
     _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(w.ds, dx), acc)
@@ -404,7 +404,7 @@ unsafe fn unit_rows<const F: u8, const R: usize>(
         let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
         for r in 0..R {
             let x = job.x.add(r * job.k + 32 * u);
-            acc[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 32 + u), acc[r]);
+            acc[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), acc[r]);
             off[r] += offset::<F>(job, r, u, &w);
         }
     }
@@ -505,11 +505,7 @@ macro_rules! avx512_kernel {
                         let (wa, neg) = if signed(F) { (_mm512_abs_epi8(q), _mm512_movepi8_mask(q)) } else { (q, 0) };
                         for r in 0..R {
                             let xv = _mm512_loadu_si512(job.x.add(r * job.k + 32 * u0) as *const __m512i);
-                            let xd = job.xd.add(r * job.k / 32 + u0);
-                            let dx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                                _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_broadcast_ss(&*xd))),
-                                _mm256_castps_pd(_mm256_broadcast_ss(&*xd.add(1))),
-                            ));
+                            let dx = _mm512_loadu_ps(job.xd.add(r * job.k / 4 + 8 * u0));
                             // Signed weights: |w| against x negated where w < 0.
                             let xs = if signed(F) { _mm512_mask_sub_epi8(xv, neg, zero, xv) } else { xv };
                             let p32 = avx512_kernel!(@products $mode, wa, xs);
@@ -524,7 +520,7 @@ macro_rules! avx512_kernel {
                         let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
                         for r in 0..R {
                             let x = job.x.add(r * job.k + 32 * u);
-                            tail[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 32 + u), tail[r]);
+                            tail[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), tail[r]);
                             off[r] += offset::<F>(&job, r, u, &w);
                         }
                     }
