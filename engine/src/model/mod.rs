@@ -9,6 +9,9 @@ pub mod safetensors;
 pub mod storage;
 pub mod synth;
 
+#[cfg(test)]
+mod quantized_tests;
+
 pub use config::{Architecture, ModelConfig};
 pub use llama::{ForwardBatch, LoadOptions, Model, WeightBytes, Workspace};
 pub use load::ModelFiles;
