@@ -58,6 +58,20 @@ fn thread_cpu_ns() -> u64 {
     }
 }
 
+/// The fastest of `reps` runs of `step`, the whole of each inside the pool (with one thread,
+/// every op runs on this worker).
+fn best_step<E: Send>(b: &CpuBackend, reps: usize, mut step: impl FnMut() -> Result<(), E> + Send) -> Result<f64, E> {
+    b.install(|| {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let t = Clock::start();
+            step()?;
+            best = best.min(t.secs());
+        }
+        Ok(best)
+    })
+}
+
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let name = args.next().unwrap_or_else(|| "Q4_1".into());
@@ -99,18 +113,7 @@ fn main() -> anyhow::Result<()> {
     let time = |b: &CpuBackend, ws: &[CpuLinear], m: usize| -> anyhow::Result<f64> {
         let x: Vec<f32> = (0..m * 1536).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut out = vec![0f32; m * 49152];
-        // The whole step inside the pool: with one thread, every op runs on this worker.
-        b.install(|| {
-            let mut best = f64::INFINITY;
-            for _ in 0..reps {
-                let t = Clock::start();
-                for w in ws {
-                    b.linear_prepared(&x, w, None, m, &mut out)?;
-                }
-                best = best.min(t.secs());
-            }
-            Ok(best)
-        })
+        Ok(best_step(b, reps, || ws.iter().try_for_each(|w| b.linear_prepared(&x, w, None, m, &mut out)))?)
     };
     println!(
         "{:>4} {:>10} {:>10} {:>10} {:>10}   (ms per step; GB/s of the quantized bytes)",
@@ -159,17 +162,11 @@ mod register {
         }
         let x: Vec<f32> = (0..m * 1536).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut out = vec![0f32; m * 49152];
-        b.install(|| {
-            let mut best = f64::INFINITY;
-            for _ in 0..reps {
-                let t = Clock::start();
-                for w in mats {
-                    linear(w, &x, m, &mut out);
-                }
-                best = best.min(t.secs());
-            }
-            Some(best)
+        best_step(b, reps, || {
+            mats.iter().for_each(|w| linear(w, &x, m, &mut out));
+            Ok::<(), std::convert::Infallible>(())
         })
+        .ok()
     }
 
     /// `out[r, j] = x[r] · w[j]`, written transposed (`[n, m]`) for simplicity.

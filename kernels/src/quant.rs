@@ -113,8 +113,8 @@ impl QuantFormat {
             QuantFormat::Q4_1 => block_q4_1(block, out),
             QuantFormat::Q5_0 => block_q5_0(block, out),
             QuantFormat::Q5_1 => block_q5_1(block, out),
-            QuantFormat::Q4_K => block_q4_k(block, out),
-            QuantFormat::Q5_K => block_q5_k(block, out),
+            QuantFormat::Q4_K => block_q45_k(block, out, false),
+            QuantFormat::Q5_K => block_q45_k(block, out, true),
             QuantFormat::Q6_K => block_q6_k(block, out),
         }
     }
@@ -341,11 +341,12 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-fn block_q4_k(b: &[u8], out: &mut [f32]) {
+/// Q4_K (`five` false) or Q5_K: Q5_K has `qh` at bytes 16..48 and its quants after them.
+fn block_q45_k(b: &[u8], out: &mut [f32], five: bool) {
     let d = f16_at(b, 0);
     let dmin = f16_at(b, 2);
     let scales = &b[4..16];
-    let qs = &b[16..144];
+    let qs = if five { &b[48..176] } else { &b[16..144] };
     for (chunk, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(64)).enumerate() {
         let (sc1, m1) = scale_min_k4(2 * chunk, scales);
         let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
@@ -353,27 +354,10 @@ fn block_q4_k(b: &[u8], out: &mut [f32]) {
         let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
         let (lo, hi) = o.split_at_mut(32);
         for l in 0..32 {
-            lo[l] = d1 * f32::from(q[l] & 0x0F) - m1;
-            hi[l] = d2 * f32::from(q[l] >> 4) - m2;
-        }
-    }
-}
-
-fn block_q5_k(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let scales = &b[4..16];
-    let qh = &b[16..48];
-    let qs = &b[48..176];
-    for (chunk, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(64)).enumerate() {
-        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
-        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
-        let (d1, m1) = (d * f32::from(sc1), dmin * f32::from(m1));
-        let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
-        let (lo, hi) = o.split_at_mut(32);
-        for l in 0..32 {
-            let h1 = ((qh[l] >> (2 * chunk)) & 1) << 4;
-            let h2 = ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+            let (h1, h2) = match five {
+                true => (((b[16 + l] >> (2 * chunk)) & 1) << 4, ((b[16 + l] >> (2 * chunk + 1)) & 1) << 4),
+                false => (0, 0),
+            };
             lo[l] = d1 * f32::from((q[l] & 0x0F) | h1) - m1;
             hi[l] = d2 * f32::from((q[l] >> 4) | h2) - m2;
         }

@@ -42,6 +42,7 @@ pub(super) fn run(
     assert!(rows.end <= w.n() && acts.k == w.k() && GROUPS.contains(&rr));
     assert!(rr == 0 || (r0 + rr) * w.k() <= acts.q.len());
     assert!(rows.len() <= width && (rr == 0 || res.len() >= (rr - 1) * width + rows.len()));
+    let mut wm = vec![0f32; 2 * (w.k() / 32)];
     let job = Job {
         w: w.row(rows.start).as_ptr(),
         row_bytes: w.row_bytes(),
@@ -54,6 +55,7 @@ pub(super) fn run(
         k: w.k(),
         out: res.as_mut_ptr(),
         width,
+        wm: wm.as_mut_ptr(),
     };
     macro_rules! by_rows {
         ($f:ident, $fmt:expr) => {
@@ -145,6 +147,9 @@ struct Job {
     /// Result row `r` at `out + r * width`.
     out: *mut f32,
     width: usize,
+    /// Scratch for one weight row's offsets: one per unit, or per half unit for Q6_K
+    /// (`2 * units` floats).
+    wm: *mut f32,
 }
 
 const fn block_values(f: u8) -> usize {
@@ -343,23 +348,41 @@ unsafe fn row_unit<const F: u8>(row: *const u8, u: usize, ks: &mut KScales) -> U
     }
 }
 
-/// The offsets' share of unit `u` for activation row `r`.
+/// Keeps unit `u`'s offsets in the job's scratch, for [`offsets`] once the row is done.
 ///
 /// # Safety
-/// `u`, `r` inside the job.
+/// `u` below the job's units.
 #[inline(always)]
-unsafe fn offset<const F: u8>(job: &Job, r: usize, u: usize, w: &Unit) -> f32 {
-    // SAFETY: `r < R` rows and `u < units` units of the job's sums.
+unsafe fn keep_offsets<const F: u8>(job: &Job, u: usize, w: &Unit) {
+    // SAFETY: the scratch holds `2 * units` floats.
     unsafe {
-        if signed(F) {
-            0.0
-        } else if per16(F) {
-            let s = job.s16.add(r * job.k / 16 + 2 * u);
-            w.m0 * *s + w.m1 * *s.add(1)
-        } else {
-            w.m0 * *job.s32.add(r * job.k / 32 + u)
+        if per16(F) {
+            *job.wm.add(2 * u) = w.m0;
+            *job.wm.add(2 * u + 1) = w.m1;
+        } else if !signed(F) {
+            *job.wm.add(u) = w.m0;
         }
     }
+}
+
+/// The offsets' share of a weight row for activation row `r`: its kept offsets against the
+/// row's block (or half-block) sums.
+///
+/// # Safety
+/// The scratch holds the offsets of every unit of the row; `r` below the job's rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn offsets<const F: u8>(job: &Job, r: usize) -> f32 {
+    if signed(F) {
+        return 0.0;
+    }
+    let (sums, len) = match per16(F) {
+        true => (job.s16.wrapping_add(r * job.k / 16), 2 * job.units),
+        false => (job.s32.wrapping_add(r * job.k / 32), job.units),
+    };
+    // SAFETY: `len` offsets were kept, and activation row `r` has `len` sums of this kind.
+    let (wm, s) = unsafe { (std::slice::from_raw_parts(job.wm, len), std::slice::from_raw_parts(sums, len)) };
+    crate::cpu::simd::dot(crate::cpu::simd::Isa::Avx2Fma, wm, s)
 }
 
 /// One unit against one activation row on 256-bit vectors: `acc += cvt(Σ4 q·x) · ds · dx`.
@@ -384,7 +407,7 @@ fn hsum256(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// Unit `u` of `row` against every activation row of the job, into `acc` and `off`.
+/// Unit `u` of `row` against every activation row of the job, into `acc` (its offsets kept).
 ///
 /// # Safety
 /// `u` below the job's units; `row` one of its rows.
@@ -396,16 +419,15 @@ unsafe fn unit_rows<const F: u8, const R: usize>(
     u: usize,
     ks: &mut KScales,
     acc: &mut [__m256; R],
-    off: &mut [f32; R],
 ) {
     // SAFETY: the caller's contract; activation row `r < R` holds unit `u`.
     unsafe {
         let w = row_unit::<F>(row, u, ks);
+        keep_offsets::<F>(job, u, &w);
         let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
-        for r in 0..R {
+        for (r, acc) in acc.iter_mut().enumerate() {
             let x = job.x.add(r * job.k + 32 * u);
-            acc[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), acc[r]);
-            off[r] += offset::<F>(job, r, u, &w);
+            *acc = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), *acc);
         }
     }
 }
@@ -425,22 +447,21 @@ unsafe fn avx2<const F: u8, const R: usize>(job: Job) {
         for j in 0..job.rows {
             let row = job.w.add(j * job.row_bytes);
             let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-            let (mut off0, mut off1) = ([0f32; R], [0f32; R]);
             let mut u = 0;
             while u + 1 < job.units {
-                unit_rows::<F, R>(&job, row, u, &mut ks, &mut acc0, &mut off0);
+                unit_rows::<F, R>(&job, row, u, &mut ks, &mut acc0);
                 if R <= 4 {
-                    unit_rows::<F, R>(&job, row, u + 1, &mut ks, &mut acc1, &mut off1);
+                    unit_rows::<F, R>(&job, row, u + 1, &mut ks, &mut acc1);
                 } else {
-                    unit_rows::<F, R>(&job, row, u + 1, &mut ks, &mut acc0, &mut off0);
+                    unit_rows::<F, R>(&job, row, u + 1, &mut ks, &mut acc0);
                 }
                 u += 2;
             }
             if u < job.units {
-                unit_rows::<F, R>(&job, row, u, &mut ks, &mut acc0, &mut off0);
+                unit_rows::<F, R>(&job, row, u, &mut ks, &mut acc0);
             }
             for r in 0..R {
-                *job.out.add(r * job.width + j) = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + (off0[r] + off1[r]);
+                *job.out.add(r * job.width + j) = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + offsets::<F>(&job, r);
             }
         }
     }
@@ -493,10 +514,11 @@ macro_rules! avx512_kernel {
                 for j in 0..job.rows {
                     let row = job.w.add(j * job.row_bytes);
                     let mut acc = [_mm512_setzero_ps(); R];
-                    let mut off = [0f32; R];
                     for p in 0..job.units / 2 {
                         let (u0, u1) = (2 * p, 2 * p + 1);
                         let (w0, w1) = (row_unit::<F>(row, u0, &mut ks), row_unit::<F>(row, u1, &mut ks));
+                        keep_offsets::<F>(&job, u0, &w0);
+                        keep_offsets::<F>(&job, u1, &w1);
                         let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0.q), w1.q);
                         let ds = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                             _mm512_castpd256_pd512(_mm256_castps_pd(w0.ds)),
@@ -510,22 +532,16 @@ macro_rules! avx512_kernel {
                             let xs = if signed(F) { _mm512_mask_sub_epi8(xv, neg, zero, xv) } else { xv };
                             let p32 = avx512_kernel!(@products $mode, wa, xs);
                             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), _mm512_mul_ps(ds, dx), acc[r]);
-                            off[r] += offset::<F>(&job, r, u0, &w0) + offset::<F>(&job, r, u1, &w1);
                         }
                     }
                     let mut tail = [_mm256_setzero_ps(); R];
                     if job.units % 2 == 1 {
                         let u = job.units - 1;
-                        let w = row_unit::<F>(row, u, &mut ks);
-                        let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
-                        for r in 0..R {
-                            let x = job.x.add(r * job.k + 32 * u);
-                            tail[r] = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), tail[r]);
-                            off[r] += offset::<F>(&job, r, u, &w);
-                        }
+                        unit_rows::<F, R>(&job, row, u, &mut ks, &mut tail);
                     }
                     for r in 0..R {
-                        *job.out.add(r * job.width + j) = _mm512_reduce_add_ps(acc[r]) + hsum256(tail[r]) + off[r];
+                        *job.out.add(r * job.width + j) =
+                            _mm512_reduce_add_ps(acc[r]) + hsum256(tail[r]) + offsets::<F>(&job, r);
                     }
                 }
             }
