@@ -312,7 +312,7 @@ impl Backend for CpuBackend {
     }
 
     fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<CpuLinear> {
-        PackedLinear::pack(&self.pool, w, n, k).map(CpuLinear::Packed)
+        PackedLinear::pack(&self.pool, self.isa, w, n, k).map(CpuLinear::Packed)
     }
 
     fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<CpuLinear> {

@@ -51,16 +51,10 @@ impl std::fmt::Debug for PackedLinear {
 
 impl PackedLinear {
     /// Packs `w: [n, k]` (row-major; only its first `n * k` elements are read).
-    pub(crate) fn pack(pool: &rayon::ThreadPool, w: &[f32], n: usize, k: usize) -> Result<Self> {
-        check::at_least("prepare_linear", "w", w.len(), check::mul("prepare_linear", n, k)?)?;
-        Self::pack_with(pool, n, k, |j, row| row.copy_from_slice(&w[j * k..(j + 1) * k]))
-    }
-
-    /// Packs the `[n, k]` weight whose row `j` `row(j, out)` writes into `out` (`k` floats),
-    /// calling it once per row, from the pool's threads.
-    fn pack_with(pool: &rayon::ThreadPool, n: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> Result<Self> {
+    pub(crate) fn pack(pool: &rayon::ThreadPool, isa: Isa, w: &[f32], n: usize, k: usize) -> Result<Self> {
         const OP: &str = "prepare_linear";
-        check::mul(OP, n, k)?;
+        check::at_least(OP, "w", w.len(), check::mul(OP, n, k)?)?;
+        let row = |j: usize, out: &mut [f32]| out.copy_from_slice(&w[j * k..(j + 1) * k]);
         let panels = n.div_ceil(NR);
         let len = check::mul(OP, check::mul(OP, panels, k)?, NR)?;
         // 16 spare floats to align the panels to 64 bytes.
@@ -74,7 +68,7 @@ impl PackedLinear {
                 data[off..off + len]
                     .par_chunks_mut(k * NR)
                     .enumerate()
-                    .for_each(|(p, panel)| fill_panel(panel, p, n, k, &row))
+                    .for_each(|(p, panel)| fill_panel(isa, panel, p, n, k, &row))
             });
         }
         Ok(PackedLinear { n, k, data, off })
@@ -117,9 +111,16 @@ impl PackedLinear {
 
 /// Fills `panel` (`k * NR` floats) with panel `p` of an `[n, k]` weight whose row `j`
 /// `row(j, out)` writes into `out` (`k` floats); columns past `n` are left as they are.
-pub(crate) fn fill_panel(panel: &mut [f32], p: usize, n: usize, k: usize, row: &(impl Fn(usize, &mut [f32]) + ?Sized)) {
+pub(crate) fn fill_panel(
+    isa: Isa,
+    panel: &mut [f32],
+    p: usize,
+    n: usize,
+    k: usize,
+    row: &(impl Fn(usize, &mut [f32]) + ?Sized),
+) {
     // Eight rows at a time, so each step of `kk` writes eight consecutive floats of the panel
-    // rather than one at a stride of `NR`.
+    // rather than one at a stride of `NR` (with AVX2, eight steps at once as 8 × 8 transposes).
     const G: usize = 8;
     let mut buf = vec![0f32; G * k];
     let rows = NR.min(n - p * NR);
@@ -128,10 +129,67 @@ pub(crate) fn fill_panel(panel: &mut [f32], p: usize, n: usize, k: usize, row: &
         for (jj, b) in buf.chunks_exact_mut(k).take(g).enumerate() {
             row(p * NR + j0 + jj, b);
         }
-        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+        let mut kk = 0;
+        #[cfg(target_arch = "x86_64")]
+        if g == G && isa != Isa::Portable {
+            assert!(panel.len() >= k * NR && j0 + G <= NR);
+            while kk + 8 <= k {
+                // SAFETY: AVX2 is present for any ISA but portable; rows `0..8` of `buf` hold
+                // `kk..kk + 8` (asserted sizes: `buf` is `8 * k`), and panel rows `kk..kk + 8`
+                // hold columns `j0..j0 + 8` (asserted above).
+                unsafe { transpose8(buf.as_ptr().add(kk), k, panel.as_mut_ptr().add(kk * NR + j0), NR) };
+                kk += 8;
+            }
+        }
+        let _ = isa;
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate().skip(kk) {
             for (jj, d) in dst[j0..j0 + g].iter_mut().enumerate() {
                 *d = buf[jj * k + kk];
             }
+        }
+    }
+}
+
+/// `dst[i * dst_stride + j] = src[j * src_stride + i]` for `i, j < 8`.
+///
+/// # Safety
+/// AVX2 available; `src` valid for 8 rows of 8 floats at `src_stride`, `dst` for 8 rows of 8 at
+/// `dst_stride`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * src_stride)));
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let out = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ];
+        for (i, v) in out.into_iter().enumerate() {
+            _mm256_storeu_ps(dst.add(i * dst_stride), v);
         }
     }
 }
@@ -217,7 +275,10 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
         let (base, extra) = (m / tiles, m % tiles);
         (t * base + t.min(extra), base + usize::from(t < extra))
     };
-    let tiles_per_block = (X_BLOCK_FLOATS / k / MR).clamp(1, tiles);
+    // Row blocks keep `x` in L2 while stored panels stream past; panels decoded per task are
+    // dearer to make twice than `x` is to read from L3 again, so those tasks take every row.
+    let stored = products.iter().all(|p| p.w.stored(0).is_some() || p.w.n() == 0);
+    let tiles_per_block = if stored { (X_BLOCK_FLOATS / k / MR).clamp(1, tiles) } else { tiles };
     let blocks = tiles.div_ceil(tiles_per_block);
     let wanted = 8 * pool.current_num_threads();
     let mut first = 0;
@@ -463,7 +524,7 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for (n, k) in [(1, 1), (63, 5), (64, 3), (65, 7), (200, 33), (3, 0)] {
             let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
-            let p = PackedLinear::pack(&pool, &w, n, k).unwrap();
+            let p = PackedLinear::pack(&pool, Isa::detect(), &w, n, k).unwrap();
             assert_eq!(p.unpack(), w, "{n}x{k}");
             assert_eq!(p.data[p.off..].as_ptr() as usize % 64, 0);
             // Padding columns are zero.

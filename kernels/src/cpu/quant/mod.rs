@@ -228,6 +228,7 @@ fn rows_task(qisa: QuantIsa, w: &QuantMatrix, acts: &QActs, m: usize, rows: std:
 /// it (into the task's own buffer, which stays in L2 while every row tile of its block passes).
 struct QuantPanels<'a> {
     w: &'a QuantMatrix,
+    isa: Isa,
     qisa: QuantIsa,
 }
 
@@ -251,13 +252,13 @@ impl packed::Panels for QuantPanels<'_> {
             QuantIsa::Avx2 | QuantIsa::Avx512Bw | QuantIsa::Avx512Vnni => x86::dequantize_row(qisa, w, j, out),
             _ => w.dequantize_row(j, out),
         };
-        packed::fill_panel(buf, p, w.n(), w.k(), &row);
+        packed::fill_panel(self.isa, buf, p, w.n(), w.k(), &row);
     }
 }
 
 /// The wide regime: the f32 micro-kernel on panels decoded as they are reached.
 fn wide(pool: &rayon::ThreadPool, isa: Isa, qisa: QuantIsa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
-    let panels: Vec<QuantPanels<'_>> = products.iter().map(|p| QuantPanels { w: p.w, qisa }).collect();
+    let panels: Vec<QuantPanels<'_>> = products.iter().map(|p| QuantPanels { w: p.w, isa, qisa }).collect();
     let mut f32s: Vec<packed::Product<'_>> = products
         .iter_mut()
         .zip(&panels)
