@@ -368,7 +368,7 @@ impl Backend for CpuBackend {
         if !quants.is_empty() {
             let max_m = self.quant_max_m.unwrap_or(self.qisa.max_m());
             let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
-            quant::linear_many(&self.pool, kernels, x, m, &mut quants)?;
+            quant::linear_many(&self.pool, kernels, x, m, &mut quants);
         }
         Ok(())
     }

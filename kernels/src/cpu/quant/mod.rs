@@ -2,14 +2,14 @@
 //! f32 in memory, so a decode step reads each weight's quantized bytes once.
 //!
 //! Two regimes, split at [`QuantIsa::max_m`] activation rows:
-//! - **Integer** (decode and small batches): the activations are quantized to 8 bits per block
-//!   of 32 ([`acts`]); each task takes a run of weight rows and decodes every 32-value unit of a
+//! - **Integer** (decode and small batches): the activations are quantized to 8 bits with a
+//!   scale per four values ([`acts`]); each task takes a run of weight rows and decodes every 32-value unit of a
 //!   row into one canonical form whatever the format ([`portable`]: quant bytes, a scale per four
 //!   of them, offsets), in registers on x86 ([`x86`]: AVX2, AVX-512BW, AVX-512 VNNI), and
 //!   multiplies it at once against up to eight activation rows with exact integer dot products
 //!   of four bytes, scaled in f32 per unit; the weight offsets (Q4_1's `m`, Q4_0's `-8 d`, the
-//!   K-quants' mins) meet the activations' block sums in scalar FMAs. Each weight byte is read
-//!   from memory once per group of eight activation rows.
+//!   K-quants' mins) meet the activations' block sums in one f32 dot per row. Each weight byte
+//!   is read from memory once per group of eight activation rows.
 //! - **Wide** (prefill, larger batches): the f32 micro-kernel of [`super::packed`], on panels
 //!   each task decodes as it reaches them into a buffer that stays in L2 while every row tile of
 //!   its block passes over it; decoding is small beside `m` rows of FMAs, the activations stay
@@ -32,7 +32,6 @@ use rayon::prelude::*;
 use super::packed;
 use super::simd::Isa;
 use crate::quant::QuantMatrix;
-use crate::Result;
 use acts::QActs;
 
 /// The instruction set of the quantized kernels: AVX-512 needs BW (byte multiplies) and uses
@@ -120,21 +119,16 @@ pub(crate) fn linear_many(
     x: &[f32],
     m: usize,
     products: &mut [Product<'_>],
-) -> Result<()> {
-    let Some(k) = products.first().map(|p| p.w.k()) else { return Ok(()) };
+) {
+    let Some(k) = products.first().map(|p| p.w.k()) else { return };
     debug_assert!(products.iter().all(|p| p.w.k() == k));
     if m == 0 {
-        return Ok(());
+        return;
     }
-    if k == 0 {
-        for p in products.iter_mut() {
-            fill_bias(p.out, p.bias, p.w.n());
-        }
-        return Ok(());
-    }
-    if m > max_m {
+    // The wide path also fills in the biases of `k == 0`.
+    if m > max_m || k == 0 {
         wide(pool, isa, qisa, x, m, products);
-        return Ok(());
+        return;
     }
     let mut acts = QActs::default();
     acts.quantize(qisa, x, m, k);
@@ -176,7 +170,6 @@ pub(crate) fn linear_many(
         1 => task(0),
         count => pool.install(|| (0..count).into_par_iter().for_each(task)),
     }
-    Ok(())
 }
 
 /// A product's share of the task space of [`linear_many`].
@@ -194,15 +187,6 @@ struct Plan<'a> {
 struct OutPtr(*mut f32);
 // SAFETY: only used to write disjoint pieces from tasks joined before `out` is used again.
 unsafe impl Sync for OutPtr {}
-
-fn fill_bias(out: &mut [f32], bias: Option<&[f32]>, n: usize) {
-    for row in out.chunks_exact_mut(n.max(1)) {
-        match bias {
-            Some(b) => row.copy_from_slice(&b[..n]),
-            None => row.fill(0.0),
-        }
-    }
-}
 
 /// `res[r, j - j0] = x[r] · w[j]` for the weight rows `j` of `rows` (`j0 = rows.start`), without
 /// bias.

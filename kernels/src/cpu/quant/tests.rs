@@ -101,7 +101,7 @@ fn run(
     let mut out = vec![f32::NAN; m * w.n() + 3];
     let (body, tail) = out.split_at_mut(m * w.n());
     let kernels = Kernels { isa, qisa, max_m };
-    linear_many(pool, kernels, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]).unwrap();
+    linear_many(pool, kernels, &x[..m * w.k()], m, &mut [Product { w, bias, out: body }]);
     assert!(tail.iter().all(|v| v.is_nan()), "wrote past m * n");
     out.truncate(m * w.n());
     out
@@ -197,7 +197,7 @@ fn several_products_share_one_region() {
         let isa = Isa::detect();
         let mut products: Vec<Product<'_>> =
             ws.iter().zip(outs.iter_mut()).map(|(w, out)| Product { w, bias: None, out }).collect();
-        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products).unwrap();
+        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products);
         for (w, got) in ws.iter().zip(&outs) {
             assert_eq!(got, &run(&pool, (qisa, qisa.max_m()), w, &x, m, None), "{} m={m}", w.format());
         }
