@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use cleave_engine::model::ModelFiles;
@@ -150,25 +149,6 @@ fn a_bad_constraint_is_refused_before_anything_is_queued() {
     let req = request(2, vec![1, 5, 9], Some(Constraint::Choice(vec![])), 0.0, 10);
     let err = core.add_request(req, Instant::now()).unwrap_err();
     assert!(err.to_string().contains("choice list is empty"), "{err}");
-}
-
-fn smollm2() -> Option<PathBuf> {
-    const FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let found = std::env::var_os("CLEAVE_SMOLLM2_GGUF").map(PathBuf::from).or_else(|| {
-        [root.join("../models/smollm2"), root.join("models/smollm2")]
-            .into_iter()
-            .map(|d| d.join(FILE))
-            .find(|p| p.is_file())
-    });
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CLEAVE_REQUIRE_SMOLLM2").is_none(),
-            "CLEAVE_REQUIRE_SMOLLM2 is set but {FILE} is missing"
-        );
-        println!("SKIP: {FILE} not found; run scripts/peers/smollm2.sh models/smollm2");
-    }
-    found
 }
 
 #[test]

@@ -10,14 +10,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles};
+use cleave_engine::model::{LoadOptions, Model, ModelFiles};
 use cleave_engine::{EngineConfig, EngineCore, ImportStart, KvExport, KvExportEvent};
 use cleave_kernels::cpu::CpuBackend;
-use cleave_kernels::AttnSeq;
 use cleave_protocol::{KvDtype, TokenEvent};
 use common::*;
 
@@ -154,78 +152,6 @@ fn a_16_bit_handoff_moves_half_the_bytes_and_decodes_as_one_engine() {
 // Perplexity on SmolLM2
 // ---------------------------------------------------------------------------------------------
 
-const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The SmolLM2 GGUF at `$CLEAVE_SMOLLM2_GGUF` or in the usual places (as in `gguf_smollm2.rs`);
-/// `None` with a message when absent, a panic when CLEAVE_REQUIRE_SMOLLM2 is set.
-fn smollm2() -> Option<PathBuf> {
-    let found = if let Some(p) = std::env::var_os("CLEAVE_SMOLLM2_GGUF") {
-        Some(PathBuf::from(p))
-    } else {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        [root.join("../models/smollm2"), root.join("models/smollm2"), PathBuf::from("/work/models/smollm2")]
-            .into_iter()
-            .map(|d| d.join(SMOLLM2))
-            .find(|p| p.is_file())
-    };
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CLEAVE_REQUIRE_SMOLLM2").is_none(),
-            "CLEAVE_REQUIRE_SMOLLM2 is set but {SMOLLM2} is missing"
-        );
-        println!("SKIP: {SMOLLM2} not found; run scripts/peers/smollm2.sh models/smollm2 or set CLEAVE_SMOLLM2_GGUF");
-    }
-    found
-}
-
-/// Perplexity of `tokens` by teacher forcing through `Model::forward` with a cache of `dtype`:
-/// the first half in prefill chunks of 64 (the tiled attention path; each chunk reads the
-/// earlier chunks' K/V from the cache), the rest in chunks of 8 (the per-query path, as decode
-/// steps read it). Every position's logits are kept; the perplexity is
-/// `exp(-mean log p(token[i + 1] | token[..=i]))`.
-fn perplexity(model: &Model<CpuBackend>, backend: &CpuBackend, tokens: &[u32], dtype: KvDtype) -> f64 {
-    let block_size = 16;
-    let blocks = tokens.len().div_ceil(block_size);
-    let spec = KvSpec { num_blocks: blocks + 1, block_size, dtype };
-    let mut kv = KvStorage::new(backend, &model.config, spec).unwrap();
-    // A reversed block table, so the cache is read through real indirection.
-    let table: Vec<u32> = (1..=blocks as u32).rev().collect();
-    let vocab = model.config.vocab_size;
-    let (mut done, mut nll) = (0, 0f64);
-    while done < tokens.len() {
-        let len = if done < tokens.len() / 2 { 64 } else { 8 }.min(tokens.len() - done);
-        let positions: Vec<u32> = (done as u32..(done + len) as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| table[p as usize / block_size] * block_size as u32 + p % block_size as u32)
-            .collect();
-        let rows: Vec<u32> = (0..len as u32).collect();
-        let seqs = [AttnSeq { q_start: 0, q_len: len, context_len: done + len, block_table: &table }];
-        let batch = ForwardBatch {
-            tokens: &tokens[done..done + len],
-            positions: &positions,
-            slots: &slots,
-            seqs: &seqs,
-            logit_rows: &rows,
-        };
-        let logits = model.forward(backend, batch, &mut kv).unwrap();
-        for (i, row) in logits.chunks_exact(vocab).enumerate() {
-            if let Some(&next) = tokens.get(done + i + 1) {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let z: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
-                nll -= row[next as usize] as f64 - max - z.ln();
-            }
-        }
-        done += len;
-    }
-    (nll / (tokens.len() - 1) as f64).exp()
-}
-
-fn fixture(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 #[test]
 fn smollm2_perplexity_with_16_bit_caches_is_within_one_percent_of_f32() {
     let Some(path) = smollm2() else { return };
@@ -233,7 +159,8 @@ fn smollm2_perplexity_with_16_bit_caches_is_within_one_percent_of_f32() {
     let tokens = files.tokenizer.encode(&fixture("perplexity_text.txt"), true).unwrap();
     assert!(tokens.len() > 300, "the text has {} tokens", tokens.len());
     let backend = CpuBackend::default();
-    let model = Model::load(&backend, files.config.clone(), files.source.as_ref()).unwrap();
+    let opts = LoadOptions { dequantize_weights: true };
+    let model = Model::load_with(&backend, files.config.clone(), files.source.as_ref(), opts).unwrap();
     let t = Instant::now();
     let ppl: Vec<f64> = DTYPES.iter().map(|&d| perplexity(&model, &backend, &tokens, d)).collect();
     println!(

@@ -11,7 +11,8 @@
 //! Layout conventions (shared by every backend):
 //! - Activations of a batch are packed token-major: `[num_tokens, width]`.
 //! - Linear weights use Hugging Face's layout `[out_features, in_features]`. A backend may keep
-//!   its own layout for weights it prepares once ([`Backend::prepare_linear`]).
+//!   its own layout for weights it prepares once ([`Backend::prepare_linear`]). Weights in a
+//!   block-quantized format ([`quant`]) may stay in it ([`Backend::prepare_linear_quantized`]).
 //! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
 //!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
 //!   at row `t % block_size`. A pool stores f32, f16 or bf16 ([`CacheDtype`]): writes round f32
@@ -25,9 +26,11 @@
 mod check;
 pub mod cpu;
 pub mod measure;
+pub mod quant;
 pub mod reference;
 
 pub use cpu::CpuBackend;
+pub use quant::{QuantFormat, QuantMatrix};
 
 /// Errors of the kernels crate.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +88,19 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: u32,
     },
+}
+
+/// What a prepared linear weight is ([`Backend::linear_info`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearInfo {
+    /// Output features.
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Bytes one multiply reads of the weight as the backend holds it.
+    pub bytes: usize,
+    /// "f32", or the name of the quantized format it is held in ("Q4_1").
+    pub format: &'static str,
 }
 
 /// One sequence's share of a batched paged-attention call.
@@ -156,6 +172,15 @@ pub trait Backend: Send + Sync + 'static {
     /// Prepares the linear weight `w: [n, k]` (Hugging Face layout, host memory) for
     /// [`Backend::linear_prepared`]. Called once per weight at load.
     fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<Self::Linear>;
+    /// Prepares a block-quantized linear weight `[n, k]` ([`QuantMatrix`]) for
+    /// [`Backend::linear_prepared`]. A backend with kernels for the format keeps the weight in
+    /// it (the CPU multiplies the blocks directly, so a decode step reads the quantized bytes);
+    /// this default dequantizes it and calls [`Backend::prepare_linear`].
+    fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<Self::Linear> {
+        self.prepare_linear(&w.to_f32(), w.n(), w.k())
+    }
+    /// The shape, bytes and format of a prepared weight (what a decode step reads of it).
+    fn linear_info(&self, w: &Self::Linear) -> LinearInfo;
     /// [`Backend::linear`] with a prepared weight: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
     fn linear_prepared(
         &self,

@@ -4,8 +4,10 @@
 mod common;
 
 use cleave_kernels::cpu::KvPool;
+use cleave_kernels::quant::synthetic_blocks;
 use cleave_kernels::{
-    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, RopeScaling,
+    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, QuantFormat,
+    QuantMatrix, RopeScaling,
 };
 use common::{assert_close, backends, Rng};
 
@@ -162,6 +164,60 @@ fn prepared_embedding_matches_reference() {
         b.embedding_prepared(&packed, &ids, &mut got).unwrap();
         assert_eq!(&got[..ids.len() * dim], &want[..], "{vocab}x{dim}");
         assert_eq!(&got[ids.len() * dim..], &[SENTINEL; 2]);
+    }
+}
+
+/// Quantized weights through the backend (every ISA): `linear_prepared` alone and mixed with an
+/// f32 weight in one `linear_prepared_many`, and `embedding_prepared` from a quantized table, all
+/// against the reference on the dequantized weight. The tolerance covers the 8-bit rounding of
+/// the activations in the integer kernels (`m <= QuantIsa::max_m`): 1% of the sum of the terms'
+/// magnitudes is far above it for these sizes and far below any layout error; the kernels' own
+/// tests (`cpu::quant::tests`) check every format and path against the exact bound.
+#[test]
+fn quantized_linear_and_embedding_match_reference() {
+    let mut rng = Rng::new(13);
+    for b in backends() {
+        for format in QuantFormat::ALL {
+            let k = 2 * format.block_values();
+            for &(m, n) in &[(1, 3), (6, 70), (40, 9)] {
+                let w =
+                    QuantMatrix::new(format, n, k, synthetic_blocks(format, n * k / format.block_values(), 5)).unwrap();
+                let wf = w.to_f32();
+                let x = rng.vec(m * k);
+                let bias = rng.vec(n);
+                let (fw, fbias) = (rng.vec(n * k), rng.vec(n));
+                let q = b.prepare_linear_quantized(w.clone()).unwrap();
+                let f = b.prepare_linear(&fw, n, k).unwrap();
+                let (mut o1, mut o2) = (padded(m * n, 2), padded(m * n, 2));
+                b.linear_prepared_many(&x, &[(&q, Some(&bias)), (&f, Some(&fbias))], m, &mut [&mut o1, &mut o2])
+                    .unwrap();
+                let mut want = vec![0f32; m * n];
+                reference::linear(&x, &wf, Some(&bias), m, k, n, &mut want).unwrap();
+                let mag: Vec<f32> = (0..m * n)
+                    .map(|i| (0..k).map(|p| (x[i / n * k + p] * wf[i % n * k + p]).abs()).sum::<f32>())
+                    .collect();
+                let what = format!("{b:?} {format} {m}x{k}x{n}");
+                for (i, (&g, &w)) in o1.iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 0.01 * mag[i] + 1e-5, "{what}: output {i}: got {g}, want {w}");
+                }
+                assert_eq!(&o1[m * n..], &[SENTINEL; 2], "{what} wrote past m*n");
+                reference::linear(&x, &fw, Some(&fbias), m, k, n, &mut want).unwrap();
+                assert_close(&o2[..m * n], &want, 1e-4, 1e-5, &format!("{what}: the f32 weight beside it"));
+                let mut alone = padded(m * n, 0);
+                b.linear_prepared(&x, &q, Some(&bias), m, &mut alone).unwrap();
+                assert_eq!(alone, o1[..m * n], "{what}: alone and with another weight");
+
+                let ids: Vec<u32> = (0..7).map(|_| rng.below(n) as u32).collect();
+                let mut got = padded(ids.len() * k, 2);
+                b.embedding_prepared(&q, &ids, &mut got).unwrap();
+                let mut want = vec![0f32; ids.len() * k];
+                reference::embedding(&wf, &ids, n, k, &mut want).unwrap();
+                assert_eq!(&got[..ids.len() * k], &want[..], "{what}: embedding");
+                assert_eq!(&got[ids.len() * k..], &[SENTINEL; 2]);
+                assert!(is_shape(b.embedding_prepared(&q, &[n as u32], &mut got)), "row out of range");
+                assert!(is_shape(b.linear_prepared(&x, &q, None, m + 1, &mut o1)), "x too short");
+            }
+        }
     }
 }
 

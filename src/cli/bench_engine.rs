@@ -2,8 +2,10 @@
 //! beside the limit this machine sets, measured in the same run:
 //! - prefill against the GEMM library's peak (2 FLOPs per non-embedding weight per token, plus
 //!   causal attention and one row of LM head);
-//! - decode against the memory-bandwidth floor (every layer weight and the LM head read once per
-//!   step) and, for batches, against batch 1.
+//! - decode against the memory-bandwidth floor: the bytes a step reads (every layer's linear
+//!   weights and the LM head once, in the format they are held in: a GGUF's Q4_1 blocks, or f32
+//!   with `--dequantize-weights`; plus every sequence's K/V) over the read bandwidth measured at
+//!   that working-set size; and, for batches, against batch 1.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -187,14 +189,6 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let head = cfg.vocab_size * cfg.hidden_size;
     let embed_params = head * if cfg.tie_word_embeddings { 1 } else { 2 };
     let body_params = params - embed_params;
-    // Bytes a decode step streams: every layer's weights and the head, in f32 (cleave computes in
-    // f32 whatever the file stores; a GGUF is de-quantized at load).
-    let weight_bytes = (body_params + head) * 4;
-    // The floor is set by reading that many bytes over and over, as decode does: on a CPU with a
-    // large L3 (this VM reports 300 MiB) part of a few-hundred-MB model stays cached between
-    // steps, so the bandwidth that matters is the one measured at the same working-set size,
-    // not the DRAM figure of a 1 GiB array (printed too).
-    let bandwidth = measure::memory_bandwidth_gbps_on(&backend, weight_bytes);
     // A prefill request asks for one token after its prompt, so it needs `len + 1` positions.
     let max_len = (args.prefill.iter().copied().max().unwrap_or(0) + 1)
         .max(args.decode_context + 2 * args.decode_steps as usize + 16);
@@ -202,13 +196,22 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     ecfg.enable_prefix_caching = false;
     ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
     ecfg.max_num_batched_tokens = ecfg.max_num_batched_tokens.max(max_len);
-    let mut core = EngineCore::load(backend, files, &ecfg)?;
+    let mut core = EngineCore::load(backend.clone(), files, &ecfg)?;
+    // Bytes a decode step streams of the weights: every layer's linear weights and the head, in
+    // the format each is held in (a GGUF's blocks, or f32 when dequantized at load).
+    let weights = core.weight_bytes();
+    let weight_bytes = weights.per_step;
+    // The floor is set by reading that many bytes over and over, as decode does: on a CPU with a
+    // large L3 (this VM reports 300 MiB) part of a few-hundred-MB model stays cached between
+    // steps, so the bandwidth that matters is the one measured at the same working-set size,
+    // not the DRAM figure of a 1 GiB array (printed too).
+    let bandwidth = measure::memory_bandwidth_gbps_on(&backend, weight_bytes);
     println!(
-        "model: {} ({:.1}M parameters, {:.1}M outside the embeddings; a decode step streams {:.0} MB of f32)",
+        "model: {} ({:.1}M parameters, {:.1}M outside the embeddings); a decode step reads {weights} of weights{}",
         args.model.display(),
         params as f64 / 1e6,
         body_params as f64 / 1e6,
-        weight_bytes as f64 / 1e6
+        if ecfg.dequantize_weights { " (--dequantize-weights)" } else { "" },
     );
     println!(
         "machine: {threads} threads, read bandwidth {bandwidth:.1} GB/s over {:.0} MB (the decode floor's), \
@@ -289,7 +292,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?),
     };
     let constraint = schema.map(cleave_protocol::Constraint::JsonSchema);
-    let step_floor = weight_bytes as f64 / (bandwidth * 1e9);
+    // Each timed step reads every sequence's K/V: a context of `decode_context` tokens, plus the
+    // two tokens taken before the clock starts and half the timed steps on average.
+    let kv_context = args.decode_context + 2 + args.decode_steps as usize / 2;
     let mut batch1 = None;
     for &batch in &args.decode {
         let rounds = if constraint.is_some() { args.rounds.max(1) } else { 1 };
@@ -307,20 +312,24 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
                 outputs = out;
             }
         }
+        let step_bytes = weight_bytes + batch * kv_context * layout.bytes_per_token();
+        let step_floor = step_bytes as f64 / (bandwidth * 1e9);
         let rate = batch as f64 / free;
         let limit = batch as f64 / step_floor;
-        let achieved_gbps = weight_bytes as f64 / free / 1e9;
+        let achieved_gbps = step_bytes as f64 / free / 1e9;
         if batch == 1 {
             batch1 = Some(rate);
         }
-        let vs1 = batch1.map(|b| format!("  ({:.1}x batch 1)", rate / b)).unwrap_or_default();
+        let vs1 = batch1.map(|b| format!(", {:.1}x batch 1", rate / b)).unwrap_or_default();
         println!(
-            "{:<22} {:>12.1} {:>9.1} GB/s {:>9.1} GB/s {:>7.0}%{vs1}",
+            "{:<22} {:>12.1} {:>9.1} GB/s {:>9.1} GB/s {:>7.0}%  ({:.1} MB a step, floor {:.2} ms{vs1})",
             format!("decode batch {batch}"),
             rate,
             achieved_gbps,
             bandwidth,
-            100.0 * rate / limit
+            100.0 * rate / limit,
+            step_bytes as f64 / 1e6,
+            step_floor * 1e3,
         );
         if let Some(c) = &constraint {
             let mask_us = mask_cost_us(core.tokenizer(), cfg.vocab_size, &core_eos(&core), c, &outputs)?;
@@ -337,6 +346,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         }
     }
     println!();
-    println!("prefill limit: GEMM peak; decode limit: memory bandwidth (weights read once per step).");
+    println!(
+        "prefill limit: GEMM peak; decode limit: memory bandwidth (the weights read once per step, in their \
+         format, plus every sequence's K/V)."
+    );
     Ok(())
 }

@@ -53,6 +53,10 @@ pub struct UpArgs {
     /// the bytes per handoff).
     #[arg(long, value_enum, default_value_t = super::KvDtypeArg::F32)]
     pub kv_cache_dtype: super::KvDtypeArg,
+    /// Every node dequantizes a GGUF's quantized weights to f32 at load instead of multiplying
+    /// them in their format (for comparison; see `cleave node --help`).
+    #[arg(long)]
+    pub dequantize_weights: bool,
     /// Compute threads per node (default: the cores divided among the nodes).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -328,6 +332,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 "--threads".into(),
                 threads.to_string(),
             ];
+            if args.dequantize_weights {
+                nargs.push("--dequantize-weights".into());
+            }
             nargs.extend(common(name));
             nargs.extend(args.node_args.iter().cloned());
             nargs

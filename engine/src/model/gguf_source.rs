@@ -1,6 +1,7 @@
 //! A GGUF file seen as [`ModelFiles`]: its config mapped to [`ModelConfig`], its tokenizer and
-//! chat template wrapped as a [`Tokenizer`], and its tensors (dequantized on load) as a
-//! [`TensorSource`] in Hugging Face naming.
+//! chat template wrapped as a [`Tokenizer`], and its tensors as a [`TensorSource`] in Hugging
+//! Face naming: linear weights in a format the kernels multiply stay quantized
+//! ([`TensorSource::load_linear`]), everything else is dequantized on load.
 
 use std::path::Path;
 
@@ -8,7 +9,7 @@ use cleave_kernels::RopeScaling;
 use cleave_tokenizer::{Tokenizer, TokenizerConfig};
 
 use super::gguf::{GgufError, GgufFile, GgufModel};
-use super::{Architecture, ModelConfig, ModelFiles, TensorSource};
+use super::{Architecture, LinearWeight, ModelConfig, ModelFiles, TensorSource};
 use crate::{EngineError, Result};
 
 /// The tensors of an open GGUF file, with its path for error messages.
@@ -17,17 +18,33 @@ struct GgufSource {
     model: GgufModel,
 }
 
-impl TensorSource for GgufSource {
-    fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+impl GgufSource {
+    /// Checks that tensor `name` exists with exactly `shape`.
+    fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
         let actual = self.model.tensor_shape(name).map_err(|_| EngineError::MissingTensor { name: name.into() })?;
         if actual != shape {
             return Err(EngineError::TensorShape { name: name.into(), expected: shape.to_vec(), actual });
         }
-        let tensor = self
-            .model
-            .tensor_f32(name)
-            .map_err(|e: GgufError| EngineError::ModelFile { path: self.path.clone(), detail: e.to_string() })?;
-        Ok(tensor.1)
+        Ok(())
+    }
+
+    fn file_err(&self, e: GgufError) -> EngineError {
+        EngineError::ModelFile { path: self.path.clone(), detail: e.to_string() }
+    }
+}
+
+impl TensorSource for GgufSource {
+    fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        self.check_shape(name, shape)?;
+        Ok(self.model.tensor_f32(name).map_err(|e| self.file_err(e))?.1)
+    }
+
+    fn load_linear(&self, name: &str, shape: [usize; 2]) -> Result<LinearWeight> {
+        self.check_shape(name, &shape)?;
+        match self.model.tensor_quantized(name).map_err(|e| self.file_err(e))? {
+            Some(q) => Ok(LinearWeight::Quantized(q)),
+            None => self.load(name, &shape).map(LinearWeight::F32),
+        }
     }
 
     fn contains(&self, name: &str) -> bool {

@@ -2,9 +2,9 @@
 //! forward pass over a packed batch of tokens from many sequences, reading and writing the paged
 //! KV cache. Every operation goes through the [`Backend`], so the same code runs on any device.
 
-use cleave_kernels::{AttnSeq, AttnShape, Backend};
+use cleave_kernels::{AttnSeq, AttnShape, Backend, QuantMatrix};
 
-use super::{KvStorage, ModelConfig, TensorSource};
+use super::{KvStorage, LinearWeight, ModelConfig, TensorSource};
 use crate::Result;
 
 struct Layer<B: Backend> {
@@ -44,6 +44,32 @@ pub struct Model<B: Backend> {
     fingerprint: u64,
 }
 
+/// How [`Model::load_with`] prepares the weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Dequantize block-quantized linear weights (a GGUF's Q4_1, say) to f32 at load, as cleave
+    /// did before its quantized kernels, instead of multiplying them in their format: 4-8x the
+    /// memory and the bytes per decode step, no 8-bit rounding of activations (for comparison).
+    pub dequantize_weights: bool,
+}
+
+/// What one decode step reads of the weights: every layer's linear weights and the LM head once,
+/// in the format each is held in.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    pub per_step: usize,
+    /// Bytes per format ("f32", "Q4_1", ...), largest first.
+    pub by_format: Vec<(&'static str, usize)>,
+}
+
+impl std::fmt::Display for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> =
+            self.by_format.iter().map(|(name, b)| format!("{:.1} MB {name}", *b as f64 / 1e6)).collect();
+        write!(f, "{:.1} MB ({})", self.per_step as f64 / 1e6, parts.join(" + "))
+    }
+}
+
 /// One forward pass's inputs: tokens of several sequences packed together.
 ///
 /// Invariants (checked by the kernels): `tokens`, `positions` and `slots` have one entry per
@@ -60,21 +86,41 @@ pub struct ForwardBatch<'a> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Loads every weight the config calls for from `source`, checking names and shapes.
+    /// Loads every weight the config calls for from `source`, checking names and shapes; linear
+    /// weights in a block-quantized format stay in it ([`LoadOptions::default`]).
     pub fn load(backend: &B, config: ModelConfig, source: &dyn TensorSource) -> Result<Self> {
+        Self::load_with(backend, config, source, LoadOptions::default())
+    }
+
+    /// [`Model::load`] with options.
+    pub fn load_with(backend: &B, config: ModelConfig, source: &dyn TensorSource, opts: LoadOptions) -> Result<Self> {
         let c = &config;
         let (h, i, qd, kvd, hd) =
             (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width(), c.head_dim);
         let fp = std::cell::Cell::new(c.fingerprint());
         let host = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let data = source.load(name, shape)?;
-            fp.set(fingerprint_tensor(fp.get(), name, shape, &data));
+            fp.set(fingerprint_tensor(fp.get(), name, shape, |i| data[i]));
             Ok(data)
         };
         let get = |name: &str, shape: &[usize]| -> Result<B::Buf> { Ok(backend.upload(&host(name, shape)?)?) };
-        // A linear weight `[n, k]`, prepared once for the backend's matmul.
+        // A linear weight `[n, k]`, prepared once for the backend's matmul. A quantized one
+        // fingerprints as its dequantized values, so both ways of loading a file agree.
         let lin = |name: &str, shape: &[usize; 2]| -> Result<B::Linear> {
-            Ok(backend.prepare_linear(&host(name, shape)?, shape[0], shape[1])?)
+            let weight = match opts.dequantize_weights {
+                true => LinearWeight::F32(source.load(name, shape)?),
+                false => source.load_linear(name, *shape)?,
+            };
+            match weight {
+                LinearWeight::F32(data) => {
+                    fp.set(fingerprint_tensor(fp.get(), name, shape, |i| data[i]));
+                    Ok(backend.prepare_linear(&data, shape[0], shape[1])?)
+                }
+                LinearWeight::Quantized(q) => {
+                    fp.set(fingerprint_tensor(fp.get(), name, shape, |i| quant_value(&q, i)));
+                    Ok(backend.prepare_linear_quantized(q)?)
+                }
+            }
         };
         let opt = |cond: bool, name: &str, shape: &[usize]| -> Result<Option<B::Buf>> {
             if cond {
@@ -129,6 +175,26 @@ impl<B: Backend> Model<B> {
     /// not exchange KV. Costs a few hundred reads per tensor at load.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// What a decode step reads of the weights (every layer's linear weights and the LM head),
+    /// in the formats the backend holds them in.
+    pub fn weight_bytes(&self, backend: &B) -> WeightBytes {
+        let head = match &self.embed {
+            Embeddings::Tied(head) | Embeddings::Untied { head, .. } => head,
+        };
+        let layers = self.layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]);
+        let mut out = WeightBytes::default();
+        for w in layers.chain([head]) {
+            let info = backend.linear_info(w);
+            out.per_step += info.bytes;
+            match out.by_format.iter_mut().find(|(f, _)| *f == info.format) {
+                Some((_, b)) => *b += info.bytes,
+                None => out.by_format.push((info.format, info.bytes)),
+            }
+        }
+        out.by_format.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+        out
     }
 
     /// Longest context the RoPE table covers.
@@ -234,8 +300,9 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Folds one tensor's name, shape and a sample of its values into a fingerprint (FNV-1a).
-fn fingerprint_tensor(mut h: u64, name: &str, shape: &[usize], data: &[f32]) -> u64 {
+/// Folds one tensor's name, shape and a sample of its values (`value(i)` is element `i` of the
+/// row-major tensor, as f32) into a fingerprint (FNV-1a).
+fn fingerprint_tensor(mut h: u64, name: &str, shape: &[usize], value: impl Fn(usize) -> f32) -> u64 {
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
@@ -245,13 +312,23 @@ fn fingerprint_tensor(mut h: u64, name: &str, shape: &[usize], data: &[f32]) -> 
     for &d in shape {
         eat(&(d as u64).to_le_bytes());
     }
-    let n = data.len();
+    let n: usize = shape.iter().product();
     let stride = (n / 32).max(1);
-    let sample = data.iter().take(16).chain(data.iter().skip(n.saturating_sub(16))).chain(data.iter().step_by(stride));
-    for x in sample {
-        eat(&x.to_bits().to_le_bytes());
+    let sample = (0..n.min(16)).chain(n.saturating_sub(16)..n).chain((0..n).step_by(stride));
+    for i in sample {
+        eat(&value(i).to_bits().to_le_bytes());
     }
     h
+}
+
+/// Element `i` of a quantized matrix, dequantized (its block alone).
+fn quant_value(q: &QuantMatrix, i: usize) -> f32 {
+    let (format, k) = (q.format(), q.k());
+    let (bv, bb) = (format.block_values(), format.block_bytes());
+    let (row, col) = (i / k, i % k);
+    let mut block = [0f32; 256];
+    format.dequantize_block(&q.row(row)[col / bv * bb..(col / bv + 1) * bb], &mut block[..bv]);
+    block[col % bv]
 }
 
 /// Activation buffers of [`Model::forward_with`], grown to the largest batch seen and reused.

@@ -18,7 +18,7 @@ use cleave_tokenizer::{IncrementalDecoder, StopMatcher, Tokenizer};
 
 use crate::export::{ExportDone, ExportState, KvChunk, KvExportEvent};
 use crate::import::Imports;
-use crate::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles, Workspace};
+use crate::model::{ForwardBatch, KvSpec, KvStorage, LoadOptions, Model, ModelFiles, WeightBytes, Workspace};
 use crate::sampler::{Sampler, SamplerScratch};
 use crate::sched::{Scheduler, SchedulerConfig, SeqRequest};
 use crate::{EngineError, Result};
@@ -44,6 +44,9 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Seeds the samplers of requests that bring no seed of their own.
     pub seed: u64,
+    /// Dequantize block-quantized weights (GGUF Q4_1, Q8_0, ...) to f32 at load instead of
+    /// multiplying them in their format ([`crate::model::LoadOptions::dequantize_weights`]).
+    pub dequantize_weights: bool,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             enable_prefix_caching: true,
             seed: 0,
+            dequantize_weights: false,
         }
     }
 }
@@ -179,7 +183,9 @@ impl<B: Backend> EngineCore<B> {
     /// Loads the weights of `files` onto `backend` and sizes the KV cache from `cfg`.
     pub fn load(backend: B, files: ModelFiles, cfg: &EngineConfig) -> Result<Self> {
         let eos_token_ids = files.eos_token_ids();
-        let model = Model::load(&backend, files.config.clone(), files.source.as_ref())?;
+        let opts = LoadOptions { dequantize_weights: cfg.dequantize_weights };
+        let model = Model::load_with(&backend, files.config.clone(), files.source.as_ref(), opts)?;
+        tracing::info!(model = %files.path.display(), weights = %model.weight_bytes(&backend), "model loaded: weights a decode step reads");
         Self::new(backend, model, files.tokenizer, eos_token_ids, cfg)
     }
 
@@ -243,6 +249,11 @@ impl<B: Backend> EngineCore<B> {
 
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
+    }
+
+    /// What a decode step reads of the model's weights, in the formats they are held in.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        self.model.weight_bytes(&self.backend)
     }
 
     pub fn scheduler(&self) -> &Scheduler {

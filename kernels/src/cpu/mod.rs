@@ -12,12 +12,15 @@ mod attention_tiled;
 mod kv;
 mod matmul;
 mod packed;
+pub mod quant;
 pub mod simd;
 mod simd_half;
 
-use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, Result};
+use crate::quant::QuantMatrix;
+use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, LinearInfo, Result};
 pub use kv::KvPool;
 pub use packed::{PackedLinear, NR as PANEL_COLUMNS};
+pub use quant::QuantIsa;
 use rayon::prelude::*;
 pub use simd::Isa;
 use std::sync::Arc;
@@ -30,6 +33,12 @@ const PAR_MIN_ELEMS: usize = 1 << 15;
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     isa: Isa,
+    /// The quantized kernels' path, the best that `isa` allows.
+    qisa: QuantIsa,
+    /// Quantized `linear` calls with `m <= quant_max_m` use the integer kernels, larger ones
+    /// dequantized f32 panels (default: [`QuantIsa::max_m`]; `None` after
+    /// [`CpuBackend::with_quant_max_m`] is `Some`).
+    quant_max_m: Option<usize>,
     /// `linear` calls with `m <= skinny_max_m` use the weight-streaming kernel, larger ones gemm.
     skinny_max_m: usize,
 }
@@ -39,6 +48,8 @@ impl std::fmt::Debug for CpuBackend {
         f.debug_struct("CpuBackend")
             .field("threads", &self.threads())
             .field("isa", &self.isa)
+            .field("quant_isa", &self.qisa)
+            .field("quant_max_m", &self.quant_max_m)
             .field("skinny_max_m", &self.skinny_max_m)
             .finish()
     }
@@ -63,7 +74,14 @@ impl CpuBackend {
             .thread_name(|i| format!("cleave-cpu-{i}"))
             .build()
             .map_err(|e| KernelError::Device { backend: "cpu", detail: format!("thread pool: {e}") })?;
-        Ok(CpuBackend { pool: Arc::new(pool), isa: Isa::detect(), skinny_max_m: matmul::SKINNY_MAX_M })
+        let isa = Isa::detect();
+        Ok(CpuBackend {
+            pool: Arc::new(pool),
+            isa,
+            qisa: QuantIsa::for_isa(isa),
+            quant_max_m: None,
+            skinny_max_m: matmul::SKINNY_MAX_M,
+        })
     }
 
     /// The same backend restricted to a given instruction set (for tests and benchmarks of the
@@ -76,6 +94,20 @@ impl CpuBackend {
         };
         if ok {
             self.isa = isa;
+            self.qisa = QuantIsa::for_isa(isa);
+        }
+        self
+    }
+
+    /// The same backend with the quantized kernels restricted to `qisa` (for tests and
+    /// benchmarks of AVX-512BW on a VNNI machine, say). A path the CPU lacks, or one above what
+    /// the backend's [`Isa`] allows, is ignored.
+    pub fn with_quant_isa(mut self, qisa: QuantIsa) -> Self {
+        let best = QuantIsa::for_isa(self.isa);
+        let order = [QuantIsa::Portable, QuantIsa::Avx2, QuantIsa::Avx512Bw, QuantIsa::Avx512Vnni];
+        let rank = |q: QuantIsa| order.iter().position(|&o| o == q).unwrap_or(0);
+        if rank(qisa) <= rank(best) {
+            self.qisa = qisa;
         }
         self
     }
@@ -87,12 +119,24 @@ impl CpuBackend {
         self
     }
 
+    /// The same backend with another crossover between the quantized integer kernels and f32
+    /// panels: quantized `linear` with `m <= max_m` uses the integer kernels (for tuning and
+    /// benchmarks).
+    pub fn with_quant_max_m(mut self, max_m: usize) -> Self {
+        self.quant_max_m = Some(max_m);
+        self
+    }
+
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
     }
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    pub fn quant_isa(&self) -> QuantIsa {
+        self.qisa
     }
 
     /// Runs `f` inside this backend's pool (so rayon calls in `f` use its threads).
@@ -119,6 +163,58 @@ impl CpuBackend {
     }
 }
 
+/// A linear weight as the CPU backend multiplies it: f32 packed into panels
+/// ([`Backend::prepare_linear`]), or kept in its block-quantized format
+/// ([`Backend::prepare_linear_quantized`]).
+#[derive(Debug)]
+pub enum CpuLinear {
+    Packed(PackedLinear),
+    Quantized(QuantMatrix),
+}
+
+impl CpuLinear {
+    /// Output features.
+    pub fn n(&self) -> usize {
+        match self {
+            CpuLinear::Packed(p) => p.n(),
+            CpuLinear::Quantized(q) => q.n(),
+        }
+    }
+
+    /// Input features.
+    pub fn k(&self) -> usize {
+        match self {
+            CpuLinear::Packed(p) => p.k(),
+            CpuLinear::Quantized(q) => q.k(),
+        }
+    }
+
+    /// Bytes of the weight as held (what a multiply reads from memory): 4 per value for f32
+    /// panels (padding columns aside), the blocks' bytes for a quantized weight.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            CpuLinear::Packed(p) => 4 * p.n() * p.k(),
+            CpuLinear::Quantized(q) => q.bytes().len(),
+        }
+    }
+
+    /// "f32", or the quantized format's name.
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            CpuLinear::Packed(_) => "f32",
+            CpuLinear::Quantized(q) => q.format().name(),
+        }
+    }
+
+    /// Row `j` as f32 into `out[..k]`.
+    fn row_into(&self, j: usize, out: &mut [f32]) {
+        match self {
+            CpuLinear::Packed(p) => p.row_into(j, out),
+            CpuLinear::Quantized(q) => q.dequantize_row(j, out),
+        }
+    }
+}
+
 fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
     let end = off.checked_add(count).ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
     if end > len {
@@ -129,7 +225,7 @@ fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usiz
 
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
-    type Linear = PackedLinear;
+    type Linear = CpuLinear;
     type KvBuf = KvPool;
 
     fn name(&self) -> &'static str {
@@ -215,29 +311,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<PackedLinear> {
-        PackedLinear::pack(&self.pool, w, n, k)
+    fn prepare_linear(&self, w: &[f32], n: usize, k: usize) -> Result<CpuLinear> {
+        PackedLinear::pack(&self.pool, self.isa, w, n, k).map(CpuLinear::Packed)
+    }
+
+    fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<CpuLinear> {
+        Ok(CpuLinear::Quantized(w))
+    }
+
+    fn linear_info(&self, w: &CpuLinear) -> LinearInfo {
+        LinearInfo { n: w.n(), k: w.k(), bytes: w.weight_bytes(), format: w.format_name() }
     }
 
     fn linear_prepared(
         &self,
         x: &Vec<f32>,
-        w: &PackedLinear,
+        w: &CpuLinear,
         bias: Option<&Vec<f32>>,
         m: usize,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let (n, k) = (w.n(), w.k());
-        check::linear(x.len(), n * k, bias.map(Vec::len), (m, k, n), out.len())?;
-        let bias = bias.map(|b| &b[..n]);
-        packed::linear(&self.pool, self.isa, &x[..m * k], w, bias, m, &mut out[..m * n]);
-        Ok(())
+        self.linear_prepared_many(x, &[(w, bias)], m, &mut [out])
     }
 
     fn linear_prepared_many(
         &self,
         x: &Vec<f32>,
-        ws: &[(&PackedLinear, Option<&Vec<f32>>)],
+        ws: &[(&CpuLinear, Option<&Vec<f32>>)],
         m: usize,
         outs: &mut [&mut Vec<f32>],
     ) -> Result<()> {
@@ -252,16 +352,28 @@ impl Backend for CpuBackend {
         for ((w, bias), out) in ws.iter().zip(outs.iter()) {
             check::linear(x.len(), w.n() * k, bias.map(|b| b.len()), (m, k, w.n()), out.len())?;
         }
-        let mut products: Vec<packed::Product<'_>> = ws
-            .iter()
-            .zip(outs.iter_mut())
-            .map(|((w, bias), out)| packed::Product { w, bias: bias.map(|b| &b[..w.n()]), out: &mut out[..m * w.n()] })
-            .collect();
-        packed::linear_many(&self.pool, self.isa, &x[..m * k], m, &mut products);
+        let x = &x[..m * k];
+        let mut f32s = Vec::new();
+        let mut quants = Vec::new();
+        for ((w, bias), out) in ws.iter().zip(outs.iter_mut()) {
+            let (bias, out) = (bias.map(|b| &b[..w.n()]), &mut out[..m * w.n()]);
+            match w {
+                CpuLinear::Packed(w) => f32s.push(packed::Product { w, bias, out, ld: w.n() }),
+                CpuLinear::Quantized(w) => quants.push(quant::Product { w, bias, out }),
+            }
+        }
+        if !f32s.is_empty() {
+            packed::linear_many(&self.pool, self.isa, x, m, &mut f32s);
+        }
+        if !quants.is_empty() {
+            let max_m = self.quant_max_m.unwrap_or(self.qisa.max_m());
+            let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
+            quant::linear_many(&self.pool, kernels, x, m, &mut quants);
+        }
         Ok(())
     }
 
-    fn embedding_prepared(&self, w: &PackedLinear, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
+    fn embedding_prepared(&self, w: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
         let (n, k) = (w.n(), w.k());
         check::embedding(n * k, ids, n, k, out.len())?;
         self.for_chunks(&mut out[..ids.len() * k], k, |t, o| w.row_into(ids[t] as usize, o));

@@ -14,6 +14,10 @@
 //! contiguous runs; one rayon task per (row block, panel run), each writing its own disjoint
 //! part of `out`.
 //!
+//! The panels come from a [`Panels`]: stored ones ([`PackedLinear`]), or panels a task decodes
+//! as it reaches them (quantized weights, `super::quant`), into a buffer of its own that stays in
+//! L2 while every row tile of its block passes over it.
+//!
 //! Invariant of [`PackedLinear`]: `data[off..off + panels * k * NR]` holds the panels and
 //! `data.as_ptr() + off` is 64-byte aligned (so no panel row straddles a cache line).
 
@@ -47,10 +51,10 @@ impl std::fmt::Debug for PackedLinear {
 
 impl PackedLinear {
     /// Packs `w: [n, k]` (row-major; only its first `n * k` elements are read).
-    pub(crate) fn pack(pool: &rayon::ThreadPool, w: &[f32], n: usize, k: usize) -> Result<Self> {
+    pub(crate) fn pack(pool: &rayon::ThreadPool, isa: Isa, w: &[f32], n: usize, k: usize) -> Result<Self> {
         const OP: &str = "prepare_linear";
-        let need = check::mul(OP, n, k)?;
-        check::at_least(OP, "w", w.len(), need)?;
+        check::at_least(OP, "w", w.len(), check::mul(OP, n, k)?)?;
+        let row = |j: usize, out: &mut [f32]| out.copy_from_slice(&w[j * k..(j + 1) * k]);
         let panels = n.div_ceil(NR);
         let len = check::mul(OP, check::mul(OP, panels, k)?, NR)?;
         // 16 spare floats to align the panels to 64 bytes.
@@ -61,14 +65,10 @@ impl PackedLinear {
         let off = (data.as_ptr() as usize).wrapping_neg() % 64 / std::mem::size_of::<f32>();
         if k > 0 {
             pool.install(|| {
-                data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
-                    for j in 0..NR.min(n - p * NR) {
-                        let row = &w[(p * NR + j) * k..(p * NR + j + 1) * k];
-                        for (kk, &v) in row.iter().enumerate() {
-                            panel[kk * NR + j] = v;
-                        }
-                    }
-                })
+                data[off..off + len]
+                    .par_chunks_mut(k * NR)
+                    .enumerate()
+                    .for_each(|(p, panel)| fill_panel(isa, panel, p, n, k, &row))
             });
         }
         Ok(PackedLinear { n, k, data, off })
@@ -84,7 +84,7 @@ impl PackedLinear {
         self.k
     }
 
-    fn panel(&self, p: usize) -> &[f32] {
+    fn stored_panel(&self, p: usize) -> &[f32] {
         let size = self.k * NR;
         &self.data[self.off + p * size..self.off + (p + 1) * size]
     }
@@ -92,7 +92,7 @@ impl PackedLinear {
     /// Copies row `j` of the original weight into `out[..k]` (an embedding lookup in a tied
     /// table): `k` reads at a stride of `NR`.
     pub(crate) fn row_into(&self, j: usize, out: &mut [f32]) {
-        let panel = self.panel(j / NR);
+        let panel = self.stored_panel(j / NR);
         let c = j % NR;
         for (kk, o) in out[..self.k].iter_mut().enumerate() {
             *o = panel[kk * NR + c];
@@ -109,32 +109,135 @@ impl PackedLinear {
     }
 }
 
-/// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`.
-pub(crate) struct Product<'a> {
-    pub w: &'a PackedLinear,
-    pub bias: Option<&'a [f32]>,
-    pub out: &'a mut [f32],
+/// Fills `panel` (`k * NR` floats) with panel `p` of an `[n, k]` weight whose row `j`
+/// `row(j, out)` writes into `out` (`k` floats); columns past `n` are left as they are.
+pub(crate) fn fill_panel(
+    isa: Isa,
+    panel: &mut [f32],
+    p: usize,
+    n: usize,
+    k: usize,
+    row: &(impl Fn(usize, &mut [f32]) + ?Sized),
+) {
+    // Eight rows at a time, so each step of `kk` writes eight consecutive floats of the panel
+    // rather than one at a stride of `NR` (with AVX2, eight steps at once as 8 × 8 transposes).
+    const G: usize = 8;
+    let mut buf = vec![0f32; G * k];
+    let rows = NR.min(n - p * NR);
+    for j0 in (0..rows).step_by(G) {
+        let g = G.min(rows - j0);
+        for (jj, b) in buf.chunks_exact_mut(k).take(g).enumerate() {
+            row(p * NR + j0 + jj, b);
+        }
+        let mut kk = 0;
+        #[cfg(target_arch = "x86_64")]
+        if g == G && isa != Isa::Portable {
+            assert!(panel.len() >= k * NR && j0 + G <= NR);
+            while kk + 8 <= k {
+                // SAFETY: AVX2 is present for any ISA but portable; rows `0..8` of `buf` hold
+                // `kk..kk + 8` (asserted sizes: `buf` is `8 * k`), and panel rows `kk..kk + 8`
+                // hold columns `j0..j0 + 8` (asserted above).
+                unsafe { transpose8(buf.as_ptr().add(kk), k, panel.as_mut_ptr().add(kk * NR + j0), NR) };
+                kk += 8;
+            }
+        }
+        let _ = isa;
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate().skip(kk) {
+            for (jj, d) in dst[j0..j0 + g].iter_mut().enumerate() {
+                *d = buf[jj * k + kk];
+            }
+        }
+    }
 }
 
-/// `out[m, n] = x[m, k] · wᵀ (+ bias)`; sizes were checked by the caller (`x: m*k`, `out: m*n`,
-/// `bias: n`).
-pub(crate) fn linear(
-    pool: &rayon::ThreadPool,
-    isa: Isa,
-    x: &[f32],
-    w: &PackedLinear,
-    bias: Option<&[f32]>,
-    m: usize,
-    out: &mut [f32],
-) {
-    linear_many(pool, isa, x, m, &mut [Product { w, bias, out }]);
+/// `dst[i * dst_stride + j] = src[j * src_stride + i]` for `i, j < 8`.
+///
+/// # Safety
+/// AVX2 available; `src` valid for 8 rows of 8 floats at `src_stride`, `dst` for 8 rows of 8 at
+/// `dst_stride`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * src_stride)));
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let out = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ];
+        for (i, v) in out.into_iter().enumerate() {
+            _mm256_storeu_ps(dst.add(i * dst_stride), v);
+        }
+    }
+}
+
+/// Where [`linear_many`] finds the panels (`k * NR` floats each) of a weight `[n, k]`.
+pub(crate) trait Panels: Sync {
+    fn n(&self) -> usize;
+    fn k(&self) -> usize;
+    /// Panel `p`, if this weight stores its panels.
+    fn stored(&self, p: usize) -> Option<&[f32]>;
+    /// Writes panel `p` into `buf` (`k * NR` floats; columns past `n` may hold anything), for a
+    /// weight that stores none.
+    fn decode(&self, p: usize, buf: &mut [f32]);
+}
+
+impl Panels for PackedLinear {
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn stored(&self, p: usize) -> Option<&[f32]> {
+        Some(self.stored_panel(p))
+    }
+
+    fn decode(&self, p: usize, buf: &mut [f32]) {
+        buf.copy_from_slice(self.stored_panel(p));
+    }
+}
+
+/// One product of [`linear_many`]: `out[m, n] = x[m, k] · wᵀ (+ bias)`, where row `r` of `out`
+/// starts at `out[r * ld]` (`ld >= n`; `ld == n` for a whole output).
+pub(crate) struct Product<'a> {
+    pub w: &'a dyn Panels,
+    pub bias: Option<&'a [f32]>,
+    pub out: &'a mut [f32],
+    pub ld: usize,
 }
 
 /// A product's share of the task space of [`linear_many`].
 struct Plan<'a> {
-    w: &'a PackedLinear,
+    w: &'a dyn Panels,
     bias: Option<&'a [f32]>,
     dst: OutPtr,
+    ld: usize,
     tiles_per_block: usize,
     per_run: usize,
     runs: usize,
@@ -144,18 +247,21 @@ struct Plan<'a> {
 
 /// Several products of the same `x` (q/k/v, gate/up) in one parallel region, so a layer pays
 /// fewer fork/joins (each is a chance to wait for a preempted thread on a shared machine). Every
-/// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out: m*n`, `bias: n`).
+/// product has `k` inputs; sizes were checked by the caller (`x: m*k`, each `out` holds `m` rows
+/// of `n` at a stride of `ld`, `bias: n`).
 pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usize, products: &mut [Product<'_>]) {
-    let Some(k) = products.first().map(|p| p.w.k) else { return };
-    debug_assert!(products.iter().all(|p| p.w.k == k));
+    let Some(k) = products.first().map(|p| p.w.k()) else { return };
+    debug_assert!(products.iter().all(|p| p.w.k() == k));
     if m == 0 {
         return;
     }
     if k == 0 {
         for p in products.iter_mut() {
-            for row in p.out.chunks_exact_mut(p.w.n.max(1)) {
+            let n = p.w.n();
+            for row in p.out.chunks_mut(p.ld.max(1)).take(m) {
+                let row = &mut row[..n];
                 match p.bias {
-                    Some(b) => row.copy_from_slice(&b[..p.w.n]),
+                    Some(b) => row.copy_from_slice(&b[..n]),
                     None => row.fill(0.0),
                 }
             }
@@ -169,30 +275,41 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
         let (base, extra) = (m / tiles, m % tiles);
         (t * base + t.min(extra), base + usize::from(t < extra))
     };
-    let tiles_per_block = (X_BLOCK_FLOATS / k / MR).clamp(1, tiles);
+    // Row blocks keep `x` in L2 while stored panels stream past; panels decoded per task are
+    // dearer to make twice than `x` is to read from L3 again, so those tasks take every row.
+    let stored = products.iter().all(|p| p.w.stored(0).is_some() || p.w.n() == 0);
+    let tiles_per_block = if stored { (X_BLOCK_FLOATS / k / MR).clamp(1, tiles) } else { tiles };
     let blocks = tiles.div_ceil(tiles_per_block);
     let wanted = 8 * pool.current_num_threads();
     let mut first = 0;
     let mut plans = Vec::with_capacity(products.len());
-    for p in products.iter_mut().filter(|p| p.w.n > 0) {
-        let panels = p.w.n.div_ceil(NR);
+    for p in products.iter_mut().filter(|p| p.w.n() > 0) {
+        let panels = p.w.n().div_ceil(NR);
         let per_run = panels.div_ceil(wanted.div_ceil(blocks).min(panels));
         let runs = panels.div_ceil(per_run);
         let dst = OutPtr(p.out.as_mut_ptr());
-        plans.push(Plan { w: p.w, bias: p.bias, dst, tiles_per_block, per_run, runs, first });
+        plans.push(Plan { w: p.w, bias: p.bias, dst, ld: p.ld, tiles_per_block, per_run, runs, first });
         first += blocks * runs;
     }
     let plans = &plans;
     let task = |i: usize| {
         let plan = plans.iter().rev().find(|p| p.first <= i).expect("task index inside the plans");
-        let (w, n, per_run) = (plan.w, plan.w.n, plan.per_run);
+        let (w, n, per_run) = (plan.w, plan.w.n(), plan.per_run);
         let panels = n.div_ceil(NR);
         let (b, r) = ((i - plan.first) / plan.runs, (i - plan.first) % plan.runs);
         let tile_range = b * plan.tiles_per_block..((b + 1) * plan.tiles_per_block).min(tiles);
         let mut acc = [[0f32; NR]; MR];
         let run_end = ((r + 1) * per_run).min(panels);
+        let mut buf = Vec::new();
         for p in r * per_run..run_end {
-            let panel = w.panel(p);
+            let panel = match w.stored(p) {
+                Some(panel) => panel,
+                None => {
+                    buf.resize(k * NR, 0.0);
+                    w.decode(p, &mut buf);
+                    &buf[..]
+                }
+            };
             let (c0, cols) = (p * NR, NR.min(n - p * NR));
             // The task's next panel is fetched into L2 a slice per row tile while this one
             // computes, so the weights' trip from memory overlaps the FMAs instead of stalling
@@ -200,7 +317,10 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
             let passes = tile_range.len();
             // With one or two row tiles the kernel is bandwidth-bound and the hardware
             // prefetcher does better alone.
-            let next = if p + 1 < run_end && passes >= 3 { w.panel(p + 1) } else { &[] };
+            let next = match p + 1 < run_end && passes >= 3 {
+                true => w.stored(p + 1).unwrap_or(&[]),
+                false => &[],
+            };
             for (pass, t) in tile_range.clone().enumerate() {
                 let (r0, rows) = tile(t);
                 let xt = &x[r0 * k..(r0 + rows) * k];
@@ -208,11 +328,11 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
                 let pf = &next[pass * lines / passes * 16..(pass + 1) * lines / passes * 16];
                 micro(isa, xt, panel, pf, k, rows, &mut acc);
                 for (rr, acc) in acc.iter().enumerate().take(rows) {
-                    // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row
-                    // `r0 + rr < m`, columns `c0..c0 + cols <= n`. Tasks own disjoint (product,
-                    // row block, panel run) rectangles, and nothing reads an `out` until the
-                    // parallel loop has joined.
-                    let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add((r0 + rr) * n + c0), cols) };
+                    // SAFETY: this product's `out` holds `m` rows of `n` at a stride of `ld`
+                    // (checked by the caller); row `r0 + rr < m`, columns `c0..c0 + cols <= n`.
+                    // Tasks own disjoint (product, row block, panel run) rectangles, and nothing
+                    // reads an `out` until the parallel loop has joined.
+                    let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add((r0 + rr) * plan.ld + c0), cols) };
                     match plan.bias {
                         Some(b) => {
                             for ((o, a), b) in o.iter_mut().zip(acc).zip(&b[c0..c0 + cols]) {
@@ -404,12 +524,12 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for (n, k) in [(1, 1), (63, 5), (64, 3), (65, 7), (200, 33), (3, 0)] {
             let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
-            let p = PackedLinear::pack(&pool, &w, n, k).unwrap();
+            let p = PackedLinear::pack(&pool, Isa::detect(), &w, n, k).unwrap();
             assert_eq!(p.unpack(), w, "{n}x{k}");
             assert_eq!(p.data[p.off..].as_ptr() as usize % 64, 0);
             // Padding columns are zero.
             if n % NR != 0 && k > 0 {
-                let last = p.panel(n / NR);
+                let last = p.stored_panel(n / NR);
                 assert!(last.chunks_exact(NR).all(|row| row[n % NR..].iter().all(|&v| v == 0.0)));
             }
         }

@@ -1,185 +1,10 @@
-//! Dequantization checked against tiny quantizers written here (Q8_0, Q4_0, Q4_1 round trips)
-//! and against K-quant blocks packed from logical values with ggml's quantizer-side packing.
+//! The float types, the split of large tensors across tasks, and refused inputs. The
+//! block-quantized formats' own tests live with their code in `cleave_kernels::quant`.
 
 use super::*;
 
-/// Deterministic values in [-scale, scale) (xorshift; no dependency, no global state).
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
 fn h(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_le_bytes()
-}
-
-fn r16(x: f32) -> f32 {
-    f16::from_f32(x).to_f32()
-}
-
-fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for blk in x.chunks(32) {
-        let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = r16(amax / 127.0);
-        out.extend(h(d));
-        for v in blk {
-            let q = if d == 0.0 { 0.0 } else { (v / d).round() };
-            out.push(q.clamp(-127.0, 127.0) as i8 as u8);
-        }
-    }
-    out
-}
-
-fn quantize_q4_0(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for blk in x.chunks(32) {
-        // ggml: the value of largest magnitude, with its sign, maps to -8.
-        let max = blk.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
-        let d = r16(max / -8.0);
-        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
-        let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-        out.extend(h(d));
-        for j in 0..16 {
-            out.push(q(blk[j]) | (q(blk[j + 16]) << 4));
-        }
-    }
-    out
-}
-
-fn quantize_q4_1(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for blk in x.chunks(32) {
-        let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
-        let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (d, m) = (r16((max - min) / 15.0), r16(min));
-        let q = |v: f32| (((v - m) / d).round() as i32).clamp(0, 15) as u8;
-        out.extend(h(d));
-        out.extend(h(m));
-        for j in 0..16 {
-            out.push(q(blk[j]) | (q(blk[j + 16]) << 4));
-        }
-    }
-    out
-}
-
-/// ggml-style Q5_0 (`with_min` false: d * (0..31 - 16)) or Q5_1 (`with_min`: d * 0..31 + m) quantizer.
-fn quantize_q5(x: &[f32], with_min: bool) -> Vec<u8> {
-    let mut out = Vec::new();
-    for blk in x.chunks(32) {
-        let (d, m) = if with_min {
-            let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
-            let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            (r16((max - min) / 31.0), r16(min))
-        } else {
-            let max = blk.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
-            (r16(max / -16.0), 0.0)
-        };
-        let q: Vec<u32> = blk
-            .iter()
-            .map(|&v| {
-                let q = if d == 0.0 { 0.0 } else { ((v - m) / d).round() };
-                (q + if with_min { 0.0 } else { 16.0 }).clamp(0.0, 31.0) as u32
-            })
-            .collect();
-        out.extend(h(d));
-        if with_min {
-            out.extend(h(m));
-        }
-        let qh = q.iter().enumerate().fold(0u32, |acc, (j, &v)| acc | ((v >> 4) << j));
-        out.extend(qh.to_le_bytes());
-        for j in 0..16 {
-            out.push((q[j] & 0x0F) as u8 | (((q[j + 16] & 0x0F) as u8) << 4));
-        }
-    }
-    out
-}
-
-/// Largest |a - b| over the block of `i`, relative to the bound `tol(block)`.
-fn assert_round_trip(x: &[f32], y: &[f32], tol: impl Fn(&[f32]) -> f32) {
-    assert_eq!(x.len(), y.len());
-    for (bx, by) in x.chunks(32).zip(y.chunks(32)) {
-        let t = tol(bx);
-        for (a, b) in bx.iter().zip(by) {
-            assert!((a - b).abs() <= t, "{a} vs {b} (tolerance {t})");
-        }
-    }
-}
-
-fn amax(b: &[f32]) -> f32 {
-    b.iter().fold(0f32, |a, v| a.max(v.abs()))
-}
-
-#[test]
-fn q8_0_round_trip() {
-    let x = values(32 * 40, 1, 3.0);
-    let y = dequantize(GgmlType::Q8_0, &quantize_q8_0(&x), x.len()).unwrap();
-    // Half a quantization step, plus f16 rounding of the scale over 127 steps.
-    assert_round_trip(&x, &y, |b| amax(b) / 127.0 * 0.5 + amax(b) * 1e-3);
-}
-
-#[test]
-fn q4_0_round_trip_and_hand_block() {
-    let x = values(32 * 40, 2, 1.5);
-    let y = dequantize(GgmlType::Q4_0, &quantize_q4_0(&x), x.len()).unwrap();
-    // The extreme value maps to -8 exactly; its opposite would need +8 and clamps to 7: one step.
-    assert_round_trip(&x, &y, |b| amax(b) / 8.0 * 1.01);
-
-    // d = 0.5; byte 0 = 0x3A: value 0 is 0.5 * (10 - 8) = 1, value 16 is 0.5 * (3 - 8) = -2.5.
-    let mut blk = h(0.5).to_vec();
-    blk.extend([0x3A]);
-    blk.extend([0x88; 15]);
-    let y = dequantize(GgmlType::Q4_0, &blk, 32).unwrap();
-    assert_eq!((y[0], y[16], y[1], y[31]), (1.0, -2.5, 0.0, 0.0));
-}
-
-#[test]
-fn q4_1_round_trip_and_hand_block() {
-    let x: Vec<f32> = values(32 * 40, 3, 2.0).iter().map(|v| v + 0.7).collect();
-    let y = dequantize(GgmlType::Q4_1, &quantize_q4_1(&x), x.len()).unwrap();
-    assert_round_trip(&x, &y, |b| {
-        let min = b.iter().copied().fold(f32::INFINITY, f32::min);
-        let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        (max - min) / 15.0 * 0.5 + (max.abs() + min.abs()) * 2e-3
-    });
-
-    // d = 0.25, m = -1; byte 5 = 0xF1: value 5 is 0.25 * 1 - 1, value 21 is 0.25 * 15 - 1.
-    let mut blk = h(0.25).to_vec();
-    blk.extend(h(-1.0));
-    let mut qs = [0u8; 16];
-    qs[5] = 0xF1;
-    blk.extend(qs);
-    let y = dequantize(GgmlType::Q4_1, &blk, 32).unwrap();
-    assert_eq!((y[5], y[21], y[0]), (-0.75, 2.75, -1.0));
-}
-
-#[test]
-fn q5_0_and_q5_1_round_trip() {
-    let x = values(32 * 40, 4, 2.0);
-    let y = dequantize(GgmlType::Q5_0, &quantize_q5(&x, false), x.len()).unwrap();
-    assert_round_trip(&x, &y, |b| amax(b) / 16.0 * 1.01);
-    let x: Vec<f32> = x.iter().map(|v| v - 0.4).collect();
-    let y = dequantize(GgmlType::Q5_1, &quantize_q5(&x, true), x.len()).unwrap();
-    assert_round_trip(&x, &y, |b| {
-        let min = b.iter().copied().fold(f32::INFINITY, f32::min);
-        let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        (max - min) / 31.0 * 0.5 + (max.abs() + min.abs()) * 2e-3
-    });
-    // By hand: Q5_0 with d = 1, qh bit 16 set, qs[0] = 0x2F: value 0 is 15 - 16, value 16 is
-    // (2 | 16) - 16.
-    let mut blk = h(1.0).to_vec();
-    blk.extend((1u32 << 16).to_le_bytes());
-    blk.push(0x2F);
-    blk.extend([0u8; 15]);
-    let y = dequantize(GgmlType::Q5_0, &blk, 32).unwrap();
-    assert_eq!((y[0], y[16], y[1]), (-1.0, 2.0, -16.0));
 }
 
 #[test]
@@ -195,116 +20,18 @@ fn float_types() {
     assert!((y[3] - 3.0e38).abs() / 3.0e38 < 1e-2);
 }
 
-/// ggml's `quantize_row_q4_K` packing of eight 6-bit (scale, min) pairs into 12 bytes.
-fn pack_scales_k4(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
-    let mut s = [0u8; 12];
-    for j in 0..8 {
-        if j < 4 {
-            s[j] = sc[j];
-            s[j + 4] = mn[j];
-        } else {
-            s[j + 4] = (sc[j] & 0x0F) | ((mn[j] & 0x0F) << 4);
-            s[j - 4] |= (sc[j] >> 4) << 6;
-            s[j] |= (mn[j] >> 4) << 6;
-        }
-    }
-    s
-}
-
-#[test]
-fn q4_k_matches_logical_block() {
-    let sc: [u8; 8] = [1, 17, 63, 32, 5, 48, 33, 62];
-    let mn: [u8; 8] = [0, 63, 16, 9, 47, 2, 31, 60];
-    let q: Vec<u8> = (0..256).map(|i| ((i * 7 + i / 13) % 16) as u8).collect();
-    let (d, dmin) = (0.125f32, 0.0625f32);
-    let mut blk = h(d).to_vec();
-    blk.extend(h(dmin));
-    blk.extend(pack_scales_k4(&sc, &mn));
-    for c in 0..4 {
-        for l in 0..32 {
-            blk.push(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
-        }
-    }
-    assert_eq!(blk.len(), 144);
-    for j in 0..8 {
-        assert_eq!(scale_min_k4(j, &blk[4..16]), (sc[j], mn[j]), "sub-block {j}");
-    }
-    let y = dequantize(GgmlType::Q4_K, &blk, 256).unwrap();
-    for k in 0..256 {
-        let s = k / 32;
-        let want = d * f32::from(sc[s]) * f32::from(q[k]) - dmin * f32::from(mn[s]);
-        assert_eq!(y[k], want, "value {k}");
-    }
-    // By hand: value 200 is in sub-block 6 (scale 33, min 31), q[200] = (1400 + 15) % 16 = 7:
-    // 0.125 * 33 * 7 - 0.0625 * 31 = 28.875 - 1.9375.
-    assert_eq!(y[200], 26.9375);
-}
-
-#[test]
-fn q5_k_matches_logical_block() {
-    let sc: [u8; 8] = [3, 60, 1, 45, 22, 7, 63, 31];
-    let mn: [u8; 8] = [63, 0, 12, 33, 5, 50, 18, 2];
-    let q: Vec<u8> = (0..256).map(|i| ((i * 13 + i / 5) % 32) as u8).collect();
-    let (d, dmin) = (0.25f32, 0.125f32);
-    let mut blk = h(d).to_vec();
-    blk.extend(h(dmin));
-    blk.extend(pack_scales_k4(&sc, &mn));
-    let mut qh = [0u8; 32];
-    let mut qs = Vec::new();
-    for c in 0..4 {
-        for l in 0..32 {
-            let (a, b) = (q[64 * c + l], q[64 * c + 32 + l]);
-            qs.push((a & 0x0F) | ((b & 0x0F) << 4));
-            qh[l] |= ((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1));
-        }
-    }
-    blk.extend(qh);
-    blk.extend(qs);
-    assert_eq!(blk.len(), 176);
-    let y = dequantize(GgmlType::Q5_K, &blk, 256).unwrap();
-    for k in 0..256 {
-        let s = k / 32;
-        let want = d * f32::from(sc[s]) * f32::from(q[k]) - dmin * f32::from(mn[s]);
-        assert_eq!(y[k], want, "value {k}");
-    }
-    // By hand: value 100 is in sub-block 3 (scale 45, min 33); q[100] = (1300 + 20) % 32 = 8:
-    // 0.25 * 45 * 8 - 0.125 * 33.
-    assert_eq!(y[100], 85.875);
-}
-
-#[test]
-fn q6_k_matches_logical_block() {
-    let scales: [i8; 16] = [1, -2, 3, -4, 127, -128, 0, 9, 10, -11, 12, 13, -14, 15, 16, -17];
-    let l: Vec<u8> = (0..256).map(|i| ((i * 11 + i / 7) % 64) as u8).collect();
-    let d = 0.03125f32;
-    let (mut ql, mut qh) = (vec![0u8; 128], vec![0u8; 64]);
-    for (half, j) in [0usize, 128].into_iter().enumerate() {
-        for i in 0..32 {
-            let q = |k: usize| l[j + i + k];
-            ql[64 * half + i] = (q(0) & 0x0F) | ((q(64) & 0x0F) << 4);
-            ql[64 * half + i + 32] = (q(32) & 0x0F) | ((q(96) & 0x0F) << 4);
-            qh[32 * half + i] = (q(0) >> 4) | ((q(32) >> 4) << 2) | ((q(64) >> 4) << 4) | ((q(96) >> 4) << 6);
-        }
-    }
-    let mut blk = ql;
-    blk.extend(qh);
-    blk.extend(scales.iter().map(|&s| s as u8));
-    blk.extend(h(d));
-    assert_eq!(blk.len(), 210);
-    let y = dequantize(GgmlType::Q6_K, &blk, 256).unwrap();
-    for k in 0..256 {
-        let want = d * f32::from(scales[k / 16]) * (i32::from(l[k]) - 32) as f32;
-        assert_eq!(y[k], want, "value {k}");
-    }
-    // By hand: value 77 is in sub-block 4 (scale 127); l[77] = (847 + 11) % 64 = 26: 127 * -6 / 32.
-    assert_eq!(y[77], -23.8125);
-}
-
 #[test]
 fn large_tensors_split_across_tasks_identically() {
-    let x = values(32 * 3000 + 32 * 7, 9, 1.0);
-    let bytes = quantize_q8_0(&x);
-    let all = dequantize(GgmlType::Q8_0, &bytes, x.len()).unwrap();
+    // Q8_0 blocks with scales 2^-(i % 8) and arbitrary quants.
+    let blocks = 3000 + 7;
+    let bytes: Vec<u8> = (0..blocks)
+        .flat_map(|i| {
+            let mut b = h(1.0 / (1 << (i % 8)) as f32).to_vec();
+            b.extend((0..32u32).map(|j| (i as u32 * 31 + j * 7) as u8));
+            b
+        })
+        .collect();
+    let all = dequantize(GgmlType::Q8_0, &bytes, 32 * blocks).unwrap();
     for (i, blk) in bytes.chunks(34).enumerate() {
         let one = dequantize(GgmlType::Q8_0, blk, 32).unwrap();
         assert_eq!(&all[32 * i..32 * i + 32], &one[..]);
@@ -319,6 +46,10 @@ fn bad_lengths_and_unsupported_types_are_refused() {
     for id in 0..64 {
         if let Some(t) = GgmlType::from_u32(id) {
             assert_eq!(t.id(), id);
+            assert!(t.block_layout().0 > 0);
+            if let Some(f) = t.quant_format() {
+                assert_eq!(f.name(), t.to_string());
+            }
         }
     }
     assert_eq!(GgmlType::from_u32(4), None);

@@ -4,12 +4,15 @@
 //!   memory map of the data. Every length, count and offset is checked against the file before
 //!   it is used, so a malformed file gives a [`GgufError`] naming the key or tensor at fault,
 //!   never a panic or an allocation larger than the file.
-//! - [`dequant`]: ggml block formats to f32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+//! - [`dequant`]: ggml types to f32 (F32, F16, BF16, and through `cleave_kernels::quant` Q8_0,
+//!   Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, which [`GgufModel::tensor_quantized`] also hands
+//!   out in their blocks for the quantized kernels).
 //! - [`model`]: llama / qwen2 / qwen3 GGUFs seen as a Hugging Face model: a config, a tokenizer
 //!   and tensors under their HF names and `[out, in]` shapes, with llama.cpp's q/k row
 //!   permutation undone so that HF's rotate-half RoPE applies.
 //!
-//! Allowed dependencies: std, half, memmap2, rayon, thiserror and `cleave_tokenizer::gguf`.
+//! Allowed dependencies: std, half, memmap2, rayon, thiserror, `cleave_tokenizer::gguf` and the
+//! block formats of `cleave_kernels::quant`.
 //! Nothing here knows the rest of the engine; [`GgufError`] is mapped into the engine's error
 //! by the caller.
 

@@ -14,6 +14,8 @@ use std::path::Path;
 
 use cleave_tokenizer::gguf::{tokenizer_from_gguf, GgufTokenizerMeta, HfTokenizer};
 
+use cleave_kernels::QuantMatrix;
+
 use super::reader::{GgufFile, MetaValue};
 use super::{GgufError, Result};
 
@@ -271,8 +273,9 @@ fn rope_scaling(file: &GgufFile, arch: &str) -> Result<Option<GgufRopeScaling>> 
 
 /// Undoes `convert_hf_to_gguf.py`'s `permute` on the rows of a q or k projection (weight
 /// `[heads * head_dim, in]` or bias `[heads * head_dim]`): GGUF row `h*hd + 2*i + half` holds
-/// HF row `h*hd + half*hd/2 + i`.
-pub fn unpermute_rows(data: &[f32], rows: usize, heads: usize) -> Option<Vec<f32>> {
+/// HF row `h*hd + half*hd/2 + i`. Rows are moved whole, so `data` may hold any element: f32
+/// values, or the bytes of a quantized row's blocks.
+pub fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize) -> Option<Vec<T>> {
     if heads == 0
         || !rows.is_multiple_of(heads)
         || !(rows / heads).is_multiple_of(2)
@@ -282,7 +285,7 @@ pub fn unpermute_rows(data: &[f32], rows: usize, heads: usize) -> Option<Vec<f32
     }
     let cols = data.len() / rows;
     let hd = rows / heads;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads {
         for i in 0..hd / 2 {
             for half in 0..2 {
@@ -375,6 +378,36 @@ impl GgufModel {
         Ok(self.info(hf_name)?.hf_shape())
     }
 
+    /// The number of heads whose rows llama.cpp permuted in tensor `hf_name` (a llama q or k
+    /// projection), if any.
+    fn permuted_heads(&self, hf_name: &str) -> Option<usize> {
+        match hf_name.rsplit('.').nth(1) {
+            _ if self.config.architecture != "llama" => None,
+            Some("q_proj") => Some(self.config.num_heads),
+            Some("k_proj") => Some(self.config.num_kv_heads),
+            _ => None,
+        }
+    }
+
+    /// Rows of `data` (one tensor of `info`, `shape[0]` rows) with llama.cpp's permutation of
+    /// `hf_name` undone, if it has one.
+    fn unpermuted<T: Copy + Default>(
+        &self,
+        hf_name: &str,
+        info: &super::TensorInfo,
+        shape: &[usize],
+        data: Vec<T>,
+    ) -> Result<Vec<T>> {
+        let Some(heads) = self.permuted_heads(hf_name) else {
+            return Ok(data);
+        };
+        unpermute_rows(&data, shape[0], heads).ok_or_else(|| GgufError::BadShape {
+            name: info.name.clone(),
+            dims: info.dims.clone(),
+            reason: format!("{} rows do not split into {heads} heads of even size", shape[0]),
+        })
+    }
+
     /// Tensor `hf_name` as f32 in HF layout: `(shape, row-major data)`. For llama files the
     /// q/k projections are un-permuted. A tied `lm_head.weight` is absent (MissingTensor):
     /// use `model.embed_tokens.weight` when `config.tie_word_embeddings`.
@@ -382,22 +415,25 @@ impl GgufModel {
         let info = self.info(hf_name)?;
         let shape = info.hf_shape();
         let data = self.file.tensor_f32(&info.name)?;
-        let heads = match hf_name.rsplit('.').nth(1) {
-            _ if self.config.architecture != "llama" => None,
-            Some("q_proj") => Some(self.config.num_heads),
-            Some("k_proj") => Some(self.config.num_kv_heads),
-            _ => None,
+        let data = self.unpermuted(hf_name, info, &shape, data)?;
+        Ok((shape, data))
+    }
+
+    /// Matrix `hf_name` (HF shape `[n, k]`) in its block-quantized format, rows un-permuted as
+    /// [`GgufModel::tensor_f32`] does, when its ggml type is one the kernels multiply
+    /// ([`super::GgmlType::quant_format`]); `None` for any other type (read it with
+    /// `tensor_f32`). The blocks are copied out of the file once.
+    pub fn tensor_quantized(&self, hf_name: &str) -> Result<Option<QuantMatrix>> {
+        let info = self.info(hf_name)?;
+        let shape = info.hf_shape();
+        let (Some(format), &[n, k]) = (info.ggml_type.quant_format(), &shape[..]) else {
+            return Ok(None);
         };
-        let Some(heads) = heads else {
-            return Ok((shape, data));
-        };
-        match unpermute_rows(&data, shape[0], heads) {
-            Some(data) => Ok((shape, data)),
-            None => Err(GgufError::BadShape {
-                name: info.name.clone(),
-                dims: info.dims.clone(),
-                reason: format!("{} rows do not split into {heads} heads of even size", shape[0]),
-            }),
-        }
+        let data = self.unpermuted(hf_name, info, &shape, self.file.tensor_bytes(info).to_vec())?;
+        QuantMatrix::new(format, n, k, data).map(Some).map_err(|e| GgufError::BadShape {
+            name: info.name.clone(),
+            dims: info.dims.clone(),
+            reason: e.to_string(),
+        })
     }
 }
