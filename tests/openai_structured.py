@@ -129,9 +129,12 @@ for seed in SEEDS:
         assert call.type == "function" and call.id.startswith("call_"), call
         check_call(call.function.name, call.function.arguments, want)
 
+        # One call here too: with parallel calls allowed, a sampled small model may go on
+        # calling until max_tokens (SmolLM2 on quantized weights did, 28 calls), which says
+        # nothing about the stream's shape (parallel calls: constrain/tests/tools.rs).
         stream = client.chat.completions.create(
-            model=model, messages=ask, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed,
-            max_tokens=MAX_TOKENS, stream=True,
+            model=model, messages=ask, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+            temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, stream=True,
         )
         calls, content, finish = {}, "", None
         for chunk in stream:
@@ -147,7 +150,7 @@ for seed in SEEDS:
             finish = chunk.choices[0].finish_reason or finish
         assert finish == "tool_calls", (seed, choice, finish, calls)
         assert content == "", content
-        assert calls and sorted(calls) == list(range(len(calls))), calls
+        assert sorted(calls) == [0], calls
         for call in calls.values():
             check_call(call["name"], call["arguments"], want)
 
