@@ -216,6 +216,42 @@ fn sixty_four_concurrent_streams_complete_correctly() {
     });
 }
 
+/// More handoffs than the decode node's KV cache can take at once: the coordinator holds what
+/// does not fit (`cleave_requests_held_for_decode_kv_total`) until running streams free blocks,
+/// instead of sending reservations the node refuses (each request used to fail with a 500
+/// after three refused attempts). Every request completes whole; every block is freed.
+#[test]
+fn handoffs_beyond_the_decode_nodes_kv_wait_for_room_instead_of_failing() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // 1 MiB of tiny-llama KV is 128 blocks of 16 tokens: room for the prompts (~660 tokens,
+    // 42 blocks) of 3 of the 12 requests at once.
+    let c = TestCluster::start_with(
+        &tiny_llama(),
+        &["prefill", "decode"],
+        &["--local-prefill-max-tokens", "0"],
+        &["--kv-cache-memory", "1m"],
+    );
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let prompt = "the quick brown fox jumps over the lazy dog ".repeat(60);
+        let reqs = (0..12).map(|i| {
+            let body = greedy(&format!("{i} {prompt}"), 200);
+            let c = &c;
+            async move {
+                let r = c.client.post(format!("{}/v1/completions", c.http)).json(&body).send().await.unwrap();
+                (r.status(), r.json::<Value>().await.unwrap())
+            }
+        });
+        for (status, v) in futures::future::join_all(reqs).await {
+            assert!(status.is_success(), "{status}: {v}");
+            assert_eq!(v["usage"]["completion_tokens"], 200, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        }
+        assert!(metric(&c, "cleave_requests_held_for_decode_kv_total").await >= 1.0, "nothing waited for room");
+        c.wait_blocks_free().await;
+    });
+}
+
 #[test]
 fn client_disconnect_frees_every_block() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

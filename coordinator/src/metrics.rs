@@ -107,6 +107,7 @@ pub fn prometheus_handle() -> Option<PrometheusHandle> {
 fn zeroes() {
     use crate::cluster::metric;
     metrics::counter!(metric::HELD_FOR_SWITCH_TOTAL).increment(0);
+    metrics::counter!(metric::HELD_FOR_DECODE_KV_TOTAL).increment(0);
     for r in cleave_planner::Reason::ALL {
         metrics::counter!(metric::PLANNER_DECISIONS_TOTAL, "reason" => r.as_str()).increment(0);
     }

@@ -210,9 +210,11 @@ impl TestCluster {
         self.node_with(name, role, model, &[])
     }
 
-    /// [`TestCluster::node`] with `extra` arguments last.
+    /// [`TestCluster::node`] with `extra` arguments last (a `--kv-cache-memory` among them
+    /// replaces the default 64m).
     pub fn node_with(&self, name: &str, role: &str, model: Option<&Path>, extra: &[&str]) -> Result<Proc, String> {
         let model = model.unwrap_or(&self.model);
+        let kv = if extra.contains(&"--kv-cache-memory") { &[][..] } else { &["--kv-cache-memory", "64m"][..] };
         let args: Vec<String> = [
             "node",
             "--role",
@@ -227,11 +229,10 @@ impl TestCluster {
             self.certs.to_str().unwrap(),
             "--threads",
             "1",
-            "--kv-cache-memory",
-            "64m",
             "--exit-with-parent",
         ]
         .iter()
+        .chain(kv)
         .chain(extra)
         .map(|s| s.to_string())
         .collect();

@@ -26,7 +26,7 @@
 //! the prefill starts. Decode events that overtake the prefill node's first token (separate
 //! streams) are held and sent right after it, in arrival order. While no node can take the
 //! request only because nodes switch roles, the request is held (asking again every
-//! [`HOLD_POLL`], up to [`HOLD_FOR_SWITCH`]) instead of refused.
+//! [`HOLD_POLL`], up to [`HOLD_LIMIT`]) instead of refused.
 //!
 //! Invariants (checked on every test of `attempt/tests.rs`):
 //! - an attempt's booking leaves the machine exactly once: its prefill part in at most one
@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use cleave_protocol::control::{ControlMsg, DecodeRequest, PrefillRequest, Work};
 use cleave_protocol::{FinishReason, TokenEvent};
 
-use super::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan, RouteQuery};
+use super::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan, RouteQuery, Wait};
 use super::Observation;
 use crate::dispatch::{DispatchEvent, Route};
 
@@ -59,9 +59,11 @@ pub use vocab::*;
 /// Pause before retrying on a decode node that failed an attempt but lives, times the retry's
 /// number.
 pub const RETRY_BACKOFF: Duration = Duration::from_millis(100);
-/// How long a request is held at the edge while no node can take it because nodes are switching
-/// roles (a switch that drains streams lasts as long as the longest of them).
-pub const HOLD_FOR_SWITCH: Duration = Duration::from_secs(60);
+/// How long a request is held at the edge while no node can take it yet: nodes are switching
+/// roles (a switch that drains streams lasts as long as the longest of them), or every decode
+/// node's KV cache is too full for its handoff (running streams free blocks as they finish).
+/// Past it the request is refused (503: nothing was sent, the client may retry).
+pub const HOLD_LIMIT: Duration = Duration::from_secs(60);
 /// How often a held request asks again.
 pub const HOLD_POLL: Duration = Duration::from_millis(50);
 
@@ -298,7 +300,7 @@ impl Journey {
             force_local: !self.generated.is_empty(),
         };
         out.push(Action::Plan(query.clone()));
-        self.phase = Phase::Planning(Hold { query, deadline: now + HOLD_FOR_SWITCH, held: false });
+        self.phase = Phase::Planning(Hold { query, deadline: now + HOLD_LIMIT, held: false });
     }
 
     fn on_planned(&mut self, now: Instant, r: Result<(Plan, Assignment), NoRoute>, out: &mut Vec<Action>) {
@@ -308,11 +310,14 @@ impl Journey {
         };
         match r {
             Ok((plan, booking)) => self.begin(now, plan, booking, out),
-            Err(e) if e.transient && now < hold.deadline && !self.cancelled => {
+            Err(NoRoute { wait: Some(wait), reason }) if now < hold.deadline && !self.cancelled => {
                 if !hold.held {
                     hold.held = true;
-                    out.push(Action::Record(Metric::HeldForSwitch));
-                    tracing::debug!(reason = %e.reason, "no node can take the request while nodes switch roles; holding it");
+                    out.push(Action::Record(match wait {
+                        Wait::Switch => Metric::HeldForSwitch,
+                        Wait::DecodeKv => Metric::HeldForDecodeKv,
+                    }));
+                    tracing::debug!(%reason, "no node can take the request yet; holding it");
                 }
                 self.phase = Phase::Holding { hold, until: now + HOLD_POLL };
             }
@@ -762,7 +767,7 @@ fn unreachable_answer(phase: &mut Phase, what: &str) {
 /// Moves the booking's prefill part into an [`Action::ReleasePrefill`] (once).
 fn release_prefill(booking: &mut Assignment, out: &mut Vec<Action>) {
     if let Some(p) = booking.prefill.take() {
-        out.push(Action::ReleasePrefill(Assignment { prefill: Some(p), decode: None, blocks: 0 }));
+        out.push(Action::ReleasePrefill(Assignment { prefill: Some(p), decode: None, blocks: 0, reserve: 0 }));
     }
 }
 

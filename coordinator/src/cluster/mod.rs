@@ -56,6 +56,9 @@ pub mod metric {
     pub const MIGRATIONS_TOTAL: &str = "cleave_migrations_total";
     /// Requests held at the edge because no node could take them while nodes switched roles.
     pub const HELD_FOR_SWITCH_TOTAL: &str = "cleave_requests_held_for_switch_total";
+    /// Requests held at the edge because every decode node's KV cache was too full to reserve
+    /// their prompt for a handoff.
+    pub const HELD_FOR_DECODE_KV_TOTAL: &str = "cleave_requests_held_for_decode_kv_total";
     /// Registrations refused before they reach the registry, by `cause` (`identity`: the
     /// certificate names another node, does not allow the role, or is revoked).
     pub const REGISTRATIONS_REFUSED_TOTAL: &str = "cleave_node_registrations_refused_total";
@@ -242,7 +245,7 @@ impl ClusterHandle {
         if a.prefill.is_none() {
             return;
         }
-        let part = Assignment { prefill: a.prefill.take(), decode: None, blocks: 0 };
+        let part = Assignment { prefill: a.prefill.take(), decode: None, blocks: 0, reserve: 0 };
         if let Err(mpsc::error::TrySendError::Full(cmd)) = self.tx.try_send(Cmd::ReleasePrefill(part)) {
             let tx = self.tx.clone();
             tokio::spawn(async move { tx.send(cmd).await });

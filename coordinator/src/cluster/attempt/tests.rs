@@ -12,7 +12,7 @@ use cleave_protocol::{
 };
 
 use super::*;
-use crate::cluster::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan};
+use crate::cluster::registry::{Assignment, LocalReason, NoRoute, NodeRef, Plan, Wait};
 use crate::cluster::Observation;
 use crate::dispatch::DispatchEvent;
 
@@ -102,8 +102,8 @@ fn handoff_done() -> Event {
     Event::Message { side: Side::Prefill, msg: ControlMsg::HandoffDone(report) }
 }
 
-fn no_route(reason: &str, transient: bool) -> Event {
-    Event::Planned(Err(NoRoute { reason: reason.into(), transient }))
+fn no_route(reason: &str, wait: Option<Wait>) -> Event {
+    Event::Planned(Err(NoRoute { reason: reason.into(), wait }))
 }
 
 /// One line per action, for comparing batches.
@@ -269,6 +269,7 @@ impl H {
             prefill: matches!(plan, Plan::Remote { .. }).then_some((1, 100 + n)),
             decode: Some((2, 200 + n)),
             blocks: 4,
+            reserve: 0,
         };
         self.booked.push(booking.clone());
         self.feed(Event::Planned(Ok((plan, booking))))
@@ -669,7 +670,7 @@ fn a_silent_decode_node_after_the_first_token_migrates_and_activity_restarts_the
     let out = h.feed(Event::Timer);
     assert_eq!(kinds(&out), ["CloseStreams", "Release", "Record(Migration)", "Plan"]);
     assert_eq!(the_query(&out).exclude, [2]);
-    h.feed(no_route("no decode node", false));
+    h.feed(no_route("no decode node", None));
     assert_eq!(
         h.error(),
         "decode node d0: the node sent nothing for 120 s; then no node can serve this request: no decode node"
@@ -714,7 +715,7 @@ fn a_prefill_stream_lost_before_the_first_token_returns_its_part_first() {
     h.feed(ticket_msg());
     let out = h.feed(Event::Lost { side: Side::Prefill, cause: AttemptError::StreamClosed });
     assert_eq!(kinds(&out), ["ReleasePrefill", "CloseStreams", "Release", "Record(PrefillRetry)", "Plan"]);
-    h.feed(no_route("none left", false));
+    h.feed(no_route("none left", None));
     assert_eq!(
         h.error(),
         "prefill node p0: the node closed the stream; then no node can serve this request: none left"
@@ -960,7 +961,11 @@ fn a_cancel_racing_a_prefill_failure() {
     h.remote();
     h.feed(pre(node_err("boom")));
     assert!(h.feed(Event::Cancelled).is_empty());
-    assert_eq!(kinds(&h.feed(no_route("nothing", true))), ["Refused", "Finish"], "a cancelled request is not held");
+    assert_eq!(
+        kinds(&h.feed(no_route("nothing", Some(Wait::Switch)))),
+        ["Refused", "Finish"],
+        "a cancelled request is not held"
+    );
     assert!(h.error().contains("boom"), "{}", h.error());
     // After the first token the prefill failure is no failure; the cancel goes to the decode
     // node alone.
@@ -985,7 +990,7 @@ fn a_cancel_during_a_backoff_ends_the_request() {
 fn no_route_before_anything_was_sent_or_failed_is_a_refusal() {
     let mut h = H::new(3);
     h.advance(Duration::from_millis(7));
-    let out = h.feed(no_route("no decode node is alive", false));
+    let out = h.feed(no_route("no decode node is alive", None));
     assert_eq!(kinds(&out), ["Refused", "Finish"]);
     assert!(matches!(&h.client[0], DispatchEvent::Refused { reason }
         if reason == "no node can serve this request: no decode node is alive"));
@@ -999,29 +1004,29 @@ fn no_route_after_a_failed_attempt_with_nothing_sent_is_a_refusal_naming_both() 
     let mut h = H::new(3);
     h.remote();
     h.feed(Event::NodeDied(d0().id));
-    assert_eq!(kinds(&h.feed(no_route("every node excluded", false))), ["Refused", "Finish"]);
+    assert_eq!(kinds(&h.feed(no_route("every node excluded", None))), ["Refused", "Finish"]);
     assert_eq!(h.error(), "decode node d0: the node died; then no node can serve this request: every node excluded");
 }
 
 #[test]
 fn a_request_is_held_while_nodes_switch_roles_until_the_deadline() {
     let mut h = H::new(3);
-    let out = h.feed(no_route("switching", true));
+    let out = h.feed(no_route("switching", Some(Wait::Switch)));
     assert_eq!(kinds(&out), ["Record(HeldForSwitch)"]);
     assert_eq!(h.m.deadline(), Some(h.now + HOLD_POLL));
     assert!(h.feed(Event::Timer).is_empty(), "not yet");
     h.advance(HOLD_POLL);
     assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
-    assert!(h.feed(no_route("switching", true)).is_empty(), "counted once");
-    h.advance(HOLD_FOR_SWITCH - HOLD_POLL);
+    assert!(h.feed(no_route("switching", Some(Wait::Switch))).is_empty(), "counted once");
+    h.advance(HOLD_LIMIT - HOLD_POLL);
     assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
-    assert_eq!(kinds(&h.feed(no_route("switching", true))), ["Refused", "Finish"], "the deadline passed");
+    assert_eq!(kinds(&h.feed(no_route("switching", Some(Wait::Switch)))), ["Refused", "Finish"], "the deadline passed");
 }
 
 #[test]
 fn a_held_request_goes_when_a_node_can_take_it() {
     let mut h = H::new(3);
-    h.feed(no_route("switching", true));
+    h.feed(no_route("switching", Some(Wait::Switch)));
     h.advance(HOLD_POLL);
     h.feed(Event::Timer);
     h.remote();
@@ -1032,9 +1037,9 @@ fn a_held_request_goes_when_a_node_can_take_it() {
 #[test]
 fn a_cancel_while_held_asks_once_more_then_refuses() {
     let mut h = H::new(3);
-    h.feed(no_route("switching", true));
+    h.feed(no_route("switching", Some(Wait::Switch)));
     assert_eq!(kinds(&h.feed(Event::Cancelled)), ["Plan"]);
-    assert_eq!(kinds(&h.feed(no_route("switching", true))), ["Refused", "Finish"]);
+    assert_eq!(kinds(&h.feed(no_route("switching", Some(Wait::Switch)))), ["Refused", "Finish"]);
 }
 
 // ---- Errors read as before -----------------------------------------------------------------------
@@ -1054,4 +1059,16 @@ fn attempt_errors_read_as_the_router_always_wrote_them() {
         RequestError::PrefillAttempts { attempts: 3, last }.to_string(),
         "gave up after 3 prefill attempts: prefill node p0: x"
     );
+}
+
+#[test]
+fn a_request_waiting_for_decode_kv_is_held_and_counted_as_such() {
+    let mut h = H::new(3);
+    let out = h.feed(no_route("the decode nodes' KV caches are full", Some(Wait::DecodeKv)));
+    assert_eq!(kinds(&out), ["Record(HeldForDecodeKv)"]);
+    h.advance(HOLD_POLL);
+    assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
+    h.remote();
+    h.token(pre(fin(7, FinishReason::Stop)));
+    assert!(h.finished);
 }

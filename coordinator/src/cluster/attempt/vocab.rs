@@ -190,6 +190,8 @@ pub enum Metric {
     Migration { node: String },
     /// `cleave_requests_held_for_switch_total`.
     HeldForSwitch,
+    /// `cleave_requests_held_for_decode_kv_total`.
+    HeldForDecodeKv,
     /// `cleave_handoff_reservation_seconds{pool="decode", node}`: streams opened to ticket.
     Reservation { node: String, waited: Duration },
     /// `cleave_handoff_decode_first_step_seconds{pool="decode", node}`: first token to the

@@ -209,6 +209,11 @@ struct Node {
     inflight_prefill_tokens: u64,
     inflight_seqs: u32,
     inflight_blocks: u64,
+    /// Blocks the remote attempts booked here since the last report reserve at once (their
+    /// prompts' blocks): what the node's reservations take from the free blocks it reported.
+    /// Not returned when an attempt ends (by then the node's own report counts the
+    /// reservation, or its release): only a report resets it.
+    inflight_reserve: u64,
 }
 
 impl Node {
@@ -292,6 +297,12 @@ impl Node {
         !(k.decode && seqs > 0 || k.prefill && prefill_left)
     }
 
+    /// Blocks a handoff reservation could take now: free and evictable cached blocks, as last
+    /// reported, less what the reservations routed here since will take.
+    fn room_now(&self) -> u64 {
+        u64::from(self.load.free_blocks + self.load.cached_blocks).saturating_sub(self.inflight_reserve)
+    }
+
     fn queued_prefill(&self) -> u64 {
         self.load.queued_prefill_tokens + self.inflight_prefill_tokens
     }
@@ -307,14 +318,24 @@ pub struct Refusal(pub String);
 #[error("no node can serve this request: {reason}")]
 pub struct NoRoute {
     pub reason: String,
-    /// A node is switching roles: one may take the request once the switch completes, so the
-    /// caller should hold the request a moment rather than fail it.
-    pub transient: bool,
+    /// Why a node may take the request soon, so that the caller should hold it a moment rather
+    /// than fail it; None: no node will (the answer is final).
+    pub wait: Option<Wait>,
+}
+
+/// What a held request waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// A node is switching roles: one may take the request once the switch completes.
+    Switch,
+    /// Every decode node's KV cache is too full to reserve the prompt's blocks for a handoff
+    /// now; running streams free blocks as they finish.
+    DecodeKv,
 }
 
 impl NoRoute {
     pub fn new(reason: impl Into<String>) -> Self {
-        Self { reason: reason.into(), transient: false }
+        Self { reason: reason.into(), wait: None }
     }
 }
 
@@ -325,6 +346,9 @@ pub struct Assignment {
     pub decode: Option<(u64, u64)>,
     /// KV blocks booked on the decode node.
     pub blocks: u64,
+    /// Of those, the blocks its handoff reservation takes at once (0 for a local prefill;
+    /// never returned: see `Node::inflight_reserve`).
+    pub reserve: u64,
 }
 
 pub struct Registry {
@@ -449,6 +473,7 @@ impl Registry {
                 inflight_prefill_tokens: 0,
                 inflight_seqs: 0,
                 inflight_blocks: 0,
+                inflight_reserve: 0,
             },
         );
         Ok(id)
@@ -468,6 +493,7 @@ impl Registry {
         n.inflight_prefill_tokens = 0;
         n.inflight_seqs = 0;
         n.inflight_blocks = 0;
+        n.inflight_reserve = 0;
         true
     }
 
@@ -493,10 +519,13 @@ impl Registry {
         let prompt_len = q.tokens.len();
         let hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q.tokens, block).collect();
         let need_blocks = (prompt_len + q.max_tokens).div_ceil(block) as u64;
+        // What a decode node reserves at once for a handoff: the prompt's blocks.
+        let reserve_blocks = prompt_len.div_ceil(block) as u64;
         let excluded = |id: &u64| q.exclude.contains(id);
 
-        // Decode side: most free KV after its in-flight work, fewest running sequences, then
-        // prefix overlap (saved prefill), then the lowest id (deterministic).
+        // Decode side: room to reserve the prompt now, then most free KV after its in-flight
+        // work, fewest running sequences, then prefix overlap (saved prefill), then the lowest
+        // id (deterministic).
         let decode = self
             .nodes
             .iter()
@@ -509,7 +538,7 @@ impl Registry {
                 let busy = u64::from(n.load.running_seqs + n.load.waiting_seqs + n.inflight_seqs);
                 // Score: fitting first, then free blocks net of load and the overlap's worth.
                 let score = free as i64 + (overlap * 4) as i64 - (busy * need_blocks.max(1)) as i64;
-                (fits, score, std::cmp::Reverse(**id))
+                (n.room_now() >= reserve_blocks, fits, score, std::cmp::Reverse(**id))
             })
             .map(|(&id, _)| id);
         let Some(decode_id) = decode else {
@@ -519,7 +548,7 @@ impl Registry {
                 } else {
                     "no live decode node can hold this request".into()
                 },
-                transient: self.nodes.values().any(Node::switching),
+                wait: self.nodes.values().any(Node::switching).then_some(Wait::Switch),
             });
         };
         let d = &self.nodes[&decode_id];
@@ -551,25 +580,62 @@ impl Registry {
         let (plan, assignment) = match (local, prefill) {
             (Some(reason), _) => (
                 Plan::Local { decode: d.node_ref(decode_id), reason },
-                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+                Assignment {
+                    prefill: None,
+                    decode: Some((decode_id, uncached_local as u64)),
+                    blocks: need_blocks,
+                    reserve: 0,
+                },
             ),
             (None, None) => (
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::NoPrefillNode },
-                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+                Assignment {
+                    prefill: None,
+                    decode: Some((decode_id, uncached_local as u64)),
+                    blocks: need_blocks,
+                    reserve: 0,
+                },
             ),
             (None, Some((_, queued))) if queued > self.saturation_tokens() => (
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::PrefillSaturated },
-                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
+                Assignment {
+                    prefill: None,
+                    decode: Some((decode_id, uncached_local as u64)),
+                    blocks: need_blocks,
+                    reserve: 0,
+                },
             ),
             (None, Some((pid, _))) => {
                 let p = &self.nodes[&pid];
                 let work = (prompt_len - p.overlap(&hashes) * block).max(1) as u64;
                 (
                     Plan::Remote { prefill: p.node_ref(pid), decode: d.node_ref(decode_id) },
-                    Assignment { prefill: Some((pid, work)), decode: Some((decode_id, 0)), blocks: need_blocks },
+                    Assignment {
+                        prefill: Some((pid, work)),
+                        decode: Some((decode_id, 0)),
+                        blocks: need_blocks,
+                        reserve: reserve_blocks,
+                    },
                 )
             }
         };
+        if matches!(plan, Plan::Remote { .. }) {
+            // A handoff needs the prompt's blocks reserved on the decode node before the KV
+            // can land; a node without them refuses the reservation, and the request would
+            // fail. Hold it here until a decode node has room (the engine queues local
+            // prefills itself, so those go on).
+            let room = d.room_now();
+            if room < reserve_blocks {
+                let capacity = u64::from(d.load.total_blocks.max(d.reg.kv_capacity_blocks));
+                return Err(NoRoute {
+                    reason: format!(
+                        "the decode nodes' KV caches are full: the prompt needs {reserve_blocks} blocks, \
+                         the best decode node has {room} free of {capacity}"
+                    ),
+                    wait: (capacity >= reserve_blocks).then_some(Wait::DecodeKv),
+                });
+            }
+        }
         if let Some((pid, work)) = assignment.prefill {
             if let Some(p) = self.nodes.get_mut(&pid) {
                 p.inflight_prefill_tokens += work;
@@ -581,6 +647,7 @@ impl Registry {
                 n.active_decode += 1;
                 n.inflight_seqs += 1;
                 n.inflight_blocks += need_blocks;
+                n.inflight_reserve += assignment.reserve;
                 n.inflight_prefill_tokens += work;
             }
         }

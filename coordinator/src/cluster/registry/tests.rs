@@ -128,6 +128,9 @@ fn bursts_spread_over_the_pool_and_prefix_overlap_attracts() {
     let hashes: Vec<u64> = cleave_protocol::prefix::hash_chain(&q(200).tokens, 4).collect();
     r.report(p1, LoadReport { queued_prefill_tokens: 50, ..Default::default() }, t);
     r.report(p2, LoadReport { queued_prefill_tokens: 50, prefix_hashes: hashes, ..Default::default() }, t);
+    for d in [d1, d2] {
+        r.report(d, busy(2), t);
+    }
     let (plan, a) = r.plan(&q(200)).unwrap();
     let Plan::Remote { prefill, .. } = plan else { panic!() };
     assert_eq!(prefill.id, p2);
@@ -268,7 +271,7 @@ fn no_route_during_a_switch_is_transient() {
     r.set_role(d, NodeRole::Prefill, None, t).unwrap();
     r.set_role(p, NodeRole::Decode, None, t).unwrap();
     let e = r.plan(&q(200)).unwrap_err();
-    assert!(e.transient, "{e}");
+    assert_eq!(e.wait, Some(Wait::Switch), "{e}");
     r.report(p, busy(0), t + Duration::from_millis(1));
     r.report(d, busy(0), t + Duration::from_millis(1));
     assert_eq!(r.lifecycle().len(), 2);
@@ -277,7 +280,7 @@ fn no_route_during_a_switch_is_transient() {
     let mut only = q(200);
     only.exclude = vec![p];
     let e = r.plan(&only).unwrap_err();
-    assert!(!e.transient, "{e}");
+    assert_eq!(e.wait, None, "{e}");
 }
 
 #[test]
@@ -354,4 +357,38 @@ fn a_missing_middle_key_does_not_hide_the_rest_of_a_match() {
     let Plan::Remote { decode, .. } = plan else { panic!("{plan:?}") };
     assert_eq!(decode.id, d2, "the node holding more of the prompt decodes it");
     r.release(&a, t);
+}
+
+/// A handoff needs the prompt's blocks reserved on the decode node at once: while no decode
+/// node has them, the request is held (not sent to a node that would refuse it), and goes once
+/// a node reports room. Short prompts prefilled locally are not held (the engine queues them).
+#[test]
+fn a_handoff_waits_for_room_on_a_decode_node() {
+    let t = Instant::now();
+    let ms = |n| t + Duration::from_millis(n);
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    // 200 tokens are 50 blocks: two reservations fit the 100 free blocks, a third does not,
+    // even before the node reports them.
+    for _ in 0..2 {
+        assert!(matches!(r.plan(&q(200)).unwrap().0, Plan::Remote { .. }));
+    }
+    let e = r.plan(&q(200)).unwrap_err();
+    assert_eq!(e.wait, Some(Wait::DecodeKv), "{e}");
+    assert!(e.reason.contains("needs 50 blocks") && e.reason.contains("0 free of 100"), "{e}");
+    // The node's report counts them: still no room.
+    let full = LoadReport { running_seqs: 2, total_blocks: 100, free_blocks: 0, ..Default::default() };
+    r.report(d, full.clone(), ms(1));
+    assert_eq!(r.plan(&q(200)).unwrap_err().wait, Some(Wait::DecodeKv));
+    // A short prompt prefills on the decode node, whose engine queues it.
+    assert!(matches!(r.plan(&q(8)).unwrap().0, Plan::Local { reason: LocalReason::ShortPrompt, .. }));
+    // Evictable cached blocks are room: one stream ended, its prompt blocks stay cached.
+    r.report(d, LoadReport { running_seqs: 1, cached_blocks: 30, free_blocks: 20, ..full }, ms(2));
+    assert!(matches!(r.plan(&q(200)).unwrap().0, Plan::Remote { .. }));
+    assert_eq!(r.plan(&q(200)).unwrap_err().wait, Some(Wait::DecodeKv), "that booking took the room");
+    // A prompt no decode node could ever hold is not held: the answer is final.
+    let e = r.plan(&q(404)).unwrap_err();
+    assert_eq!(e.wait, None, "{e}");
+    assert!(e.reason.contains("needs 101 blocks"), "{e}");
 }
