@@ -343,6 +343,51 @@ fn a_bf16_kv_cache_cluster_matches_generate_and_refuses_another_dtype() {
     runtime().block_on(async { assert_eq!(c.nodes_state().await.len(), 2) });
 }
 
+/// One model in two formats in one cluster: the prefill node holds SmolLM2's weights in f32
+/// (`--dequantize-weights`: GEMM throughput rules prefill), the decode node in the GGUF's Q4_1
+/// (bytes rule decode). Both register with the model's identity (which the coordinator read
+/// without loading weights); `/admin/nodes` shows each node's format and weights fingerprint;
+/// greedy text through the OpenAI API equals `cleave generate --prefill-dequantize-weights`
+/// (the same two formats, handed off in one process).
+#[test]
+fn a_prefill_node_in_f32_and_a_decode_node_in_q4_serve_one_model() {
+    let Some(gguf) = smollm2() else { return };
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start_nodes(
+        &gguf,
+        &[("prefill", &["--dequantize-weights"]), ("decode", &[])],
+        &["--local-prefill-max-tokens", "0"],
+    );
+    let prompts = ["The capital of France is", "Here is a short poem about the sea:"];
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| generate_text_with(&gguf, p, 24, &["--prefill-dequantize-weights", "--threads", "1"]))
+        .collect();
+    assert!(want[0].contains("Paris"), "{}", want[0]);
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        let nodes = c.nodes_state().await;
+        let format = |name: &str| {
+            let n = nodes.iter().find(|n| n["name"] == name).unwrap();
+            (n["weights"]["format"].as_str().unwrap().to_string(), n["weights"]["fingerprint"].clone())
+        };
+        let ((pf, pfp), (df, dfp)) = (format("node-0"), format("node-1"));
+        assert_eq!(pf, "f32", "{nodes:?}");
+        assert!(df.starts_with("Q4_1"), "{nodes:?}");
+        assert!(pfp.as_str().unwrap().len() == 16 && dfp.as_str().unwrap().len() == 16, "{nodes:?}");
+        let model = gguf.file_stem().unwrap().to_str().unwrap();
+        for (prompt, want) in prompts.iter().zip(&want) {
+            let mut body = greedy(prompt, 24);
+            body["model"] = json!(model);
+            let v = c.complete(body).await;
+            assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want, "{prompt}");
+        }
+        let m = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+        assert!(sample(&m, "cleave_route_decisions_total", &[("path", "remote")]) >= 2.0, "{m}");
+        c.wait_blocks_free().await;
+    });
+}
+
 /// The text `cleave generate` (one process, no cluster) produces greedily.
 fn generate_text(model: &Path, prompt: &str, max_tokens: u32) -> String {
     generate_text_with(model, prompt, max_tokens, &[])

@@ -51,17 +51,7 @@ fn the_openai_client_gets_constrained_output_and_tool_calls_on_the_tiny_model() 
 
 #[test]
 fn the_openai_client_gets_constrained_output_and_tool_calls_on_smollm2() {
-    let gguf = std::env::var_os("CLEAVE_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    if !available(
-        gguf.exists(),
-        "CLEAVE_REQUIRE_SMOLLM2",
-        "the SmolLM2 GGUF is missing",
-        "scripts/peers/smollm2.sh models/smollm2",
-    ) {
-        return;
-    }
+    let Some(gguf) = smollm2() else { return };
     if client_present() {
         // A real model at 135M parameters is slower on CPU than the tiny one: two seeds.
         drive(&gguf, 2);

@@ -461,6 +461,7 @@ async fn fake_node(addr: SocketAddr, name: &str, role: NodeRole, deleted: onesho
         kv_addr: None,
         step_budget: None,
         metrics_addr: None,
+        weights: Default::default(),
     };
     write_msg(&mut s.send, &ControlMsg::Register(reg)).await.unwrap();
     let id = match read_msg(&mut s.recv).await.unwrap() {

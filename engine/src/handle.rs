@@ -87,6 +87,8 @@ pub struct EngineInfo {
     pub kv_layout: KvLayout,
     pub max_model_len: usize,
     pub kv_blocks_total: usize,
+    /// The weights' fingerprint and formats (see [`EngineCore::weights`]).
+    pub weights: cleave_protocol::WeightsInfo,
 }
 
 /// How many commands may wait for the engine loop before `submit` reports the queue full.
@@ -328,6 +330,7 @@ impl EngineThread {
                             kv_layout: core.kv_layout(),
                             max_model_len: core.max_model_len(),
                             kv_blocks_total: core.scheduler().kv().num_blocks(),
+                            weights: core.weights(),
                         };
                         let _ = ready_tx.send(Ok(info));
                         core

@@ -204,6 +204,7 @@ impl Node {
             kv_addr: Some(kv_addr),
             step_budget: *budget_now.borrow(),
             metrics_addr,
+            weights: info.weights.clone(),
         };
         let connector = Connector::new(&cfg.net)?;
         let mut link_cfg = ControlLinkConfig::new(cfg.coordinator);

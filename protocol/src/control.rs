@@ -82,6 +82,8 @@ pub struct Register {
     pub step_budget: Option<u32>,
     /// Where the node serves `GET /metrics` (the coordinator lists it for Prometheus).
     pub metrics_addr: Option<SocketAddr>,
+    /// What the node's weights are (another format of the coordinator's model is welcome).
+    pub weights: crate::WeightsInfo,
 }
 
 /// The coordinator's answer to [`Register`]: a node id, or why the node is refused.
@@ -218,6 +220,9 @@ impl ControlMsg {
 // ---------------------------------------------------------------------------------------------
 // Encoding.
 
+/// Longest `Register.weights_format` accepted (a few format names joined by `+`).
+pub const MAX_WEIGHTS_FORMAT: usize = 64;
+
 /// The flatbuffer of one message (without the length prefix).
 pub fn encode(msg: &ControlMsg) -> Vec<u8> {
     let body = match msg {
@@ -232,6 +237,8 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             kv_addr: r.kv_addr.map(|a| a.to_string()),
             step_budget: r.step_budget.unwrap_or(0),
             metrics_addr: r.metrics_addr.map(|a| a.to_string()),
+            weights_fingerprint: r.weights.fingerprint,
+            weights_format: (!r.weights.format.is_empty()).then(|| r.weights.format.clone()),
         })),
         ControlMsg::RegisterReply(r) => fb::BodyT::RegisterReply(Box::new(match r {
             RegisterReply::Accepted { node_id } => {
@@ -431,6 +438,14 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             let role = role_from_fb(M, r.role)?;
             let kv_addr = r.kv_addr.as_deref().map(|a| parse_addr(M, "kv_addr", a)).transpose()?;
             let metrics_addr = r.metrics_addr.as_deref().map(|a| parse_addr(M, "metrics_addr", a)).transpose()?;
+            let weights_format = r.weights_format.unwrap_or_default();
+            if weights_format.len() > MAX_WEIGHTS_FORMAT
+                || !weights_format.chars().all(|c| c.is_ascii_alphanumeric() || "_+-.".contains(c))
+            {
+                return Err(WireError::Malformed(format!(
+                    "Register.weights_format must be at most {MAX_WEIGHTS_FORMAT} characters of [A-Za-z0-9_+-.]"
+                )));
+            }
             Ok(ControlMsg::Register(Register {
                 role,
                 name: r.name.ok_or(missing(M, "name"))?,
@@ -442,6 +457,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 kv_addr,
                 step_budget: (r.step_budget > 0).then_some(r.step_budget),
                 metrics_addr,
+                weights: crate::WeightsInfo { fingerprint: r.weights_fingerprint, format: weights_format },
             }))
         }
         fb::BodyT::RegisterReply(r) => Ok(ControlMsg::RegisterReply(if r.accepted {

@@ -303,6 +303,18 @@ pub struct KvLayout {
     pub block_size: u32,
 }
 
+/// What a node's weights are, beside the model's identity (`KvLayout::model_fingerprint`):
+/// nodes of one model may hold it in different formats (f32 for prefill, Q4 for decode), which
+/// have different weights fingerprints and the same identity.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WeightsInfo {
+    /// A fingerprint of the weights as loaded (sampled values, dequantized).
+    pub fingerprint: u64,
+    /// The formats the linear weights are held in, largest first, `+`-joined ("Q4_1+Q8_0",
+    /// "f32"); empty when not said.
+    pub format: String,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum KvDtype {
     F32,

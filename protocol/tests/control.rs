@@ -55,6 +55,7 @@ fn samples() -> Vec<ControlMsg> {
             kv_addr: Some("[::1]:99".parse().unwrap()),
             step_budget: Some(128),
             metrics_addr: Some("127.0.0.1:9100".parse().unwrap()),
+            weights: WeightsInfo { fingerprint: u64::MAX - 7, format: "Q4_1+Q8_0".into() },
         }),
         ControlMsg::RegisterReply(RegisterReply::Accepted { node_id: 3 }),
         ControlMsg::RegisterReply(RegisterReply::Refused { reason: "model fingerprint differs".into() }),

@@ -66,6 +66,16 @@ pub struct GenerateArgs {
     /// Constrain the output to the Lark grammar (llguidance's dialect) in this file.
     #[arg(long, value_name = "FILE", group = "constraint")]
     grammar: Option<PathBuf>,
+    /// Prefill the prompt on a second engine and hand its KV to the first, in this process, as
+    /// a cluster's prefill node hands it to a decode node: this model file (another format of
+    /// the same model: an f32 folder beside a Q4 GGUF, say) holds the prefill engine's weights.
+    /// The output is what a cluster with those two formats serves, for the same seed.
+    #[arg(long, value_name = "PATH")]
+    prefill_model: Option<PathBuf>,
+    /// With a handoff (implied by this flag), the prefill engine dequantizes its GGUF weights
+    /// to f32 at load, as a prefill node started with --dequantize-weights does.
+    #[arg(long)]
+    prefill_dequantize_weights: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -115,8 +125,30 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("give --prompt or --messages"),
     };
     let cfg: EngineConfig = args.engine.to_config();
-    let mut core = EngineCore::load(CpuBackend::new(args.engine.threads)?, files, &cfg)?;
-    eprintln!("loaded {} in {:.2}s", args.model.display(), t_load.elapsed().as_secs_f64());
+    let backend = CpuBackend::new(args.engine.threads)?;
+    let mut core = EngineCore::load(backend.clone(), files, &cfg)?;
+    eprintln!("loaded {} ({}) in {:.2}s", args.model.display(), core.weights().format, t_load.elapsed().as_secs_f64());
+    let mut prefill = match (&args.prefill_model, args.prefill_dequantize_weights) {
+        (None, false) => None,
+        (path, dequantize_weights) => {
+            let path = match path {
+                Some(p) => super::model_source::resolve_model(p)?,
+                None => super::model_source::resolve_model(&args.model)?,
+            };
+            let files = ModelFiles::open(&path).with_context(|| format!("opening model {}", path.display()))?;
+            let p = EngineCore::load(backend, files, &EngineConfig { dequantize_weights, ..cfg.clone() })?;
+            anyhow::ensure!(
+                p.kv_layout() == core.kv_layout(),
+                "the prefill model {} cannot hand its KV to {}: its KV layout {:?} differs from {:?}",
+                path.display(),
+                args.model.display(),
+                p.kv_layout(),
+                core.kv_layout()
+            );
+            eprintln!("prefill engine: {} ({})", path.display(), p.weights().format);
+            Some(p)
+        }
+    };
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -139,12 +171,22 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         },
     };
     let start = Instant::now();
-    core.add_request(req, start)?;
     let mut first_token = None;
     let mut generated = 0u32;
     let mut stdout = std::io::stdout().lock();
-    while core.has_work() {
-        for ev in core.step(Instant::now())? {
+    let mut events = Vec::new();
+    match prefill.as_mut() {
+        None => core.add_request(req, start)?,
+        Some(p) => events = handoff(p, &mut core, req)?,
+    }
+    loop {
+        if events.is_empty() {
+            if !core.has_work() {
+                break;
+            }
+            events = core.step(Instant::now())?;
+        }
+        for ev in events.drain(..) {
             if let Some(err) = &ev.error {
                 anyhow::bail!("generation failed: {err}");
             }
@@ -165,4 +207,58 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         ttft * 1e3
     );
     Ok(())
+}
+
+/// Prefills `req` on `p` and hands its KV to `d` layer by layer, as a prefill node hands it to a
+/// decode node; returns `p`'s events (its first token) once `d` holds the request.
+fn handoff(
+    p: &mut EngineCore<CpuBackend>,
+    d: &mut EngineCore<CpuBackend>,
+    req: EngineRequest,
+) -> anyhow::Result<Vec<cleave_protocol::TokenEvent>> {
+    use cleave_engine::{ImportStart, KvExport, KvExportEvent, SinkError};
+    let (tx, rx) = std::sync::mpsc::channel();
+    let now = Instant::now();
+    p.add_prefill_only(req.clone(), KvExport::new(move |ev| tx.send(ev).map_err(|_| SinkError::Closed)), now)?;
+    let grant = d.reserve_import_prompt(req.id, &req.prompt)?;
+    let row = d.kv_layout().bytes_per_token() / d.kv_layout().num_layers as usize / 2;
+    let mut events = Vec::new();
+    loop {
+        if p.has_work() {
+            events.extend(p.step(Instant::now())?);
+        }
+        for ev in rx.try_iter() {
+            match ev {
+                KvExportEvent::Chunk(c) => {
+                    let (from, end) =
+                        ((c.token_start as usize).max(grant.cached_tokens), (c.token_start + c.token_count) as usize);
+                    if end > from {
+                        let at = (from - c.token_start as usize) * row;
+                        d.import_kv(c.request_id, c.layer, from as u32, &c.k[at..], &c.v[at..])?;
+                    }
+                }
+                KvExportEvent::Done(done) => {
+                    if let Some(err) = events.iter().find_map(|e: &cleave_protocol::TokenEvent| e.error.clone()) {
+                        anyhow::bail!("prefill failed: {err}");
+                    }
+                    if done.finish.is_some() {
+                        // The first token ended the request: nothing to hand off.
+                        d.release_import(req.id)?;
+                        return Ok(events);
+                    }
+                    let start = ImportStart {
+                        first_token: done.first_token,
+                        sampler_seed: Some(done.sampler_seed),
+                        cached_tokens: done.cached_tokens,
+                    };
+                    d.add_imported(req, start, Instant::now())?;
+                    return Ok(events);
+                }
+            }
+        }
+        if let Some(err) = events.iter().find_map(|e| e.error.clone()) {
+            anyhow::bail!("prefill failed: {err}");
+        }
+        anyhow::ensure!(p.has_work(), "the prefill engine stopped without handing the request off");
+    }
 }

@@ -100,8 +100,8 @@ pub struct CoordinatorCmd {
     /// Times a stream may move to another decode node when its node fails.
     #[arg(long, default_value_t = 2)]
     pub max_migrations: u32,
-    /// Skip loading the model to learn its fingerprint (nodes are then checked against the
-    /// first node that registers).
+    /// Skip reading the model's identity (config, vocabulary and norm weights; no linear weight
+    /// is loaded): nodes are then checked against the first node that registers.
     #[arg(long)]
     pub no_fingerprint: bool,
     /// Token the admin API (`/admin/...`) requires as `Authorization: Bearer`; distinct from
@@ -403,12 +403,12 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
     })
 }
 
-/// The model's fingerprint, as every node computes it (loads the weights once).
-fn fingerprint_of(dir: &Path) -> anyhow::Result<u64> {
-    let files = ModelFiles::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
-    let cfg = cleave_engine::EngineConfig { kv_cache_memory: 1 << 20, ..Default::default() };
-    let core = EngineCore::load(CpuBackend::new(Some(1))?, files, &cfg)?;
-    Ok(core.kv_layout().model_fingerprint)
+/// The model's identity, as every node's KV layout carries it, in whatever format a node holds
+/// the weights: read from the config, the tokenizer and the norm vectors, without loading a
+/// linear weight (the coordinator's memory stays the tokenizer's).
+fn fingerprint_of(path: &Path) -> anyhow::Result<u64> {
+    let files = ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
+    files.identity().with_context(|| format!("reading the identity of model {}", path.display()))
 }
 
 pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {

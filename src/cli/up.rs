@@ -57,6 +57,21 @@ pub struct UpArgs {
     /// them in their format (for comparison; see `cleave node --help`).
     #[arg(long)]
     pub dequantize_weights: bool,
+    /// The prefill nodes load this file instead of --model: another format of the same model
+    /// (an f32 or bf16 folder beside a Q4 GGUF: GEMM throughput rules prefill). Nodes of
+    /// different formats share a cluster when the model is the same (its config, vocabulary
+    /// and norm weights); `GET /admin/nodes` shows each node's format. Nodes the planner starts
+    /// later, and roles switched later, keep --model's and their own format.
+    #[arg(long, value_name = "PATH")]
+    pub prefill_model: Option<PathBuf>,
+    /// The decode nodes load this file instead of --model (a Q4 GGUF: bytes rule decode).
+    #[arg(long, value_name = "PATH")]
+    pub decode_model: Option<PathBuf>,
+    /// The prefill nodes dequantize a GGUF's weights to f32 at load (decode nodes keep them
+    /// quantized): f32 GEMM for prefill and a quarter of the bytes per decode step, from one
+    /// GGUF file.
+    #[arg(long)]
+    pub prefill_dequantize_weights: bool,
     /// Compute threads per node (default: the cores divided among the nodes).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -200,6 +215,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         Some(m) => m.clone(),
         None => default_model()?,
     };
+    for (flag, path) in [("--prefill-model", &args.prefill_model), ("--decode-model", &args.decode_model)] {
+        if let Some(p) = path {
+            anyhow::ensure!(p.exists(), "{flag} {}: no such model folder or GGUF file", p.display());
+        }
+    }
     let exe = std::env::current_exe().context("locating the cleave binary")?;
     remove_stale_cert_dirs();
     let certs = std::env::temp_dir().join(format!("cleave-up-{}", std::process::id()));
@@ -317,12 +337,20 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
 
         // The nodes load their models in parallel.
         let node_args = |name: &str, role: &str| {
+            let (node_model, dequantize) = match role {
+                "prefill" => (
+                    args.prefill_model.as_ref().unwrap_or(&model),
+                    args.dequantize_weights || args.prefill_dequantize_weights,
+                ),
+                "decode" => (args.decode_model.as_ref().unwrap_or(&model), args.dequantize_weights),
+                _ => (&model, args.dequantize_weights),
+            };
             let mut nargs = vec![
                 "node".to_string(),
                 "--role".into(),
                 role.to_string(),
                 "--model".into(),
-                model.display().to_string(),
+                node_model.display().to_string(),
                 "--coordinator".into(),
                 cluster.clone(),
                 "--kv-cache-memory".into(),
@@ -332,7 +360,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 "--threads".into(),
                 threads.to_string(),
             ];
-            if args.dequantize_weights {
+            if dequantize {
                 nargs.push("--dequantize-weights".into());
             }
             nargs.extend(common(name));

@@ -164,8 +164,15 @@ impl TestCluster {
 
     /// [`TestCluster::start`] with `node_args` appended to every node's arguments.
     pub fn start_with(model: &Path, roles: &[&str], coordinator_args: &[&str], node_args: &[&str]) -> TestCluster {
+        let nodes: Vec<(&str, &[&str])> = roles.iter().map(|&r| (r, node_args)).collect();
+        Self::start_nodes(model, &nodes, coordinator_args)
+    }
+
+    /// A cluster whose node `i` (`node-{i}`) has role `nodes[i].0` and extra arguments
+    /// `nodes[i].1`.
+    pub fn start_nodes(model: &Path, nodes: &[(&str, &[&str])], coordinator_args: &[&str]) -> TestCluster {
         let mut names: Vec<String> = vec!["coordinator".into()];
-        names.extend((0..roles.len()).map(|i| format!("node-{i}")));
+        names.extend((0..nodes.len()).map(|i| format!("node-{i}")));
         names.push("intruder".into());
         let certs = certs_dir(&names);
         let mut args: Vec<String> = [
@@ -199,8 +206,8 @@ impl TestCluster {
             nodes: Vec::new(),
             client: reqwest::Client::builder().timeout(WAIT).build().unwrap(),
         };
-        for (i, role) in roles.iter().enumerate() {
-            let p = c.node_with(&format!("node-{i}"), role, None, node_args).unwrap();
+        for (i, (role, args)) in nodes.iter().enumerate() {
+            let p = c.node_with(&format!("node-{i}"), role, None, args).unwrap();
             c.nodes.push(p);
         }
         c
@@ -420,6 +427,21 @@ pub fn have(bin: &str) -> bool {
 /// Whether a component a test needs (`what`) is here. When it is not, a failure if
 /// `require_env` is set (CI installs it, and a test that skips there proves nothing), else a
 /// SKIPPED line saying how to get it (`hint`) and `false`.
+/// SmolLM2-135M-Instruct's Q4_1 GGUF (`CLEAVE_SMOLLM2_GGUF`, or models/smollm2/), when
+/// present; a test skips without it unless `CLEAVE_REQUIRE_SMOLLM2` is set (CI sets it).
+pub fn smollm2() -> Option<PathBuf> {
+    let gguf = std::env::var_os("CLEAVE_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    available(
+        gguf.exists(),
+        "CLEAVE_REQUIRE_SMOLLM2",
+        "the SmolLM2 GGUF is missing",
+        "scripts/peers/smollm2.sh models/smollm2",
+    )
+    .then_some(gguf)
+}
+
 pub fn available(present: bool, require_env: &str, what: &str, hint: &str) -> bool {
     if present {
         return true;

@@ -66,6 +66,12 @@ pub fn node_json(s: &NodeState) -> Value {
         "rpc_addr": s.node.rpc_addr.to_string(),
         "metrics_addr": s.metrics_addr.map(|a| a.to_string()),
         "model": s.model_name,
+        // Nodes of one model may hold it in different formats (f32 prefill, Q4 decode): the
+        // format and a fingerprint of the weights as loaded, per node.
+        "weights": {
+            "format": s.weights.format,
+            "fingerprint": format!("{:016x}", s.weights.fingerprint),
+        },
         "step_budget": s.step_budget,
         "report_age_ms": s.report_age.as_millis() as u64,
         "cached_prefix_blocks": s.cached_prefix_blocks,

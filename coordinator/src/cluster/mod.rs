@@ -627,6 +627,7 @@ mod identity_tests {
             kv_addr: None,
             step_budget: None,
             metrics_addr: None,
+            weights: Default::default(),
         }
     }
 

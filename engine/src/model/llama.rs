@@ -42,6 +42,8 @@ pub struct Model<B: Backend> {
     max_positions: usize,
     /// See [`Model::fingerprint`].
     fingerprint: u64,
+    /// See [`Model::identity`].
+    identity: u64,
 }
 
 /// How [`Model::load_with`] prepares the weights.
@@ -166,15 +168,24 @@ impl<B: Backend> Model<B> {
         let inv_freq = cleave_kernels::rope_inv_freq(hd, c.rope_theta, &c.rope_scaling);
         let rope = backend.upload(&cleave_kernels::rope_table(&inv_freq, max_positions))?;
         let fingerprint = fp.get();
-        Ok(Self { config, embed, layers, norm, rope, max_positions, fingerprint })
+        let identity = super::identity::weights_identity(&config, source)?;
+        Ok(Self { config, embed, layers, norm, rope, max_positions, fingerprint, identity })
     }
 
-    /// A stable 64-bit identity of the model: its config ([`ModelConfig::fingerprint`]) and, for
-    /// every tensor in load order, its name, shape and a sample of its values (the first and
-    /// last 16 and 32 strided ones, as loaded f32 bits). Two nodes whose fingerprints differ must
-    /// not exchange KV. Costs a few hundred reads per tensor at load.
+    /// A stable 64-bit fingerprint of these weights: the config ([`ModelConfig::fingerprint`])
+    /// and, for every tensor in load order, its name, shape and a sample of its values (the
+    /// first and last 16 and 32 strided ones, as loaded f32 bits; a quantized tensor's
+    /// dequantized, so both ways of loading one file agree). Another format of the same model
+    /// has another one: nodes compare [`Model::identity`] instead, and report this beside it.
+    /// Costs a few hundred reads per tensor at load.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// The model apart from its storage format, without the vocabulary (see
+    /// [`super::identity`]; the engine folds the tokenizer's in).
+    pub fn identity(&self) -> u64 {
+        self.identity
     }
 
     /// What a decode step reads of the weights (every layer's linear weights and the LM head),

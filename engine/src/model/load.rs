@@ -41,6 +41,14 @@ impl ModelFiles {
         super::gguf_source::gguf_from_bytes(name, bytes)
     }
 
+    /// The model's identity, what nodes compare before they exchange KV (see
+    /// [`super::identity`]): read from the config, the tokenizer and the norm vectors, without
+    /// loading a linear weight.
+    pub fn identity(&self) -> Result<u64> {
+        let weights = super::identity::weights_identity(&self.config, self.source.as_ref())?;
+        Ok(super::identity::with_vocabulary(weights, &self.tokenizer))
+    }
+
     /// The model's EOS ids: from the config, or the tokenizer's EOS token when the config has none.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         let mut ids = self.config.eos_token_ids.clone();

@@ -3,6 +3,7 @@
 pub mod config;
 pub mod gguf;
 mod gguf_source;
+pub mod identity;
 pub mod llama;
 pub mod load;
 pub mod safetensors;

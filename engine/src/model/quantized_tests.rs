@@ -34,6 +34,11 @@ fn ggml_type(format: QuantFormat) -> GgmlType {
 
 /// A llama GGUF whose linear weights and tied embedding are random blocks of `format`.
 fn model(format: QuantFormat) -> Vec<u8> {
+    model_with(format, 1.0)
+}
+
+/// [`model`] with every norm weight `gain`.
+fn model_with(format: QuantFormat, gain: f32) -> Vec<u8> {
     let n_vocab = vocab().len();
     let mut seed = 0;
     let mut quant = |w: GgufWriter, name: &str, [n, k]: [usize; 2]| {
@@ -41,7 +46,7 @@ fn model(format: QuantFormat) -> Vec<u8> {
         let blocks = synthetic_blocks(format, n * k / format.block_values(), seed);
         w.tensor(name, &[k as u64, n as u64], ggml_type(format), blocks)
     };
-    let norm = |n: usize| vec![1.0f32; n];
+    let norm = |n: usize| vec![gain; n];
     let mut w = GgufWriter::new()
         .kv("general.architecture", MetaValue::String("llama".into()))
         .kv("llama.embedding_length", MetaValue::U32(HIDDEN as u32))
@@ -135,4 +140,32 @@ fn every_format_loads_quantized_and_agrees_with_its_dequantized_self() {
         assert!(prefill < 1e-4, "{format}: prefill logits differ by {prefill} of the largest");
         assert!(decode < 5e-2, "{format}: decode logits differ by {decode} of the largest");
     }
+}
+
+/// What nodes compare before exchanging KV is the model's identity: the same for every format
+/// of one model, read from the files without loading a linear weight (as the coordinator reads
+/// it) and equal to what a loaded engine's KV layout carries; the weights fingerprint, reported
+/// beside it, differs between formats; a model with other norm weights is another model.
+#[test]
+fn the_identity_is_the_same_in_every_format_and_differs_for_another_model() {
+    let open = |bytes| ModelFiles::from_gguf_bytes(std::path::Path::new("test.gguf"), bytes).unwrap();
+    let backend = CpuBackend::new(Some(1)).unwrap();
+    let mut identities = Vec::new();
+    let mut weights = Vec::new();
+    for format in QuantFormat::ALL {
+        let files = open(model(format));
+        let identity = files.identity().unwrap();
+        let cfg = crate::EngineConfig { kv_cache_memory: 1 << 20, ..Default::default() };
+        let core = crate::EngineCore::load(backend.clone(), files, &cfg).unwrap();
+        assert_eq!(core.kv_layout().model_fingerprint, identity, "{format}: the coordinator's reading");
+        assert_eq!(core.weights().format, format.name());
+        identities.push(identity);
+        weights.push(core.weights().fingerprint);
+    }
+    assert!(identities.iter().all(|&i| i == identities[0]), "{identities:x?}");
+    weights.sort_unstable();
+    weights.dedup();
+    assert_eq!(weights.len(), QuantFormat::ALL.len(), "every format has its own weights fingerprint");
+    let other = open(model_with(QuantFormat::Q4_1, 1.01)).identity().unwrap();
+    assert_ne!(other, identities[0], "other norm weights: another model");
 }

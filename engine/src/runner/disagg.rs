@@ -33,12 +33,13 @@ fn seeded(params: cleave_protocol::SamplingParams, seed: Option<u64>) -> cleave_
 }
 
 impl<B: Backend> EngineCore<B> {
-    /// The layout of this engine's KV blocks, with the model's fingerprint: what a handoff
-    /// ticket carries so that both sides can check they agree before any byte moves.
+    /// The layout of this engine's KV blocks, with the model's identity as its fingerprint
+    /// (the same for every storage format of one model: see [`crate::model::identity`]): what a
+    /// handoff ticket carries so that both sides can check they agree before any byte moves.
     pub fn kv_layout(&self) -> KvLayout {
         let c = &self.model.config;
         KvLayout {
-            model_fingerprint: self.model.fingerprint(),
+            model_fingerprint: self.identity,
             dtype: self.kv.dtype(),
             num_layers: c.num_layers as u32,
             num_kv_heads: c.num_kv_heads as u32,

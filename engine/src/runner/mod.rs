@@ -177,6 +177,9 @@ pub struct EngineCore<B: Backend> {
     compiler: std::result::Result<Compiler, ConstrainError>,
     /// A logits row with a constraint's mask applied (reused).
     masked: Vec<f32>,
+    /// The model's identity with this tokenizer's vocabulary (see
+    /// [`crate::model::identity`]): the KV layout's fingerprint.
+    identity: u64,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -222,6 +225,7 @@ impl<B: Backend> EngineCore<B> {
             KvSpec { num_blocks, block_size: cfg.block_size, dtype: cfg.kv_dtype },
         )?;
         let compiler = Compiler::new(&tokenizer, model.config.vocab_size, &eos_token_ids);
+        let identity = crate::model::identity::with_vocabulary(model.identity(), &tokenizer);
         Ok(Self {
             backend,
             model,
@@ -240,7 +244,16 @@ impl<B: Backend> EngineCore<B> {
             kv_layers_written: Arc::default(),
             compiler,
             masked: Vec::new(),
+            identity,
         })
+    }
+
+    /// What the weights are: their fingerprint (differs between formats of one model, unlike
+    /// the identity in [`EngineCore::kv_layout`]) and their formats, largest first.
+    pub fn weights(&self) -> cleave_protocol::WeightsInfo {
+        let bytes = self.model.weight_bytes(&self.backend);
+        let formats: Vec<&str> = bytes.by_format.iter().map(|(f, _)| *f).collect();
+        cleave_protocol::WeightsInfo { fingerprint: self.model.fingerprint(), format: formats.join("+") }
     }
 
     pub fn model(&self) -> &Model<B> {

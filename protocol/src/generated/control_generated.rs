@@ -1153,6 +1153,8 @@ impl<'a> Register<'a> {
   pub const VT_KV_ADDR: ::flatbuffers::VOffsetT = 18;
   pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 20;
   pub const VT_METRICS_ADDR: ::flatbuffers::VOffsetT = 22;
+  pub const VT_WEIGHTS_FINGERPRINT: ::flatbuffers::VOffsetT = 24;
+  pub const VT_WEIGHTS_FORMAT: ::flatbuffers::VOffsetT = 26;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1164,6 +1166,8 @@ impl<'a> Register<'a> {
     args: &'args RegisterArgs<'args>
   ) -> ::flatbuffers::WIPOffset<Register<'bldr>> {
     let mut builder = RegisterBuilder::new(_fbb);
+    builder.add_weights_fingerprint(args.weights_fingerprint);
+    if let Some(x) = args.weights_format { builder.add_weights_format(x); }
     if let Some(x) = args.metrics_addr { builder.add_metrics_addr(x); }
     builder.add_step_budget(args.step_budget);
     if let Some(x) = args.kv_addr { builder.add_kv_addr(x); }
@@ -1200,6 +1204,10 @@ impl<'a> Register<'a> {
     let metrics_addr = self.metrics_addr().map(|x| {
       alloc::string::ToString::to_string(x)
     });
+    let weights_fingerprint = self.weights_fingerprint();
+    let weights_format = self.weights_format().map(|x| {
+      alloc::string::ToString::to_string(x)
+    });
     RegisterT {
       role,
       name,
@@ -1211,6 +1219,8 @@ impl<'a> Register<'a> {
       kv_addr,
       step_budget,
       metrics_addr,
+      weights_fingerprint,
+      weights_format,
     }
   }
 
@@ -1288,6 +1298,22 @@ impl<'a> Register<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Register::VT_METRICS_ADDR, None)}
   }
+  /// A fingerprint of the weights as loaded and their formats ("Q4_1", "f32"; absent: not
+  /// said). One model in two formats has one `layout.model_fingerprint` and two of these.
+  #[inline]
+  pub fn weights_fingerprint(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(Register::VT_WEIGHTS_FINGERPRINT, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn weights_format(&self) -> Option<&'a str> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<&str>>(Register::VT_WEIGHTS_FORMAT, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for Register<'_> {
@@ -1306,6 +1332,8 @@ impl ::flatbuffers::Verifiable for Register<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("kv_addr", Self::VT_KV_ADDR, false)?
      .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("metrics_addr", Self::VT_METRICS_ADDR, false)?
+     .visit_field::<u64>("weights_fingerprint", Self::VT_WEIGHTS_FINGERPRINT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<&str>>("weights_format", Self::VT_WEIGHTS_FORMAT, false)?
      .finish();
     Ok(())
   }
@@ -1321,6 +1349,8 @@ pub struct RegisterArgs<'a> {
     pub kv_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
     pub step_budget: u32,
     pub metrics_addr: Option<::flatbuffers::WIPOffset<&'a str>>,
+    pub weights_fingerprint: u64,
+    pub weights_format: Option<::flatbuffers::WIPOffset<&'a str>>,
 }
 impl<'a> Default for RegisterArgs<'a> {
   #[inline]
@@ -1336,6 +1366,8 @@ impl<'a> Default for RegisterArgs<'a> {
       kv_addr: None,
       step_budget: 0,
       metrics_addr: None,
+      weights_fingerprint: 0,
+      weights_format: None,
     }
   }
 }
@@ -1386,6 +1418,14 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> RegisterBuilder<'a, 'b, A> {
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Register::VT_METRICS_ADDR, metrics_addr);
   }
   #[inline]
+  pub fn add_weights_fingerprint(&mut self, weights_fingerprint: u64) {
+    self.fbb_.push_slot::<u64>(Register::VT_WEIGHTS_FINGERPRINT, weights_fingerprint, 0);
+  }
+  #[inline]
+  pub fn add_weights_format(&mut self, weights_format: ::flatbuffers::WIPOffset<&'b  str>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(Register::VT_WEIGHTS_FORMAT, weights_format);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> RegisterBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     RegisterBuilder {
@@ -1413,6 +1453,8 @@ impl ::core::fmt::Debug for Register<'_> {
       ds.field("kv_addr", &self.kv_addr());
       ds.field("step_budget", &self.step_budget());
       ds.field("metrics_addr", &self.metrics_addr());
+      ds.field("weights_fingerprint", &self.weights_fingerprint());
+      ds.field("weights_format", &self.weights_format());
       ds.finish()
   }
 }
@@ -1429,6 +1471,8 @@ pub struct RegisterT {
   pub kv_addr: Option<alloc::string::String>,
   pub step_budget: u32,
   pub metrics_addr: Option<alloc::string::String>,
+  pub weights_fingerprint: u64,
+  pub weights_format: Option<alloc::string::String>,
 }
 impl Default for RegisterT {
   fn default() -> Self {
@@ -1443,6 +1487,8 @@ impl Default for RegisterT {
       kv_addr: None,
       step_budget: 0,
       metrics_addr: None,
+      weights_fingerprint: 0,
+      weights_format: None,
     }
   }
 }
@@ -1473,6 +1519,10 @@ impl RegisterT {
     let metrics_addr = self.metrics_addr.as_ref().map(|x|{
       _fbb.create_string(x)
     });
+    let weights_fingerprint = self.weights_fingerprint;
+    let weights_format = self.weights_format.as_ref().map(|x|{
+      _fbb.create_string(x)
+    });
     Register::create(_fbb, &RegisterArgs{
       role,
       name,
@@ -1484,6 +1534,8 @@ impl RegisterT {
       kv_addr,
       step_budget,
       metrics_addr,
+      weights_fingerprint,
+      weights_format,
     })
   }
 }

@@ -308,6 +308,14 @@ impl Node {
     }
 }
 
+fn or_unsaid(format: &str) -> &str {
+    if format.is_empty() {
+        "unsaid"
+    } else {
+        format
+    }
+}
+
 /// A registration refused, with the reason told to the node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -427,7 +435,8 @@ impl Registry {
             if fp != reg.layout.model_fingerprint {
                 return Err(Refusal(format!(
                     "model fingerprint {:016x} of node `{}` (model `{}`) differs from the cluster's {fp:016x}: \
-                     every node must serve the coordinator's model",
+                     every node must serve the coordinator's model (in any format: the fingerprint \
+                     is the model's config, vocabulary and norm weights, not its storage)",
                     reg.layout.model_fingerprint, reg.name, reg.model_name
                 )));
             }
@@ -450,6 +459,22 @@ impl Registry {
             }
         } else {
             self.layout = Some(reg.layout.clone());
+        }
+        // Another format of the same model (f32 prefill beside Q4 decode) is welcome: said once
+        // per node, and shown in `GET /admin/nodes`.
+        if let Some(other) = self.nodes.values().find(|n| n.reg.weights != reg.weights) {
+            tracing::info!(
+                node = %reg.name,
+                format = %reg.weights.format,
+                weights = %format!("{:016x}", reg.weights.fingerprint),
+                other = %other.reg.name,
+                other_format = %other.reg.weights.format,
+                "same model, another format: node {} holds {} weights, node {} holds {}",
+                reg.name,
+                or_unsaid(&reg.weights.format),
+                other.reg.name,
+                or_unsaid(&other.reg.weights.format),
+            );
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -798,6 +823,7 @@ impl Registry {
                 step_budget: n.reg.step_budget,
                 model_name: n.reg.model_name.clone(),
                 metrics_addr: n.reg.metrics_addr,
+                weights: n.reg.weights.clone(),
                 load: LoadReport { prefix_hashes: Vec::new(), ..n.load.clone() },
                 cached_prefix_blocks: n.prefix.len(),
                 report_age: now.saturating_duration_since(n.last_report),

@@ -21,6 +21,8 @@ pub struct NodeState {
     pub model_name: String,
     /// Where the node serves its metrics, as it registered it.
     pub metrics_addr: Option<SocketAddr>,
+    /// What its weights are (nodes of one model may hold it in different formats).
+    pub weights: cleave_protocol::WeightsInfo,
     /// The last report, without its prefix hashes.
     pub load: LoadReport,
     pub cached_prefix_blocks: usize,
@@ -39,6 +41,7 @@ impl NodeState {
             step_budget: None,
             model_name: "m".into(),
             metrics_addr: None,
+            weights: Default::default(),
             load,
             cached_prefix_blocks: 0,
             report_age: Duration::ZERO,

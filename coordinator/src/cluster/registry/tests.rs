@@ -20,6 +20,7 @@ fn reg(name: &str, role: NodeRole, fp: u64, port: u16) -> Register {
         kv_addr: None,
         step_budget: None,
         metrics_addr: None,
+        weights: Default::default(),
     }
 }
 
