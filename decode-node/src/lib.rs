@@ -60,6 +60,8 @@ pub mod metric {
     pub const HANDOFF_FAILURES_TOTAL: &str = "cleave_node_handoff_failures_total";
     /// Prompt tokens whose K/V a handoff did not move: the node's prefix cache held them.
     pub const HANDOFF_CACHED_TOKENS_TOTAL: &str = "cleave_node_handoff_cached_tokens_total";
+    /// Handoff reservations that waited for KV blocks to free (see `RESERVE_WAIT`).
+    pub const RESERVATIONS_WAITED_TOTAL: &str = "cleave_node_reservations_waited_total";
 }
 
 /// Errors of a decode node.
@@ -187,6 +189,12 @@ pub struct EngineSink {
     engine: EngineHandle,
 }
 
+impl EngineSink {
+    pub fn new(engine: EngineHandle) -> Self {
+        Self { engine }
+    }
+}
+
 impl KvSink for EngineSink {
     /// With the prompt, the engine reuses the blocks of its prefix cache that hold a prefix of
     /// it (pinned for the lease), and the ticket asks the prefill node for the rest only.
@@ -194,31 +202,41 @@ impl KvSink for EngineSink {
         let refused = |e: cleave_engine::EngineError| KvTransferError::InvalidRequest {
             reason: format!("engine refused the reservation: {e}"),
         };
+        let (engine, id) = (self.engine.clone(), ask.request_id);
         let answer: Pin<Box<dyn Future<Output = cleave_kv_transfer::Result<Grant>> + Send>> = match ask.prompt {
-            Some(prompt) => match self.engine.reserve_import_prompt(ask.request_id, prompt.to_vec()) {
-                Ok(rx) => Box::pin(async move {
-                    match rx.await {
-                        Ok(Ok(g)) => {
+            Some(prompt) => {
+                let prompt = prompt.to_vec();
+                let first = match engine.reserve_import_prompt(id, prompt.clone()) {
+                    Ok(rx) => rx,
+                    Err(e) => return Reserved::Now(Err(sink_err(e))),
+                };
+                Box::pin(async move {
+                    let again = || engine.reserve_import_prompt(id, prompt.clone());
+                    match when_room(&engine, first, again).await {
+                        Ok(g) => {
                             let cached_tokens = u32::try_from(g.cached_tokens).unwrap_or(0);
                             metrics::counter!(metric::HANDOFF_CACHED_TOKENS_TOTAL).increment(u64::from(cached_tokens));
                             Ok(Grant { blocks: g.blocks, cached_tokens })
                         }
-                        Ok(Err(e)) => Err(refused(e)),
-                        Err(_) => Err(KvTransferError::Closed { what: "engine" }),
+                        Err(cleave_engine::EngineError::Stopped) => Err(KvTransferError::Closed { what: "engine" }),
+                        Err(e) => Err(refused(e)),
                     }
-                }),
-                Err(e) => return Reserved::Now(Err(sink_err(e))),
-            },
-            None => match self.engine.reserve_import(ask.request_id, ask.num_tokens as usize) {
-                Ok(rx) => Box::pin(async move {
-                    match rx.await {
-                        Ok(Ok(blocks)) => Ok(Grant::fresh(blocks)),
-                        Ok(Err(e)) => Err(refused(e)),
-                        Err(_) => Err(KvTransferError::Closed { what: "engine" }),
+                })
+            }
+            None => {
+                let num_tokens = ask.num_tokens as usize;
+                let first = match engine.reserve_import(id, num_tokens) {
+                    Ok(rx) => rx,
+                    Err(e) => return Reserved::Now(Err(sink_err(e))),
+                };
+                Box::pin(async move {
+                    match when_room(&engine, first, || engine.reserve_import(id, num_tokens)).await {
+                        Ok(blocks) => Ok(Grant::fresh(blocks)),
+                        Err(cleave_engine::EngineError::Stopped) => Err(KvTransferError::Closed { what: "engine" }),
+                        Err(e) => Err(refused(e)),
                     }
-                }),
-                Err(e) => return Reserved::Now(Err(sink_err(e))),
-            },
+                })
+            }
         };
         Reserved::Later(answer)
     }
@@ -227,13 +245,51 @@ impl KvSink for EngineSink {
         // Applied on the engine thread in order, before the request is submitted. The reply is
         // not awaited (no task per chunk): a failed write leaves rows uncovered, which
         // `submit_imported` refuses with an error event naming them.
-        let _ =
-            self.engine.import_kv(w.request_id, w.layer, w.token_start, w.k.clone(), w.v.clone()).map_err(sink_err)?;
+        drop(self.engine.import_kv(w.request_id, w.layer, w.token_start, w.k.clone(), w.v.clone()).map_err(sink_err)?);
         Ok(())
     }
 
     fn release(&mut self, request_id: RequestId, _blocks: &[u32]) {
         release_import(&self.engine, request_id);
+    }
+}
+
+/// How long a handoff reservation waits for KV blocks before the node refuses it. The
+/// coordinator routes a handoff only to a node whose last report had room, but reports are
+/// 200 ms apart and running sequences grow (or come back after a preemption) meanwhile: rather
+/// than fail the request, the reservation waits for streams to finish and free blocks (the
+/// prefill node goes on computing; the ticket follows when the blocks are there).
+pub const RESERVE_WAIT: Duration = Duration::from_secs(10);
+/// How often a waiting reservation asks the engine again.
+const RESERVE_RETRY: Duration = Duration::from_millis(20);
+
+/// The answer to a reservation (`first`), asked again with `again` every [`RESERVE_RETRY`]
+/// while the engine lacks free blocks (and could hold the request at all), for at most
+/// [`RESERVE_WAIT`].
+async fn when_room<T>(
+    engine: &EngineHandle,
+    first: tokio::sync::oneshot::Receiver<cleave_engine::Result<T>>,
+    mut again: impl FnMut() -> cleave_engine::Result<tokio::sync::oneshot::Receiver<cleave_engine::Result<T>>>,
+) -> cleave_engine::Result<T> {
+    let deadline = Instant::now() + RESERVE_WAIT;
+    let total = engine.info().kv_blocks_total;
+    let mut rx = first;
+    let mut waited = false;
+    loop {
+        match rx.await {
+            Ok(Err(cleave_engine::EngineError::ImportRefused { need, .. }))
+                if need <= total && Instant::now() < deadline =>
+            {
+                if !waited {
+                    waited = true;
+                    metrics::counter!(metric::RESERVATIONS_WAITED_TOTAL).increment(1);
+                }
+                tokio::time::sleep(RESERVE_RETRY).await;
+                rx = again()?;
+            }
+            Ok(r) => return r,
+            Err(_) => return Err(cleave_engine::EngineError::Stopped),
+        }
     }
 }
 

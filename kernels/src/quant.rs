@@ -386,6 +386,10 @@ fn block_q6_k(b: &[u8], out: &mut [f32]) {
     }
 }
 
+#[path = "quant/quantize.rs"]
+mod quantize;
+pub use quantize::quantize;
+
 #[cfg(test)]
 #[path = "quant/tests.rs"]
 mod tests;

@@ -12,6 +12,7 @@ mod certs;
 mod generate;
 mod make_model;
 mod model_source;
+mod quantize;
 #[cfg(feature = "rdma")]
 mod rdma;
 mod serve;
@@ -36,6 +37,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write a random-weight model in Hugging Face format (config, safetensors, tokenizer.json).
     MakeModel(make_model::MakeModelArgs),
+    /// Write a GGUF file's model in another block format (Q8_0, Q4_K, ...), as a GGUF that
+    /// llama.cpp loads too: each pool's format from one file.
+    Quantize(quantize::QuantizeArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -85,6 +89,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::MakeModel(args) => make_model::run(args),
+        Command::Quantize(args) => quantize::run(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),

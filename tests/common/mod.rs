@@ -401,13 +401,13 @@ pub fn spawn_load(
                 let mut i = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     let n = i * workers + w;
-                    let prompt = if i % 2 == 0 {
+                    let prompt = if i.is_multiple_of(2) {
                         format!("{n} Hi")
                     } else {
                         format!("{n} Once upon a time, in a land far away, there lived a")
                     };
                     let body = json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                      "ignore_eos": true, "stream": n % 3 == 0});
+                                      "ignore_eos": true, "stream": n.is_multiple_of(3)});
                     if let Ok(r) = client.post(&url).json(&body).send().await {
                         let _ = r.bytes().await;
                     }

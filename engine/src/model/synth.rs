@@ -121,13 +121,13 @@ impl SynthSpec {
         if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return bad(format!("`{key}` must be > 0"));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim must be even, got {}", self.head_dim));
         }
         if self.vocab_size < MIN_VOCAB_SIZE {

@@ -323,3 +323,63 @@ fn a_matrix_dequantizes_row_by_row_as_its_blocks() {
         assert_eq!(m.to_f32(), dequant(format, &bytes), "{format}");
     }
 }
+
+/// The library quantizers: every format reads back through [`dequantize`] close to its input
+/// (relative RMS error under each format's bound, which a wrong bit layout would miss by far),
+/// on rows with an outlier and on all-zero and constant blocks (no NaN from a zero scale).
+#[test]
+fn library_quantizers_round_trip_within_each_formats_error() {
+    // RMS error over RMS value, on rows of many small values and a few large ones (products of
+    // two uniforms): a level spacing of (block range) / 2^bits against a small RMS.
+    let bound = |f: QuantFormat| match f {
+        QuantFormat::Q8_0 => 0.015,
+        QuantFormat::Q6_K => 0.04,
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 | QuantFormat::Q5_K => 0.09,
+        QuantFormat::Q4_1 | QuantFormat::Q4_K => 0.15,
+        // Symmetric: the sign of the largest value wastes half a level of the 16.
+        QuantFormat::Q4_0 => 0.2,
+    };
+    for format in QuantFormat::ALL {
+        let n = format.block_values() * 6;
+        let mut x: Vec<f32> = values(n, 7, 0.05).iter().zip(values(n, 8, 1.0)).map(|(a, b)| a * (0.5 + b)).collect();
+        x[3] = 0.4; // an outlier
+        let mut q = Vec::new();
+        quantize(format, &x, &mut q);
+        assert_eq!(q.len(), n / format.block_values() * format.block_bytes(), "{format:?}");
+        let y = dequant(format, &q);
+        let rms = |v: &mut dyn Iterator<Item = f32>| (v.map(|e| e * e).sum::<f32>() / n as f32).sqrt();
+        let err = rms(&mut x.iter().zip(&y).map(|(a, b)| a - b)) / rms(&mut x.iter().copied());
+        eprintln!("{format:?}: relative RMS error {err:.4}");
+        assert!(err < bound(format), "{format:?}: relative RMS error {err}");
+        // The K-quants search their scales: never worse than the plain round-to-nearest
+        // format of as many bits.
+        for (flat, constant) in [(0.0f32, true), (0.25, true)] {
+            let z = vec![flat; format.block_values()];
+            let mut q = Vec::new();
+            quantize(format, &z, &mut q);
+            let back = dequant(format, &q);
+            assert!(back.iter().all(|v| v.is_finite()), "{format:?}");
+            if constant {
+                let worst = back.iter().fold(0f32, |m, v| m.max((v - flat).abs()));
+                assert!(worst <= flat * 0.07 + 1e-6, "{format:?} of constant {flat}: off by {worst}");
+            }
+        }
+    }
+}
+
+/// Quantizing what a format already represents gives values close to it back (a recomputed
+/// scale need not fall on the old grid: Q4_0 maps its largest value to -8 whatever its sign):
+/// the packing is the dequantizer's inverse.
+#[test]
+fn requantizing_a_formats_own_values_is_nearly_exact() {
+    for format in QuantFormat::ALL {
+        let blocks = synthetic_blocks(format, 4, 11);
+        let x = dequant(format, &blocks);
+        let mut q = Vec::new();
+        quantize(format, &x, &mut q);
+        let y = dequant(format, &q);
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = x.iter().zip(&y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= scale * 0.1, "{format:?}: worst {worst} of {scale}");
+    }
+}

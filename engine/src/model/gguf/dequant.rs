@@ -183,6 +183,21 @@ impl GgmlType {
         })
     }
 
+    /// The ggml type of a kernels' block format.
+    pub fn of_quant(format: QuantFormat) -> Self {
+        use GgmlType::*;
+        match format {
+            QuantFormat::Q8_0 => Q8_0,
+            QuantFormat::Q4_0 => Q4_0,
+            QuantFormat::Q4_1 => Q4_1,
+            QuantFormat::Q5_0 => Q5_0,
+            QuantFormat::Q5_1 => Q5_1,
+            QuantFormat::Q4_K => Q4_K,
+            QuantFormat::Q5_K => Q5_K,
+            QuantFormat::Q6_K => Q6_K,
+        }
+    }
+
     /// Whether [`dequantize`] handles this type.
     pub fn can_dequantize(self) -> bool {
         use GgmlType::*;

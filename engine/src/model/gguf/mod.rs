@@ -18,12 +18,12 @@
 
 pub mod dequant;
 pub mod model;
+pub mod quantize;
 pub mod reader;
+pub mod writer;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-pub(crate) mod writer;
 
 pub use dequant::GgmlType;
 pub use model::{GgufModel, GgufModelConfig, GgufRopeScaling};

@@ -491,13 +491,13 @@ fn validate_tensor(
         return Err(bad(name, dims, "a dimension is 0".into()));
     }
     let (block, size) = ggml_type.block_layout();
-    if dims[0] % block as u64 != 0 {
+    if !dims[0].is_multiple_of(block as u64) {
         return Err(bad(name, dims, format!("row length is not a multiple of {ggml_type}'s block of {block}")));
     }
     let Some(n_bytes) = (n_elements / block as u64).checked_mul(size as u64) else {
         return Err(bad(name, dims, "byte size overflows".into()));
     };
-    if offset % alignment != 0 {
+    if !offset.is_multiple_of(alignment) {
         return Err(GgufError::MisalignedTensor { name, offset, alignment });
     }
     let start = data_start.checked_add(offset);

@@ -1,11 +1,12 @@
-//! A minimal GGUF writer for tests: builds synthetic files, well-formed or deliberately broken.
+//! A GGUF writer: images built in memory (`cleave quantize`'s output, and synthetic files for tests,
+//! well-formed or deliberately broken: `offset_overrides` misplaces tensors on purpose).
 
 use super::dequant::GgmlType;
 use super::reader::MetaValue;
 
 /// Builder for a GGUF image in memory.
 #[derive(Debug, Clone)]
-pub(crate) struct GgufWriter {
+pub struct GgufWriter {
     pub version: u32,
     pub alignment: u64,
     pub kvs: Vec<(String, MetaValue)>,
@@ -63,13 +64,19 @@ fn put_value(out: &mut Vec<u8>, v: &MetaValue) {
 }
 
 /// A string array value.
-pub(crate) fn strs<S: AsRef<str>>(items: &[S]) -> MetaValue {
+pub fn strs<S: AsRef<str>>(items: &[S]) -> MetaValue {
     MetaValue::Array { elem_type: 8, items: items.iter().map(|s| MetaValue::String(s.as_ref().to_string())).collect() }
 }
 
 /// Little-endian f32 bytes.
-pub(crate) fn f32_bytes(x: &[f32]) -> Vec<u8> {
+pub fn f32_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+impl Default for GgufWriter {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl GgufWriter {
