@@ -241,7 +241,19 @@ impl<B: Backend> Model<B> {
         batch: ForwardBatch<'_>,
         kv: &mut KvStorage<B>,
         ws: &mut Workspace<B>,
-        on_kv: &mut dyn FnMut(usize, &KvStorage<B>) -> Result<()>,
+        on_kv: &mut (dyn FnMut(usize, &KvStorage<B>) -> Result<()> + Send),
+    ) -> Result<Vec<f32>> {
+        backend.run(|| self.forward_in(backend, batch, kv, ws, on_kv))
+    }
+
+    /// The body of [`Model::forward_hooked`], on the backend's own thread (see [`Backend::run`]).
+    fn forward_in(
+        &self,
+        backend: &B,
+        batch: ForwardBatch<'_>,
+        kv: &mut KvStorage<B>,
+        ws: &mut Workspace<B>,
+        on_kv: &mut (dyn FnMut(usize, &KvStorage<B>) -> Result<()> + Send),
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = batch.tokens.len();

@@ -224,6 +224,10 @@ fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usiz
 }
 
 impl Backend for CpuBackend {
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     type Buf = Vec<f32>;
     type Linear = CpuLinear;
     type KvBuf = KvPool;
