@@ -72,7 +72,8 @@ pub fn requantize(input: &GgufFile, target: QuantFormat) -> Result<(Vec<u8>, Vec
     for t in input.tensors() {
         let values = input.tensor_f32(&t.name)?;
         let k = t.dims.first().copied().unwrap_or(1) as usize;
-        let format = (t.dims.len() == 2).then(|| format_for(target, k)).flatten();
+        // An empty matrix (a zero dimension) stays f32: no row to quantize.
+        let format = (t.dims.len() == 2 && k > 0 && !values.is_empty()).then(|| format_for(target, k)).flatten();
         let (ty, data) = match format {
             Some(f) => {
                 let rows: Vec<Vec<u8>> = values
@@ -85,7 +86,7 @@ pub fn requantize(input: &GgufFile, target: QuantFormat) -> Result<(Vec<u8>, Vec
                     .collect();
                 (GgmlType::of_quant(f), rows.concat())
             }
-            None if t.dims.len() == 2 => {
+            None if t.dims.len() == 2 && !values.is_empty() => {
                 (GgmlType::F16, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect())
             }
             None => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
