@@ -486,6 +486,14 @@ impl<S: KvSink> Actor<S> {
                 self.reserve(request_id, num_tokens, prompt, ttl, reply)
             }
             Cmd::Reserved { request_id, num_tokens, ttl, grant, reply } => {
+                if reply.is_closed() {
+                    // Nobody waits for this reservation any more (the request went away while
+                    // the pool made room): its blocks go back now, not at a lease's expiry.
+                    if let Ok(g) = grant {
+                        self.sink.release(request_id, &g.blocks);
+                    }
+                    return;
+                }
                 let r = grant.and_then(|grant| self.open_lease(request_id, num_tokens, ttl, grant));
                 let _ = reply.send(r);
             }

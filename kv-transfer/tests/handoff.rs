@@ -196,6 +196,33 @@ async fn a_reservation_answered_later_does_not_block_other_leases() {
     assert_eq!(pool.free_blocks(), 64);
 }
 
+/// A reservation whose requester went away while the pool made room (a decode node waits for
+/// KV blocks to free; the client disconnected meanwhile): when the pool answers, its blocks go
+/// straight back instead of opening a lease that nobody will use until its TTL expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_grant_nobody_waits_for_goes_back_to_the_pool() {
+    use cleave_kv_transfer::{MemoryPool, ReceiverConfig, ReceiverService};
+    let l = layout();
+    let pool = MemoryPool::new(l.clone(), 64);
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let mut cfg = ReceiverConfig::new(l.clone(), "127.0.0.1:1".parse().unwrap(), TransportKind::InProcess);
+    cfg.command_timeout = common::WAIT;
+    let receiver = ReceiverService::spawn(cfg, GatedPool { pool: pool.clone(), gate: Some(gate) }, None);
+    let h = receiver.handle().clone();
+    let waiter = tokio::spawn(async move { h.reserve(RequestId(1), 16, None).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    waiter.abort();
+    let _ = waiter.await;
+    open.send(()).unwrap();
+    let deadline = std::time::Instant::now() + common::WAIT;
+    while pool.free_blocks() != 64 {
+        assert!(std::time::Instant::now() < deadline, "the late grant's blocks stayed taken");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let st = receiver.handle().stats().await.unwrap();
+    assert_eq!(st.reserved_blocks, 0, "a lease was opened for nobody");
+}
+
 /// A pool with a prefix cache of one entry: blocks that already hold the K and V of `prefix`
 /// (whole blocks). A reservation whose prompt starts with it (and goes on past it) gets those
 /// blocks first, pinned: a release gives back only the fresh ones.

@@ -230,6 +230,14 @@ fn invalid_contents_are_refused_with_the_field_named() {
         assert!(err.to_string().contains("cached_tokens"), "{cached}: {err}");
     }
 
+    // A weights format is a few format names: not free text, not unbounded.
+    for bad in ["Q4_1 f32", "Q4_1\n", &"Q".repeat(MAX_WEIGHTS_FORMAT + 1)] {
+        let ControlMsg::Register(mut r) = samples().remove(0) else { panic!("the first sample registers") };
+        r.weights.format = bad.to_string();
+        let err = decode(&encode(&ControlMsg::Register(r))).unwrap_err();
+        assert!(err.to_string().contains("weights_format"), "{bad:?}: {err}");
+    }
+
     let mut w = work(1, vec![1], None, None);
     w.stop.max_tokens = 0;
     let err = decode(&encode(&ControlMsg::PrefillRequest(PrefillRequest { work: w, ticket: None }))).unwrap_err();

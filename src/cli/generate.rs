@@ -227,6 +227,9 @@ fn handoff(
         if p.has_work() {
             events.extend(p.step(Instant::now())?);
         }
+        if let Some(err) = events.iter().find_map(|e: &cleave_protocol::TokenEvent| e.error.clone()) {
+            anyhow::bail!("prefill failed: {err}");
+        }
         for ev in rx.try_iter() {
             match ev {
                 KvExportEvent::Chunk(c) => {
@@ -238,9 +241,6 @@ fn handoff(
                     }
                 }
                 KvExportEvent::Done(done) => {
-                    if let Some(err) = events.iter().find_map(|e: &cleave_protocol::TokenEvent| e.error.clone()) {
-                        anyhow::bail!("prefill failed: {err}");
-                    }
                     if done.finish.is_some() {
                         // The first token ended the request: nothing to hand off.
                         d.release_import(req.id)?;
@@ -255,9 +255,6 @@ fn handoff(
                     return Ok(events);
                 }
             }
-        }
-        if let Some(err) = events.iter().find_map(|e| e.error.clone()) {
-            anyhow::bail!("prefill failed: {err}");
         }
         anyhow::ensure!(p.has_work(), "the prefill engine stopped without handing the request off");
     }

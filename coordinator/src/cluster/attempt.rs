@@ -767,7 +767,7 @@ fn unreachable_answer(phase: &mut Phase, what: &str) {
 /// Moves the booking's prefill part into an [`Action::ReleasePrefill`] (once).
 fn release_prefill(booking: &mut Assignment, out: &mut Vec<Action>) {
     if let Some(p) = booking.prefill.take() {
-        out.push(Action::ReleasePrefill(Assignment { prefill: Some(p), decode: None, blocks: 0, reserve: 0 }));
+        out.push(Action::ReleasePrefill(Assignment { prefill: Some(p), decode: None, blocks: 0 }));
     }
 }
 

@@ -245,7 +245,7 @@ impl ClusterHandle {
         if a.prefill.is_none() {
             return;
         }
-        let part = Assignment { prefill: a.prefill.take(), decode: None, blocks: 0, reserve: 0 };
+        let part = Assignment { prefill: a.prefill.take(), decode: None, blocks: 0 };
         if let Err(mpsc::error::TrySendError::Full(cmd)) = self.tx.try_send(Cmd::ReleasePrefill(part)) {
             let tx = self.tx.clone();
             tokio::spawn(async move { tx.send(cmd).await });

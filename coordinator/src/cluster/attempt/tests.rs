@@ -269,7 +269,6 @@ impl H {
             prefill: matches!(plan, Plan::Remote { .. }).then_some((1, 100 + n)),
             decode: Some((2, 200 + n)),
             blocks: 4,
-            reserve: 0,
         };
         self.booked.push(booking.clone());
         self.feed(Event::Planned(Ok((plan, booking))))

@@ -354,9 +354,6 @@ pub struct Assignment {
     pub decode: Option<(u64, u64)>,
     /// KV blocks booked on the decode node.
     pub blocks: u64,
-    /// Of those, the blocks its handoff reservation takes at once (0 for a local prefill;
-    /// never returned: see `Node::inflight_reserve`).
-    pub reserve: u64,
 }
 
 pub struct Registry {
@@ -605,42 +602,22 @@ impl Registry {
         let (plan, assignment) = match (local, prefill) {
             (Some(reason), _) => (
                 Plan::Local { decode: d.node_ref(decode_id), reason },
-                Assignment {
-                    prefill: None,
-                    decode: Some((decode_id, uncached_local as u64)),
-                    blocks: need_blocks,
-                    reserve: 0,
-                },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
             ),
             (None, None) => (
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::NoPrefillNode },
-                Assignment {
-                    prefill: None,
-                    decode: Some((decode_id, uncached_local as u64)),
-                    blocks: need_blocks,
-                    reserve: 0,
-                },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
             ),
             (None, Some((_, queued))) if queued > self.saturation_tokens() => (
                 Plan::Local { decode: d.node_ref(decode_id), reason: LocalReason::PrefillSaturated },
-                Assignment {
-                    prefill: None,
-                    decode: Some((decode_id, uncached_local as u64)),
-                    blocks: need_blocks,
-                    reserve: 0,
-                },
+                Assignment { prefill: None, decode: Some((decode_id, uncached_local as u64)), blocks: need_blocks },
             ),
             (None, Some((pid, _))) => {
                 let p = &self.nodes[&pid];
                 let work = (prompt_len - p.overlap(&hashes) * block).max(1) as u64;
                 (
                     Plan::Remote { prefill: p.node_ref(pid), decode: d.node_ref(decode_id) },
-                    Assignment {
-                        prefill: Some((pid, work)),
-                        decode: Some((decode_id, 0)),
-                        blocks: need_blocks,
-                        reserve: reserve_blocks,
-                    },
+                    Assignment { prefill: Some((pid, work)), decode: Some((decode_id, 0)), blocks: need_blocks },
                 )
             }
         };
@@ -672,7 +649,9 @@ impl Registry {
                 n.active_decode += 1;
                 n.inflight_seqs += 1;
                 n.inflight_blocks += need_blocks;
-                n.inflight_reserve += assignment.reserve;
+                if assignment.prefill.is_some() {
+                    n.inflight_reserve += reserve_blocks;
+                }
                 n.inflight_prefill_tokens += work;
             }
         }
