@@ -12,7 +12,8 @@
 //! - Activations of a batch are packed token-major: `[num_tokens, width]`.
 //! - Linear weights use Hugging Face's layout `[out_features, in_features]`. A backend may keep
 //!   its own layout for weights it prepares once ([`Backend::prepare_linear`]). Weights in a
-//!   block-quantized format ([`quant`]) may stay in it ([`Backend::prepare_linear_quantized`]).
+//!   block-quantized format ([`quant`]) may stay in it ([`Backend::prepare_linear_quantized`]),
+//!   and 16-bit ones in 16 bits ([`Backend::prepare_linear_half`]).
 //! - A KV cache pool of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool
 //!   for K and one for V. Token `t` of a sequence lives in block `block_table[t / block_size]`
 //!   at row `t % block_size`. A pool stores f32, f16 or bf16 ([`CacheDtype`]): writes round f32
@@ -25,11 +26,13 @@
 
 mod check;
 pub mod cpu;
+pub mod half;
 pub mod measure;
 pub mod quant;
 pub mod reference;
 
 pub use cpu::CpuBackend;
+pub use half::{HalfFormat, HalfMatrix};
 pub use quant::{QuantFormat, QuantMatrix};
 
 /// Errors of the kernels crate.
@@ -177,6 +180,13 @@ pub trait Backend: Send + Sync + 'static {
     /// it (the CPU multiplies the blocks directly, so a decode step reads the quantized bytes);
     /// this default dequantizes it and calls [`Backend::prepare_linear`].
     fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<Self::Linear> {
+        self.prepare_linear(&w.to_f32(), w.n(), w.k())
+    }
+    /// Prepares a 16-bit linear weight `[n, k]` ([`HalfMatrix`]: f16 or bf16) for
+    /// [`Backend::linear_prepared`]. The CPU keeps it in 16 bits (half the bytes of f32 per
+    /// decode step) and widens it to f32 in registers, so its products equal the f32 ones over
+    /// the widened weights; this default widens it and calls [`Backend::prepare_linear`].
+    fn prepare_linear_half(&self, w: HalfMatrix) -> Result<Self::Linear> {
         self.prepare_linear(&w.to_f32(), w.n(), w.k())
     }
     /// The shape, bytes and format of a prepared weight (what a decode step reads of it).

@@ -6,8 +6,8 @@ mod common;
 use cleave_kernels::cpu::KvPool;
 use cleave_kernels::quant::synthetic_blocks;
 use cleave_kernels::{
-    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, QuantFormat,
-    QuantMatrix, RopeScaling,
+    reference, rope_inv_freq, rope_table, AttnSeq, AttnShape, Backend, CacheDtype, HalfFormat, HalfMatrix, KernelError,
+    QuantFormat, QuantMatrix, RopeScaling,
 };
 use common::{assert_close, backends, Rng};
 
@@ -219,6 +219,53 @@ fn quantized_linear_and_embedding_match_reference() {
             }
         }
     }
+}
+
+/// 16-bit weights through the backend (every ISA, f16 and bf16): for every `m` from 1 to 70 (the
+/// in-register path for one or two row tiles, the widened-panel path above) and shapes that are
+/// not multiples of the panel width, `linear_prepared` equals the f32 weight of the widened values
+/// bit for bit (same products, same order: the kernel's claim), alone and beside another weight in
+/// one `linear_prepared_many`, and matches the reference; the tied-embedding lookup returns the
+/// widened rows; a decode step reads 2 bytes per value.
+#[test]
+fn half_linear_equals_the_f32_weight_it_widens_to() {
+    let mut rng = Rng::new(17);
+    for b in backends() {
+        for format in [HalfFormat::F16, HalfFormat::Bf16] {
+            for &(k, n) in &[(1, 1), (7, 5), (33, 64), (100, 130), (576, 67)] {
+                let w = HalfMatrix::from_f32(format, &rng.vec(n * k), n, k).unwrap();
+                let wf = w.to_f32();
+                let h = b.prepare_linear_half(w.clone()).unwrap();
+                let f = b.prepare_linear(&wf, n, k).unwrap();
+                let info = b.linear_info(&h);
+                assert_eq!((info.n, info.k, info.bytes, info.format), (n, k, 2 * n * k, format.name()));
+                for m in (1..=14).chain([17, 31, 40, 70]) {
+                    let what = format!("{b:?} {format} {m}x{k}x{n}");
+                    let x = rng.vec(m * k);
+                    let bias = rng.vec(n);
+                    let (mut got, mut other, mut want) = (padded(m * n, 2), padded(m * n, 0), vec![0f32; m * n]);
+                    b.linear_prepared_many(&x, &[(&h, Some(&bias)), (&f, None)], m, &mut [&mut got, &mut other])
+                        .unwrap();
+                    b.linear_prepared(&x, &f, Some(&bias), m, &mut want).unwrap();
+                    assert_eq!(got[..m * n], want[..], "{what}: against the widened f32 weight");
+                    assert_eq!(&got[m * n..], &[SENTINEL; 2], "{what} wrote past m*n");
+                    let mut alone = vec![0f32; m * n];
+                    b.linear_prepared(&x, &h, Some(&bias), m, &mut alone).unwrap();
+                    assert_eq!(alone, got[..m * n], "{what}: alone and with another weight");
+                    reference::linear(&x, &wf, Some(&bias), m, k, n, &mut want).unwrap();
+                    assert_close(&got[..m * n], &want, 1e-4, 1e-5, &format!("{what}: reference"));
+                }
+                let ids: Vec<u32> = (0..5).map(|_| rng.below(n) as u32).collect();
+                let mut got = padded(ids.len() * k, 2);
+                b.embedding_prepared(&h, &ids, &mut got).unwrap();
+                let mut want = vec![0f32; ids.len() * k];
+                reference::embedding(&wf, &ids, n, k, &mut want).unwrap();
+                assert_eq!(&got[..ids.len() * k], &want[..], "{b:?} {format}: embedding");
+                assert!(is_shape(b.embedding_prepared(&h, &[n as u32], &mut got)), "row out of range");
+            }
+        }
+    }
+    assert!(HalfMatrix::new(HalfFormat::Bf16, 3, 4, vec![0; 11]).is_err(), "a short tensor is refused");
 }
 
 #[test]

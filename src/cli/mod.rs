@@ -143,7 +143,9 @@ pub struct EngineArgs {
     pub kv_cache_dtype: KvDtypeArg,
     /// Dequantize a GGUF's quantized weights (Q4_1, Q8_0, Q4_K, ...) to f32 at load, as cleave
     /// did before it multiplied them in their format: 4-8x the memory and bytes read per decode
-    /// step, and no 8-bit rounding of activations (for comparison).
+    /// step, and no 8-bit rounding of activations (for comparison). bf16 and f16 weights (a
+    /// Hugging Face checkpoint's, or an F16 GGUF's) are widened to f32 likewise: twice the
+    /// memory and bytes, the same results (without it they are widened in registers).
     #[arg(long, env = "CLEAVE_DEQUANTIZE_WEIGHTS")]
     pub dequantize_weights: bool,
     /// Tokens per KV block.

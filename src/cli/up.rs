@@ -53,8 +53,8 @@ pub struct UpArgs {
     /// the bytes per handoff).
     #[arg(long, value_enum, default_value_t = super::KvDtypeArg::F32)]
     pub kv_cache_dtype: super::KvDtypeArg,
-    /// Every node dequantizes a GGUF's quantized weights to f32 at load instead of multiplying
-    /// them in their format (for comparison; see `cleave node --help`).
+    /// Every node dequantizes a GGUF's quantized weights (and widens 16-bit ones) to f32 at load
+    /// instead of multiplying them in their format (for comparison; see `cleave node --help`).
     #[arg(long)]
     pub dequantize_weights: bool,
     /// The prefill nodes load this file instead of --model: another format of the same model

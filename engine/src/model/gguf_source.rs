@@ -1,7 +1,7 @@
 //! A GGUF file seen as [`ModelFiles`]: its config mapped to [`ModelConfig`], its tokenizer and
 //! chat template wrapped as a [`Tokenizer`], and its tensors as a [`TensorSource`] in Hugging
-//! Face naming: linear weights in a format the kernels multiply stay quantized
-//! ([`TensorSource::load_linear`]), everything else is dequantized on load.
+//! Face naming: linear weights in a format the kernels multiply stay quantized, F16 and BF16 ones
+//! stay in 16 bits ([`TensorSource::load_linear`]), everything else is dequantized on load.
 
 use std::path::Path;
 
@@ -41,8 +41,11 @@ impl TensorSource for GgufSource {
 
     fn load_linear(&self, name: &str, shape: [usize; 2]) -> Result<LinearWeight> {
         self.check_shape(name, &shape)?;
-        match self.model.tensor_quantized(name).map_err(|e| self.file_err(e))? {
-            Some(q) => Ok(LinearWeight::Quantized(q)),
+        if let Some(q) = self.model.tensor_quantized(name).map_err(|e| self.file_err(e))? {
+            return Ok(LinearWeight::Quantized(q));
+        }
+        match self.model.tensor_half(name).map_err(|e| self.file_err(e))? {
+            Some(h) => Ok(LinearWeight::Half(h)),
             None => self.load(name, &shape).map(LinearWeight::F32),
         }
     }

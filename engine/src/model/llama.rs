@@ -24,11 +24,13 @@ struct Layer<B: Backend> {
     down: B::Linear,
 }
 
-/// The token embeddings and the LM head. A tied table is kept once, in its prepared (linear)
-/// form, and embedding lookups read rows of it.
+/// The token embeddings and the LM head. Tables are held as prepared linear weights, so they
+/// keep the file's format (a bf16 checkpoint's table in 16 bits, a GGUF's Q4_K table in its
+/// blocks: for a large vocabulary the table is a good share of the model), and lookups read rows
+/// of them; a tied table is kept once.
 enum Embeddings<B: Backend> {
     Tied(B::Linear),
-    Untied { table: B::Buf, head: B::Linear },
+    Untied { table: B::Linear, head: B::Linear },
 }
 
 /// A loaded model on a backend.
@@ -52,6 +54,7 @@ pub struct LoadOptions {
     /// Dequantize block-quantized linear weights (a GGUF's Q4_1, say) to f32 at load, as cleave
     /// did before its quantized kernels, instead of multiplying them in their format: 4-8x the
     /// memory and the bytes per decode step, no 8-bit rounding of activations (for comparison).
+    /// f16 and bf16 weights are widened to f32 likewise (2x the memory; the same products).
     pub dequantize_weights: bool,
 }
 
@@ -122,6 +125,10 @@ impl<B: Backend> Model<B> {
                     fp.set(fingerprint_tensor(fp.get(), name, shape, |i| quant_value(&q, i)));
                     Ok(backend.prepare_linear_quantized(q)?)
                 }
+                LinearWeight::Half(w) => {
+                    fp.set(fingerprint_tensor(fp.get(), name, shape, |i| w.value(i)));
+                    Ok(backend.prepare_linear_half(w)?)
+                }
             }
         };
         let opt = |cond: bool, name: &str, shape: &[usize]| -> Result<Option<B::Buf>> {
@@ -135,7 +142,7 @@ impl<B: Backend> Model<B> {
         let tied = c.tie_word_embeddings && !source.contains("lm_head.weight");
         let (embed_name, vh) = ("model.embed_tokens.weight", [c.vocab_size, h]);
         let (tied_table, table) =
-            if tied { (Some(lin(embed_name, &vh)?), None) } else { (None, Some(get(embed_name, &vh)?)) };
+            if tied { (Some(lin(embed_name, &vh)?), None) } else { (None, Some(lin(embed_name, &vh)?)) };
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
@@ -269,8 +276,9 @@ impl<B: Backend> Model<B> {
         let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp, logits, logit_rows } =
             ws.ensure(backend, c, t)?;
         match &self.embed {
-            Embeddings::Tied(table) => backend.embedding_prepared(table, batch.tokens, x)?,
-            Embeddings::Untied { table, .. } => backend.embedding(table, batch.tokens, c.vocab_size, h, x)?,
+            Embeddings::Tied(table) | Embeddings::Untied { table, .. } => {
+                backend.embedding_prepared(table, batch.tokens, x)?
+            }
         }
         for (l, layer) in self.layers.iter().enumerate() {
             backend.rms_norm(x, &layer.input_norm, c.rms_norm_eps, t, h, normed)?;

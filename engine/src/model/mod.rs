@@ -25,6 +25,8 @@ pub enum LinearWeight {
     F32(Vec<f32>),
     /// Blocks of a format the kernels multiply as they are.
     Quantized(cleave_kernels::QuantMatrix),
+    /// f16 or bf16 elements, row-major (a Hugging Face checkpoint's usual dtype).
+    Half(cleave_kernels::HalfMatrix),
 }
 
 /// A source of named f32 tensors in Hugging Face naming and layout. Two implementations exist:
@@ -34,7 +36,7 @@ pub trait TensorSource {
     fn load(&self, name: &str, shape: &[usize]) -> crate::Result<Vec<f32>>;
     /// Loads the linear weight `name`, checking it has exactly the HF shape `shape` (`[n, k]`):
     /// in a block-quantized format when the source stores it in one the kernels multiply (a
-    /// GGUF's Q4_1, say), else as f32 (this default).
+    /// GGUF's Q4_1, say), in 16 bits when it stores f16 or bf16, else as f32 (this default).
     fn load_linear(&self, name: &str, shape: [usize; 2]) -> crate::Result<LinearWeight> {
         self.load(name, &shape).map(LinearWeight::F32)
     }

@@ -1,5 +1,6 @@
 //! Weights from a Hugging Face folder: `model.safetensors` or shards listed in
-//! `model.safetensors.index.json`, memory-mapped, converted to f32 tensor by tensor at load.
+//! `model.safetensors.index.json`, memory-mapped, converted to f32 tensor by tensor at load;
+//! f16 and bf16 linear weights are kept in 16 bits ([`TensorSource::load_linear`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,7 +9,9 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use safetensors::{SafeTensorError, SafeTensors};
 
-use super::TensorSource;
+use cleave_kernels::{HalfFormat, HalfMatrix};
+
+use super::{LinearWeight, TensorSource};
 use crate::{EngineError, Result};
 
 struct Shard {
@@ -111,6 +114,35 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (dtype, bytes) = self.tensor_bytes(name, shape)?;
+        Ok(match dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        })
+    }
+
+    fn load_linear(&self, name: &str, shape: [usize; 2]) -> Result<LinearWeight> {
+        let (dtype, bytes) = self.tensor_bytes(name, &shape)?;
+        let format = match dtype {
+            Dtype::F16 => HalfFormat::F16,
+            Dtype::BF16 => HalfFormat::Bf16,
+            _ => return self.load(name, &shape).map(LinearWeight::F32),
+        };
+        let data = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        let w = HalfMatrix::new(format, shape[0], shape[1], data).map_err(|e| EngineError::TensorShape {
+            name: format!("{name} ({e})"),
+            expected: shape.to_vec(),
+            actual: shape.to_vec(),
+        })?;
+        Ok(LinearWeight::Half(w))
+    }
+}
+
+impl SafetensorsSource {
+    /// The dtype and raw bytes of tensor `name`, checked to have exactly `shape`, a dtype cleave
+    /// reads (F32, F16, BF16) and the bytes those need.
+    fn tensor_bytes(&self, name: &str, shape: &[usize]) -> Result<(Dtype, &[u8])> {
         let shard =
             &self.shards[*self.index.get(name).ok_or_else(|| EngineError::MissingTensor { name: name.into() })?];
         let info = shard.metadata.info(name).ok_or_else(|| EngineError::MissingTensor { name: name.into() })?;
@@ -139,10 +171,6 @@ impl TensorSource for SafetensorsSource {
                 ),
             });
         }
-        Ok(match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        })
+        Ok((info.dtype, bytes))
     }
 }

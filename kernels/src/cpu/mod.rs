@@ -16,10 +16,21 @@ pub mod quant;
 pub mod simd;
 mod simd_half;
 
+/// The f32 value of a 16-bit element (`BF`: bf16, else f16), exactly as every kernel path widens it.
+pub(crate) fn half_widen<const BF: bool>(h: u16) -> f32 {
+    simd_half::portable::widen::<BF>(h)
+}
+
+/// `x` rounded to the 16-bit format (to nearest, ties to even), as every kernel path narrows it.
+pub(crate) fn half_narrow<const BF: bool>(x: f32) -> u16 {
+    simd_half::portable::narrow::<BF>(x)
+}
+
 use crate::quant::QuantMatrix;
+use crate::HalfMatrix;
 use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, LinearInfo, Result};
 pub use kv::KvPool;
-pub use packed::{PackedLinear, NR as PANEL_COLUMNS};
+pub use packed::{HalfPacked, PackedLinear, NR as PANEL_COLUMNS};
 pub use quant::QuantIsa;
 use rayon::prelude::*;
 pub use simd::Isa;
@@ -170,6 +181,8 @@ impl CpuBackend {
 pub enum CpuLinear {
     Packed(PackedLinear),
     Quantized(QuantMatrix),
+    /// f16 or bf16 elements in f32's panel layout ([`Backend::prepare_linear_half`]).
+    Half(HalfPacked),
 }
 
 impl CpuLinear {
@@ -178,6 +191,7 @@ impl CpuLinear {
         match self {
             CpuLinear::Packed(p) => p.n(),
             CpuLinear::Quantized(q) => q.n(),
+            CpuLinear::Half(h) => h.n(),
         }
     }
 
@@ -186,6 +200,7 @@ impl CpuLinear {
         match self {
             CpuLinear::Packed(p) => p.k(),
             CpuLinear::Quantized(q) => q.k(),
+            CpuLinear::Half(h) => h.k(),
         }
     }
 
@@ -195,6 +210,7 @@ impl CpuLinear {
         match self {
             CpuLinear::Packed(p) => 4 * p.n() * p.k(),
             CpuLinear::Quantized(q) => q.bytes().len(),
+            CpuLinear::Half(h) => 2 * h.n() * h.k(),
         }
     }
 
@@ -203,6 +219,7 @@ impl CpuLinear {
         match self {
             CpuLinear::Packed(_) => "f32",
             CpuLinear::Quantized(q) => q.format().name(),
+            CpuLinear::Half(h) => h.format().name(),
         }
     }
 
@@ -211,6 +228,7 @@ impl CpuLinear {
         match self {
             CpuLinear::Packed(p) => p.row_into(j, out),
             CpuLinear::Quantized(q) => q.dequantize_row(j, out),
+            CpuLinear::Half(h) => h.row_into(j, out),
         }
     }
 }
@@ -323,6 +341,10 @@ impl Backend for CpuBackend {
         Ok(CpuLinear::Quantized(w))
     }
 
+    fn prepare_linear_half(&self, w: HalfMatrix) -> Result<CpuLinear> {
+        HalfPacked::pack(&self.pool, &w).map(CpuLinear::Half)
+    }
+
     fn linear_info(&self, w: &CpuLinear) -> LinearInfo {
         LinearInfo { n: w.n(), k: w.k(), bytes: w.weight_bytes(), format: w.format_name() }
     }
@@ -363,6 +385,7 @@ impl Backend for CpuBackend {
             let (bias, out) = (bias.map(|b| &b[..w.n()]), &mut out[..m * w.n()]);
             match w {
                 CpuLinear::Packed(w) => f32s.push(packed::Product { w, bias, out, ld: w.n() }),
+                CpuLinear::Half(w) => f32s.push(packed::Product { w, bias, out, ld: w.n() }),
                 CpuLinear::Quantized(w) => quants.push(quant::Product { w, bias, out }),
             }
         }

@@ -109,6 +109,105 @@ impl PackedLinear {
     }
 }
 
+/// A 16-bit linear weight `[n, k]` ([`crate::HalfMatrix`]) in the panel layout of
+/// [`PackedLinear`], its elements kept in their format: half the bytes of f32 panels.
+///
+/// Invariant: as [`PackedLinear`]'s, in `u16` elements (`data.as_ptr() + off` 64-byte aligned,
+/// columns past `n` zero).
+pub struct HalfPacked {
+    n: usize,
+    k: usize,
+    format: crate::HalfFormat,
+    data: Vec<u16>,
+    off: usize,
+}
+
+impl std::fmt::Debug for HalfPacked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HalfPacked").field("format", &self.format).field("n", &self.n).field("k", &self.k).finish()
+    }
+}
+
+impl HalfPacked {
+    /// Packs `w` into panels (its rows become panel columns; no value changes).
+    pub(crate) fn pack(pool: &rayon::ThreadPool, w: &crate::HalfMatrix) -> Result<Self> {
+        const OP: &str = "prepare_linear_half";
+        let (n, k) = (w.n(), w.k());
+        let panels = n.div_ceil(NR);
+        let len = check::mul(OP, check::mul(OP, panels, k)?, NR)?;
+        // 32 spare elements to align the panels to 64 bytes.
+        let total = len.checked_add(32).ok_or_else(|| check::err(OP, "size overflows".into()))?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(total).map_err(|_| crate::KernelError::OutOfMemory { bytes: total * 2 })?;
+        data.resize(total, 0u16);
+        let off = (data.as_ptr() as usize).wrapping_neg() % 64 / std::mem::size_of::<u16>();
+        let src = w.data();
+        if k > 0 {
+            pool.install(|| {
+                data[off..off + len].par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
+                    for c in 0..NR.min(n - p * NR) {
+                        let row = &src[(p * NR + c) * k..(p * NR + c + 1) * k];
+                        for (kk, &v) in row.iter().enumerate() {
+                            panel[kk * NR + c] = v;
+                        }
+                    }
+                })
+            });
+        }
+        Ok(HalfPacked { n, k, format: w.format(), data, off })
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn format(&self) -> crate::HalfFormat {
+        self.format
+    }
+
+    fn stored_panel(&self, p: usize) -> &[u16] {
+        let size = self.k * NR;
+        &self.data[self.off + p * size..self.off + (p + 1) * size]
+    }
+
+    /// Row `j` of the original weight, widened, into `out[..k]` (a tied embedding lookup).
+    pub(crate) fn row_into(&self, j: usize, out: &mut [f32]) {
+        let panel = self.stored_panel(j / NR);
+        let c = j % NR;
+        for (kk, o) in out[..self.k].iter_mut().enumerate() {
+            *o = self.format.widen(panel[kk * NR + c]);
+        }
+    }
+}
+
+impl Panels for HalfPacked {
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    fn stored(&self, p: usize) -> Option<Panel<'_>> {
+        let panel = self.stored_panel(p);
+        Some(match self.format {
+            crate::HalfFormat::F16 => Panel::F16(panel),
+            crate::HalfFormat::Bf16 => Panel::Bf16(panel),
+        })
+    }
+
+    fn decode(&self, p: usize, buf: &mut [f32]) {
+        for (o, &h) in buf.iter_mut().zip(self.stored_panel(p)) {
+            *o = self.format.widen(h);
+        }
+    }
+}
+
 /// Fills `panel` (`k * NR` floats) with panel `p` of an `[n, k]` weight whose row `j`
 /// `row(j, out)` writes into `out` (`k` floats); columns past `n` are left as they are.
 pub(crate) fn fill_panel(
@@ -194,12 +293,22 @@ unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stri
     }
 }
 
-/// Where [`linear_many`] finds the panels (`k * NR` floats each) of a weight `[n, k]`.
+/// A stored panel (`k * NR` elements), in the element type its weight holds.
+#[derive(Clone, Copy)]
+pub(crate) enum Panel<'a> {
+    F32(&'a [f32]),
+    /// Raw bits of IEEE f16 elements.
+    F16(&'a [u16]),
+    /// Raw bits of bf16 elements.
+    Bf16(&'a [u16]),
+}
+
+/// Where [`linear_many`] finds the panels (`k * NR` elements each) of a weight `[n, k]`.
 pub(crate) trait Panels: Sync {
     fn n(&self) -> usize;
     fn k(&self) -> usize;
     /// Panel `p`, if this weight stores its panels.
-    fn stored(&self, p: usize) -> Option<&[f32]>;
+    fn stored(&self, p: usize) -> Option<Panel<'_>>;
     /// Writes panel `p` into `buf` (`k * NR` floats; columns past `n` may hold anything), for a
     /// weight that stores none.
     fn decode(&self, p: usize, buf: &mut [f32]);
@@ -214,8 +323,8 @@ impl Panels for PackedLinear {
         self.k
     }
 
-    fn stored(&self, p: usize) -> Option<&[f32]> {
-        Some(self.stored_panel(p))
+    fn stored(&self, p: usize) -> Option<Panel<'_>> {
+        Some(Panel::F32(self.stored_panel(p)))
     }
 
     fn decode(&self, p: usize, buf: &mut [f32]) {
@@ -302,31 +411,51 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
         let run_end = ((r + 1) * per_run).min(panels);
         let mut buf = Vec::new();
         for p in r * per_run..run_end {
-            let panel = match w.stored(p) {
-                Some(panel) => panel,
+            let passes = tile_range.len();
+            // 16-bit panels are widened in registers when one or two row tiles pass over them
+            // (decode: the bytes read are what costs), and widened once into `buf` for more
+            // (prefill: each element then meets many rows, and the f32 kernel runs at full rate).
+            // Either way every product is the f32 one over the widened weights, summed in the
+            // same order, so the results are bit for bit those of the f32 panels.
+            let src = match w.stored(p) {
+                Some(Panel::F32(panel)) => Panel::F32(panel),
+                Some(Panel::F16(h)) if passes >= 3 => {
+                    buf.resize(k * NR, 0.0);
+                    super::simd_half::to_f32::<false>(isa, h, &mut buf);
+                    Panel::F32(&buf[..])
+                }
+                Some(Panel::Bf16(h)) if passes >= 3 => {
+                    buf.resize(k * NR, 0.0);
+                    super::simd_half::to_f32::<true>(isa, h, &mut buf);
+                    Panel::F32(&buf[..])
+                }
+                Some(half) => half,
                 None => {
                     buf.resize(k * NR, 0.0);
                     w.decode(p, &mut buf);
-                    &buf[..]
+                    Panel::F32(&buf[..])
                 }
             };
             let (c0, cols) = (p * NR, NR.min(n - p * NR));
             // The task's next panel is fetched into L2 a slice per row tile while this one
             // computes, so the weights' trip from memory overlaps the FMAs instead of stalling
             // the first row tile.
-            let passes = tile_range.len();
             // With one or two row tiles the kernel is bandwidth-bound and the hardware
             // prefetcher does better alone.
-            let next = match p + 1 < run_end && passes >= 3 {
-                true => w.stored(p + 1).unwrap_or(&[]),
-                false => &[],
+            let next = match (p + 1 < run_end && passes >= 3).then(|| w.stored(p + 1)).flatten() {
+                Some(Panel::F32(next)) => next,
+                _ => &[],
             };
             for (pass, t) in tile_range.clone().enumerate() {
                 let (r0, rows) = tile(t);
                 let xt = &x[r0 * k..(r0 + rows) * k];
                 let lines = next.len() / 16;
                 let pf = &next[pass * lines / passes * 16..(pass + 1) * lines / passes * 16];
-                micro(isa, xt, panel, pf, k, rows, &mut acc);
+                match src {
+                    Panel::F32(panel) => micro(isa, xt, panel, pf, k, rows, &mut acc),
+                    Panel::F16(h) => micro_half::<false>(isa, xt, h, k, rows, &mut acc),
+                    Panel::Bf16(h) => micro_half::<true>(isa, xt, h, k, rows, &mut acc),
+                }
                 for (rr, acc) in acc.iter().enumerate().take(rows) {
                     // SAFETY: this product's `out` holds `m` rows of `n` at a stride of `ld`
                     // (checked by the caller); row `r0 + rr < m`, columns `c0..c0 + cols <= n`.
@@ -387,6 +516,40 @@ fn micro_r<const R: usize>(isa: Isa, x: &[f32], panel: &[f32], pf: &[f32], k: us
     }
 }
 
+/// [`micro`] over a 16-bit panel (`k * NR` elements; `BF`: bf16, else f16), each weight widened
+/// to f32 in registers as it is loaded and the products summed in [`micro`]'s order, so the
+/// result is bit for bit [`micro`]'s over the widened panel.
+fn micro_half<const BF: bool>(isa: Isa, x: &[f32], panel: &[u16], k: usize, rows: usize, acc: &mut [[f32; NR]; MR]) {
+    match rows {
+        1 => micro_half_r::<1, BF>(isa, x, panel, k, acc),
+        2 => micro_half_r::<2, BF>(isa, x, panel, k, acc),
+        3 => micro_half_r::<3, BF>(isa, x, panel, k, acc),
+        4 => micro_half_r::<4, BF>(isa, x, panel, k, acc),
+        5 => micro_half_r::<5, BF>(isa, x, panel, k, acc),
+        _ => micro_half_r::<6, BF>(isa, x, panel, k, acc),
+    }
+}
+
+fn micro_half_r<const R: usize, const BF: bool>(
+    isa: Isa,
+    x: &[f32],
+    panel: &[u16],
+    k: usize,
+    acc: &mut [[f32; NR]; MR],
+) {
+    // As in `micro_r`: the raw-pointer kernels read `x[..R * k]` and `panel[..k * NR]`.
+    assert!(R <= MR && x.len() >= R * k && panel.len() >= k * NR);
+    match isa {
+        // SAFETY: `detect` returned this ISA only if the CPU supports it (AVX2 implies F16C
+        // there); sizes asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::tile_half::<R, BF>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::tile_half::<R, BF>(x.as_ptr(), panel.as_ptr(), k, acc) },
+        _ => portable_tile_half::<R, BF>(x, panel, k, acc),
+    }
+}
+
 /// Prefetches lines `kk * per_k .. (kk + 1) * per_k` (those below `lines`) of `pf` into L2.
 ///
 /// # Safety
@@ -413,6 +576,26 @@ fn portable_tile<const R: usize>(x: &[f32], panel: &[f32], k: usize, acc: &mut [
             for (r, a) in a.iter_mut().enumerate() {
                 let xv = x[r * k + kk];
                 for (a, &w) in a.iter_mut().zip(w) {
+                    *a += xv * w;
+                }
+            }
+        }
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            acc[s..s + STRIP].copy_from_slice(a);
+        }
+    }
+}
+
+/// [`portable_tile`] over a 16-bit panel, widening each weight as it is read.
+fn portable_tile_half<const R: usize, const BF: bool>(x: &[f32], panel: &[u16], k: usize, acc: &mut [[f32; NR]; MR]) {
+    for s in (0..NR).step_by(STRIP) {
+        let mut a = [[0f32; STRIP]; R];
+        for kk in 0..k {
+            let h: &[u16; STRIP] = panel[kk * NR + s..kk * NR + s + STRIP].try_into().expect("strip");
+            let w: [f32; STRIP] = std::array::from_fn(|i| super::simd_half::portable::widen::<BF>(h[i]));
+            for (r, a) in a.iter_mut().enumerate() {
+                let xv = x[r * k + kk];
+                for (a, &w) in a.iter_mut().zip(&w) {
                     *a += xv * w;
                 }
             }
@@ -467,6 +650,55 @@ mod avx512 {
             }
         }
     }
+
+    /// Sixteen 16-bit elements at `p`, widened to f32.
+    ///
+    /// # Safety
+    /// AVX-512F available; `p` valid for 16 reads.
+    #[inline(always)]
+    unsafe fn widen16<const BF: bool>(p: *const u16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            match BF {
+                true => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))),
+                false => _mm512_cvtph_ps(h),
+            }
+        }
+    }
+
+    /// [`tile`] over a 16-bit panel (`BF`: bf16, else f16).
+    ///
+    /// # Safety
+    /// AVX-512F available; `x` valid for `R * k` reads, `panel` for `k * NR`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_half<const R: usize, const BF: bool>(
+        x: *const f32,
+        panel: *const u16,
+        k: usize,
+        acc: &mut [[f32; NR]; MR],
+    ) {
+        let mut a = [[_mm512_setzero_ps(); 4]; R];
+        // SAFETY (all loads): `kk < k`, `r < R`, `c < 4`: inside the ranges the caller vouches for.
+        unsafe {
+            for kk in 0..k {
+                let p = panel.add(kk * NR);
+                let w =
+                    [widen16::<BF>(p), widen16::<BF>(p.add(16)), widen16::<BF>(p.add(32)), widen16::<BF>(p.add(48))];
+                for r in 0..R {
+                    let xv = _mm512_set1_ps(*x.add(r * k + kk));
+                    for c in 0..4 {
+                        a[r][c] = _mm512_fmadd_ps(xv, w[c], a[r][c]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for c in 0..4 {
+                    _mm512_storeu_ps(acc[r].as_mut_ptr().add(16 * c), a[r][c]);
+                }
+            }
+        }
+    }
 }
 
 // Register arrays are indexed by row and vector in fully unrolled loops: iterators over them
@@ -500,6 +732,54 @@ mod avx2 {
                     }
                     let p = panel.add(kk * NR + s);
                     let w = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
+                    for r in 0..R {
+                        let xv = _mm256_set1_ps(*x.add(r * k + kk));
+                        a[r][0] = _mm256_fmadd_ps(xv, w[0], a[r][0]);
+                        a[r][1] = _mm256_fmadd_ps(xv, w[1], a[r][1]);
+                    }
+                }
+                for r in 0..R {
+                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s), a[r][0]);
+                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s + 8), a[r][1]);
+                }
+            }
+        }
+    }
+
+    /// Eight 16-bit elements at `p`, widened to f32.
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; `p` valid for 8 reads.
+    #[inline(always)]
+    unsafe fn widen8<const BF: bool>(p: *const u16) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            match BF {
+                true => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))),
+                false => _mm256_cvtph_ps(h),
+            }
+        }
+    }
+
+    /// [`tile`] over a 16-bit panel (`BF`: bf16, else f16).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; `x` valid for `R * k` reads, `panel` for `k * NR`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_half<const R: usize, const BF: bool>(
+        x: *const f32,
+        panel: *const u16,
+        k: usize,
+        acc: &mut [[f32; NR]; MR],
+    ) {
+        // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 < NR`: inside the caller's ranges.
+        unsafe {
+            for s in (0..NR).step_by(16) {
+                let mut a = [[_mm256_setzero_ps(); 2]; R];
+                for kk in 0..k {
+                    let p = panel.add(kk * NR + s);
+                    let w = [widen8::<BF>(p), widen8::<BF>(p.add(8))];
                     for r in 0..R {
                         let xv = _mm256_set1_ps(*x.add(r * k + kk));
                         a[r][0] = _mm256_fmadd_ps(xv, w[0], a[r][0]);

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use cleave_tokenizer::gguf::{tokenizer_from_gguf, GgufTokenizerMeta, HfTokenizer};
 
-use cleave_kernels::QuantMatrix;
+use cleave_kernels::{HalfFormat, HalfMatrix, QuantMatrix};
 
 use super::reader::{GgufFile, MetaValue};
 use super::{GgufError, Result};
@@ -417,6 +417,28 @@ impl GgufModel {
         let data = self.file.tensor_f32(&info.name)?;
         let data = self.unpermuted(hf_name, info, &shape, data)?;
         Ok((shape, data))
+    }
+
+    /// Matrix `hf_name` (HF shape `[n, k]`) in 16 bits, rows un-permuted as
+    /// [`GgufModel::tensor_f32`] does, when its ggml type is F16 or BF16; `None` for any other
+    /// type. The elements are copied out of the file once.
+    pub fn tensor_half(&self, hf_name: &str) -> Result<Option<HalfMatrix>> {
+        let info = self.info(hf_name)?;
+        let shape = info.hf_shape();
+        let format = match info.ggml_type {
+            super::GgmlType::F16 => HalfFormat::F16,
+            super::GgmlType::BF16 => HalfFormat::Bf16,
+            _ => return Ok(None),
+        };
+        let &[n, k] = &shape[..] else { return Ok(None) };
+        let data: Vec<u16> =
+            self.file.tensor_bytes(info).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        let data = self.unpermuted(hf_name, info, &shape, data)?;
+        HalfMatrix::new(format, n, k, data).map(Some).map_err(|e| GgufError::BadShape {
+            name: info.name.clone(),
+            dims: info.dims.clone(),
+            reason: e.to_string(),
+        })
     }
 
     /// Matrix `hf_name` (HF shape `[n, k]`) in its block-quantized format, rows un-permuted as

@@ -225,7 +225,7 @@ impl packed::Panels for QuantPanels<'_> {
         self.w.k()
     }
 
-    fn stored(&self, _: usize) -> Option<&[f32]> {
+    fn stored(&self, _: usize) -> Option<super::packed::Panel<'_>> {
         None
     }
 
