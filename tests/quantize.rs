@@ -75,7 +75,57 @@ fn quantized_files_answer_like_the_source_and_read_alike_in_llama_cpps_gguf_pack
     let o = quantize(&gguf, "Q4_0", &outs[0], &[]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--force"));
     assert_eq!(std::fs::metadata(&outs[0]).unwrap().len(), before);
-    let o = quantize(&dir, "Q8_0", &dir.join("y.gguf"), &[]);
-    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not a GGUF file"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Hugging Face folder (a random-weight `small` model in bf16, as checkpoints ship: byte-level
+/// BPE vocabulary, ChatML template) becomes a GGUF that cleave serves with the folder's tokens
+/// and greedy text within Q8_0's rounding, and that llama.cpp's gguf-py reads as the folder's
+/// model by llama.cpp's own conventions (tests/gguf_from_hf_reference.py: names, shapes, q/k
+/// permutation, vocabulary, merges, and Q8_0 bytes equal to gguf-py's quantizer). A
+/// SentencePiece vocabulary (the tiny Llama's) is refused with the reason.
+#[test]
+fn a_hugging_face_folder_is_quantized_into_a_gguf_llama_cpp_reads_as_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("cleave-quantize-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let folder = dir.join("small-bf16");
+    let o = Command::new(exe())
+        .args(["make-model", "--preset", "small", "--dtype", "bf16", "--out", folder.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("small-q8_0.gguf");
+    let o = quantize(&folder, "Q8_0", &out, &[]);
+    let report = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && report.contains("-> Q8_0"), "{report}");
+
+    // The same tokens and, greedy, the same start of text (the random model's logits are far
+    // apart enough for Q8_0's rounding to keep the first tokens).
+    let generate = |model: &Path| {
+        let o = Command::new(exe())
+            .args(["generate", "--model", model.to_str().unwrap(), "--prompt", "Hello there, 123 worlds!"])
+            .args(["--max-tokens", "4", "--threads", "1", "--ignore-eos"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let (a, b) = (generate(&folder), generate(&out));
+    assert!(!a.is_empty() && a == b, "folder: {a:?}, gguf: {b:?}");
+
+    let has = Command::new("python3").args(["-c", "import gguf, numpy"]).status().is_ok_and(|s| s.success());
+    if available(has, "CLEAVE_REQUIRE_GGUF_PY", "python3 cannot import gguf", "pip install gguf") {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_from_hf_reference.py");
+        let o = Command::new("python3").arg(script).arg(&folder).arg(&out).output().unwrap();
+        let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{log}");
+        eprintln!("{log}");
+    }
+
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-llama");
+    let o = quantize(&tiny, "Q8_0", &dir.join("tiny.gguf"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("byte fallback"), "{err}");
+    assert!(!dir.join("tiny.gguf").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

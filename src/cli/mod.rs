@@ -37,8 +37,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write a random-weight model in Hugging Face format (config, safetensors, tokenizer.json).
     MakeModel(make_model::MakeModelArgs),
-    /// Write a GGUF file's model in another block format (Q8_0, Q4_K, ...), as a GGUF that
-    /// llama.cpp loads too: each pool's format from one file.
+    /// Write a Hugging Face folder's or a GGUF file's model in a block format (Q8_0, Q4_K, ...),
+    /// as a GGUF that llama.cpp loads too: each pool's format from one checkpoint.
     Quantize(quantize::QuantizeArgs),
     /// Benchmarks.
     #[command(subcommand)]

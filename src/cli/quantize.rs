@@ -1,4 +1,4 @@
-//! `cleave quantize`: a GGUF file's model in another block format.
+//! `cleave quantize`: a Hugging Face folder's or a GGUF file's model in a block format.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -6,13 +6,15 @@ use std::time::Instant;
 use anyhow::Context;
 use cleave_engine::model::gguf::quantize::{file_type, requantize};
 use cleave_engine::model::gguf::GgufFile;
+use cleave_engine::model::to_gguf::convert_hf;
 use cleave_kernels::quant::QuantFormat;
 
 #[derive(clap::Args, Debug)]
 pub struct QuantizeArgs {
-    /// The model to quantize: a GGUF file (any format cleave reads: F32, F16, BF16, Q8_0, Q4_1,
-    /// Q4_K, ...). Quantizing a quantized file compounds the roundings: start from the most
-    /// precise file there is.
+    /// The model to quantize: a Hugging Face folder (config.json, safetensors in f32/bf16/f16,
+    /// a byte-level BPE tokenizer.json; Llama, Mistral, Qwen2, Qwen3) or a GGUF file (any format
+    /// cleave reads: F32, F16, BF16, Q8_0, Q4_1, Q4_K, ...). Quantizing a quantized file
+    /// compounds the roundings: start from the most precise file there is.
     #[arg(long)]
     model: PathBuf,
     /// The block format of the output's matrices (norm vectors stay f32). Matrices whose rows
@@ -36,16 +38,14 @@ fn parse_format(s: &str) -> Result<QuantFormat, String> {
 }
 
 pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.model.is_file(),
-        "{}: not a GGUF file (Hugging Face folders are not quantized yet: convert them with llama.cpp's \
-         convert_hf_to_gguf.py, then quantize the GGUF)",
-        args.model.display()
-    );
     anyhow::ensure!(args.force || !args.out.exists(), "{} exists (--force overwrites it)", args.out.display());
     let t = Instant::now();
-    let input = GgufFile::open(&args.model).with_context(|| format!("reading {}", args.model.display()))?;
-    let (image, report) = requantize(&input, args.format)?;
+    let (image, report) = if args.model.is_dir() {
+        convert_hf(&args.model, args.format).with_context(|| format!("converting {}", args.model.display()))?
+    } else {
+        let input = GgufFile::open(&args.model).with_context(|| format!("reading {}", args.model.display()))?;
+        requantize(&input, args.format)?
+    };
     let mut counts: Vec<(String, usize)> = Vec::new();
     for r in &report {
         let key = format!("{:?} -> {:?}", r.from, r.to);

@@ -9,6 +9,7 @@ pub mod load;
 pub mod safetensors;
 pub mod storage;
 pub mod synth;
+pub mod to_gguf;
 
 #[cfg(test)]
 mod quantized_tests;
