@@ -26,13 +26,12 @@
 
 use std::path::Path;
 
-use cleave_kernels::quant::{quantize, QuantFormat};
+use cleave_kernels::quant::QuantFormat;
 use cleave_kernels::{HalfFormat, RopeScaling};
 use cleave_tokenizer::gguf::{token_type, tokenizer_from_gguf, GgufTokenizerMeta};
-use rayon::prelude::*;
 
 use super::gguf::model::gguf_name;
-use super::gguf::quantize::{file_type, format_for, Requantized};
+use super::gguf::quantize::{encode, file_type, Requantized};
 use super::gguf::writer::{strs, GgufWriter};
 use super::gguf::{GgmlType, MetaValue};
 use super::{Architecture, LinearWeight, ModelFiles};
@@ -56,26 +55,7 @@ const PROBES: &[&str] = &[
 /// `h*hd + 2*i + half`, as `convert_hf_to_gguf.py`'s `permute` moves them. Rows are moved whole.
 /// `None` when the rows do not split into `heads` heads of even size.
 pub fn permute_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize) -> Option<Vec<T>> {
-    if heads == 0
-        || !rows.is_multiple_of(heads)
-        || !(rows / heads).is_multiple_of(2)
-        || !data.len().is_multiple_of(rows.max(1))
-    {
-        return None;
-    }
-    let cols = data.len() / rows;
-    let hd = rows / heads;
-    let mut out = vec![T::default(); data.len()];
-    for h in 0..heads {
-        for i in 0..hd / 2 {
-            for half in 0..2 {
-                let src = (h * hd + half * hd / 2 + i) * cols;
-                let dst = (h * hd + 2 * i + half) * cols;
-                out[dst..dst + cols].copy_from_slice(&data[src..src + cols]);
-            }
-        }
-    }
-    Some(out)
+    super::gguf::model::move_head_rows(data, rows, heads, true)
 }
 
 /// The GGUF image of the Hugging Face folder `dir` with its matrices in `target`, and what each
@@ -182,7 +162,7 @@ pub fn convert_hf(dir: &Path, target: QuantFormat) -> Result<(Vec<u8>, Vec<Requa
                 .ok_or_else(|| err(format!("`{hf}`: {} rows do not split into {heads} heads", shape[0])))?;
         }
         let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
-        let (ty, data) = encode(&values, &shape, target);
+        let (ty, data) = encode(&values, shape.last().copied().unwrap_or(1), shape.len() == 2, target);
         report.push(Requantized { name: gguf.clone(), from, to: ty });
         w = w.tensor(&gguf, &dims, ty, data);
     }
@@ -191,29 +171,6 @@ pub fn convert_hf(dir: &Path, target: QuantFormat) -> Result<(Vec<u8>, Vec<Requa
 
 fn u32_of(v: usize, what: &str, err: &impl Fn(String) -> EngineError) -> Result<u32> {
     u32::try_from(v).map_err(|_| err(format!("{what} = {v} does not fit GGUF's u32")))
-}
-
-/// A tensor's ggml type and bytes: matrices in `target` (or its fallback, or f16), vectors f32.
-fn encode(values: &[f32], shape: &[usize], target: QuantFormat) -> (GgmlType, Vec<u8>) {
-    let k = shape.last().copied().unwrap_or(1);
-    let format = (shape.len() == 2 && k > 0 && !values.is_empty()).then(|| format_for(target, k)).flatten();
-    match format {
-        Some(f) => {
-            let rows: Vec<Vec<u8>> = values
-                .par_chunks(k)
-                .map(|row| {
-                    let mut out = Vec::with_capacity(k / f.block_values() * f.block_bytes());
-                    quantize(f, row, &mut out);
-                    out
-                })
-                .collect();
-            (GgmlType::of_quant(f), rows.concat())
-        }
-        None if shape.len() == 2 && !values.is_empty() => {
-            (GgmlType::F16, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect())
-        }
-        None => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-    }
 }
 
 /// The `tokenizer.*` keys of the folder's vocabulary (see the module docs).

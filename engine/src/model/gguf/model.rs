@@ -276,6 +276,13 @@ fn rope_scaling(file: &GgufFile, arch: &str) -> Result<Option<GgufRopeScaling>> 
 /// HF row `h*hd + half*hd/2 + i`. Rows are moved whole, so `data` may hold any element: f32
 /// values, or the bytes of a quantized row's blocks.
 pub fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize) -> Option<Vec<T>> {
+    move_head_rows(data, rows, heads, false)
+}
+
+/// `convert_hf_to_gguf.py`'s `permute` (`to_gguf`: HF row `h*hd + half*hd/2 + i` to GGUF row
+/// `h*hd + 2*i + half`) or its inverse, on whole rows. `None` when the rows do not split into
+/// `heads` heads of even size.
+pub fn move_head_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize, to_gguf: bool) -> Option<Vec<T>> {
     if heads == 0
         || !rows.is_multiple_of(heads)
         || !(rows / heads).is_multiple_of(2)
@@ -289,8 +296,8 @@ pub fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize) 
     for h in 0..heads {
         for i in 0..hd / 2 {
             for half in 0..2 {
-                let src = (h * hd + 2 * i + half) * cols;
-                let dst = (h * hd + half * hd / 2 + i) * cols;
+                let (gguf, hf) = ((h * hd + 2 * i + half) * cols, (h * hd + half * hd / 2 + i) * cols);
+                let (src, dst) = if to_gguf { (hf, gguf) } else { (gguf, hf) };
                 out[dst..dst + cols].copy_from_slice(&data[src..src + cols]);
             }
         }

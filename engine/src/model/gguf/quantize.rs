@@ -55,6 +55,30 @@ pub fn format_for(target: QuantFormat, k: usize) -> Option<QuantFormat> {
     [target, fallback].into_iter().find(|f| k.is_multiple_of(f.block_values()))
 }
 
+/// A tensor's ggml type and bytes in a file whose matrices are in `target`: a matrix (rows of
+/// `k` values) in `target` or its fallback ([`format_for`]), f16 when even that does not fit its
+/// rows; vectors, and an empty matrix (no row to quantize), in f32.
+pub fn encode(values: &[f32], k: usize, matrix: bool, target: QuantFormat) -> (GgmlType, Vec<u8>) {
+    let format = (matrix && k > 0 && !values.is_empty()).then(|| format_for(target, k)).flatten();
+    match format {
+        Some(f) => {
+            let rows: Vec<Vec<u8>> = values
+                .par_chunks(k)
+                .map(|row| {
+                    let mut out = Vec::with_capacity(k / f.block_values() * f.block_bytes());
+                    quantize(f, row, &mut out);
+                    out
+                })
+                .collect();
+            (GgmlType::of_quant(f), rows.concat())
+        }
+        None if matrix && !values.is_empty() => {
+            (GgmlType::F16, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect())
+        }
+        None => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+    }
+}
+
 /// The GGUF image of `input` with its matrices in `target`, and what each tensor became.
 pub fn requantize(input: &GgufFile, target: QuantFormat) -> Result<(Vec<u8>, Vec<Requantized>), GgufError> {
     let mut w = GgufWriter::new();
@@ -72,25 +96,7 @@ pub fn requantize(input: &GgufFile, target: QuantFormat) -> Result<(Vec<u8>, Vec
     for t in input.tensors() {
         let values = input.tensor_f32(&t.name)?;
         let k = t.dims.first().copied().unwrap_or(1) as usize;
-        // An empty matrix (a zero dimension) stays f32: no row to quantize.
-        let format = (t.dims.len() == 2 && k > 0 && !values.is_empty()).then(|| format_for(target, k)).flatten();
-        let (ty, data) = match format {
-            Some(f) => {
-                let rows: Vec<Vec<u8>> = values
-                    .par_chunks(k)
-                    .map(|row| {
-                        let mut out = Vec::with_capacity(k / f.block_values() * f.block_bytes());
-                        quantize(f, row, &mut out);
-                        out
-                    })
-                    .collect();
-                (GgmlType::of_quant(f), rows.concat())
-            }
-            None if t.dims.len() == 2 && !values.is_empty() => {
-                (GgmlType::F16, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect())
-            }
-            None => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        };
+        let (ty, data) = encode(&values, k, t.dims.len() == 2, target);
         report.push(Requantized { name: t.name.clone(), from: t.ggml_type, to: ty });
         w = w.tensor(&t.name, &t.dims, ty, data);
     }
