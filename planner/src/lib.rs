@@ -149,6 +149,12 @@
 //!    targets, a last resort must be predicted better, and the move back needs the reverse
 //!    (with the memory of what each configuration was like to run): noise around a threshold
 //!    does not flap. No re-split (a move that adds no node) before one window was observed.
+//!    A re-split must also hold at the rate one standard error either side of its reading
+//!    (`lambda (1 -+ 1/sqrt(n))`, `n` arrivals counted): no worse than staying there, by the
+//!    measure it was chosen by; a window's Poisson count is that noisy, and near the rate
+//!    where two shapes trade places the noise alone would pick the winner each time. The
+//!    memory of a configuration counts under demand within 25% on every mean, or for the rate
+//!    within two standard errors of the two readings' difference.
 //! 4. A new target must be wanted `confirm_ticks` ticks in a row and not within `cooldown` of
 //!    the last decision; a target already decided is not decided again while it stays wanted.
 //!    A scale-down (case 2) must moreover be wanted on every tick for a whole window: remove

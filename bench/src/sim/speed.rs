@@ -96,17 +96,19 @@ pub fn measure(
         }
         tokens += r.input_len as f64;
     }
-    let prefill = (steps.prefill_tokens >= MIN_TOKENS && steps.prefill_seconds > 0.0 && seconds > 0.0)
-        .then(|| (steps.prefill_seconds / steps.prefill_tokens as f64) / (seconds / tokens))
-        .unwrap_or(1.0);
-    let decode = (steps.decode_steps >= MIN_STEPS && steps.decode_seconds > 0.0)
-        .then(|| {
-            let n = steps.decode_steps as f64;
-            let batch = (steps.decode_seqs as f64 / n).round().max(1.0) as usize;
-            let context = (steps.decode_context_tokens as f64 / n).round() as usize;
-            (steps.decode_seconds / n) / model.decode_step_time(batch, context)
-        })
-        .unwrap_or(1.0);
+    let prefill = if steps.prefill_tokens >= MIN_TOKENS && steps.prefill_seconds > 0.0 && seconds > 0.0 {
+        (steps.prefill_seconds / steps.prefill_tokens as f64) / (seconds / tokens)
+    } else {
+        1.0
+    };
+    let decode = if steps.decode_steps >= MIN_STEPS && steps.decode_seconds > 0.0 {
+        let n = steps.decode_steps as f64;
+        let batch = (steps.decode_seqs as f64 / n).round().max(1.0) as usize;
+        let context = (steps.decode_context_tokens as f64 / n).round() as usize;
+        (steps.decode_seconds / n) / model.decode_step_time(batch, context)
+    } else {
+        1.0
+    };
     for (name, f) in [("prefill", prefill), ("decode", decode)] {
         if !(f.is_finite() && f > 0.0) {
             return Err(BenchError::Profile(format!("speed factor for {name} is {f}")));
