@@ -470,7 +470,7 @@ impl Planner {
             let resplit = mv.kind == MoveKind::Relieve
                 && mv.to.target.nodes() <= a.current.nodes()
                 && changes_roles(&a.current, &mv.to.target);
-            !resplit || self.holds_across_rate_noise(&a, &current, mv, now)
+            !resplit || self.holds_across_rate_noise(&a, mv, now)
         });
         let Some(mv) = decided else {
             self.pending = None;
@@ -529,9 +529,9 @@ impl Planner {
     /// changes and moves back inside the limits are not held (they drain nothing). An earlier
     /// try averaged attainment over the same three rates instead, which gave a failing shape
     /// partial credit for the low reading and kept it (rejected, same chapter).
-    fn holds_across_rate_noise(&self, a: &Assessment, current: &Candidate, mv: &Move, now: Duration) -> bool {
+    fn holds_across_rate_noise(&self, a: &Assessment, mv: &Move, now: Duration) -> bool {
         let n = a.inputs.arrival_rate * a.inputs.demand_span_s;
-        if n < 1.0 || !current.ratio.is_finite() {
+        if n < 1.0 {
             return true;
         }
         let cfg = &self.cfg;
