@@ -156,7 +156,7 @@ impl Relay {
             let mut buf = vec![0u8; 65_536];
             loop {
                 let Ok((n, client)) = front.recv_from(&mut buf).await else { return };
-                if !upstream.contains_key(&client) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = upstream.entry(client) {
                     let bind: SocketAddr = SocketAddr::new(listen.ip(), 0);
                     let sock = Arc::new(UdpSocket::bind(bind).await.expect("relay upstream bind"));
                     let (tx, send_task) = delay_line(sock.clone(), count.clone());
@@ -178,7 +178,7 @@ impl Relay {
                             }
                         }
                     });
-                    upstream.insert(client, (tx, Instant::now(), vec![send_task, read_task]));
+                    slot.insert((tx, Instant::now(), vec![send_task, read_task]));
                 }
                 let entry = upstream.get_mut(&client).unwrap();
                 seq += 1;
