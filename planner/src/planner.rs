@@ -407,19 +407,7 @@ impl Planner {
         self.update_correction(now, &a.current, &a.stats, &raw_current);
         let model = Model::new(&*self.costs, a.load, t.quantile, largest);
 
-        let band = if cfg.can_add_nodes { (0, cfg.limits.max_nodes) } else { (a.view.live, a.view.live) };
-        let mut search = Search::new(
-            &model,
-            SearchInput {
-                limits: &cfg.limits,
-                pinned: a.view.pinned,
-                band,
-                current: a.current,
-                ttft_target_s: t.ttft_ms / 1e3,
-                tpot_target_s: t.tpot_ms / 1e3,
-                factors: self.live_factors(now),
-            },
-        );
+        let mut search = Search::new(&model, search_input(&cfg, &a, self.live_factors(now)));
         let current = search.evaluate(&a.current);
         let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= cfg.window);
         let clients_ok = a.stats.attainment.is_none_or(|x| a.stats.count < MIN_CORRECTION_SAMPLES || x >= t.attainment);
@@ -535,26 +523,13 @@ impl Planner {
             return true;
         }
         let cfg = &self.cfg;
-        let t = &cfg.targets;
         let largest = cfg.limits.largest_step_budget();
-        let band = if cfg.can_add_nodes { (0, cfg.limits.max_nodes) } else { (a.view.live, a.view.live) };
         let factors = self.live_factors(now);
         let spread = RATE_NOISE_Z / n.sqrt();
         [1.0 - spread, 1.0 + spread].into_iter().filter(|f| *f > 0.0).all(|f| {
             let load = Load { lambda: a.load.lambda * f, ..a.load };
-            let model = Model::new(&*self.costs, load, t.quantile, largest);
-            let mut s = Search::new(
-                &model,
-                SearchInput {
-                    limits: &cfg.limits,
-                    pinned: a.view.pinned,
-                    band,
-                    current: a.current,
-                    ttft_target_s: t.ttft_ms / 1e3,
-                    tpot_target_s: t.tpot_ms / 1e3,
-                    factors,
-                },
-            );
+            let model = Model::new(&*self.costs, load, cfg.targets.quantile, largest);
+            let mut s = Search::new(&model, search_input(cfg, a, factors));
             match mv.attainment {
                 Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current),
                 None => {
@@ -592,6 +567,22 @@ impl Planner {
             inputs: a.inputs.clone(),
             predicted,
         }
+    }
+}
+
+/// What a search over `a`'s cluster needs beside the model: limits, the nodes committed to each
+/// pool, the node band (the live count when nodes cannot be added), the current configuration,
+/// the targets and the correction factors.
+fn search_input<'c>(cfg: &'c PlannerConfig, a: &Assessment, factors: FamilyFactors) -> SearchInput<'c> {
+    let band = if cfg.can_add_nodes { (0, cfg.limits.max_nodes) } else { (a.view.live, a.view.live) };
+    SearchInput {
+        limits: &cfg.limits,
+        pinned: a.view.pinned,
+        band,
+        current: a.current,
+        ttft_target_s: cfg.targets.ttft_ms / 1e3,
+        tpot_target_s: cfg.targets.tpot_ms / 1e3,
+        factors,
     }
 }
 
