@@ -514,7 +514,8 @@ impl Planner {
     /// by: predicted attainment, else the worst ratio to target) not only at the reading but at
     /// `lambda (1 -+ RATE_NOISE_Z / sqrt(n))` too, for `n` arrivals counted; else the current
     /// shape stays. This only ever holds a move back, never makes one; adding nodes, step budget
-    /// changes and moves back inside the limits are not held (they drain nothing). An earlier
+    /// changes and moves back inside the limits are not held (they drain nothing), nor are
+    /// scale-downs (they must already be wanted for a whole window). An earlier
     /// try averaged attainment over the same three rates instead, which gave a failing shape
     /// partial credit for the low reading and kept it (rejected, same chapter).
     fn holds_across_rate_noise(&self, a: &Assessment, mv: &Move, now: Duration) -> bool {
