@@ -358,3 +358,66 @@ fn the_planner_in_auto_mode_moves_a_node_when_the_limits_say_so() {
         check_golden(&c).await;
     });
 }
+
+/// Prompt tokens of the long pacing prompt: words the tiny tokenizer splits into a few tokens each.
+fn long_prompt() -> String {
+    (0..120).map(|i| format!("word{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn colocated_nodes_pace_prompt_chunks_to_the_tpot_target_without_changing_text() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["both"], &[]);
+    let c = &c;
+    runtime().block_on(async {
+        c.wait_nodes(1).await;
+        // The node hears the coordinator's TPOT target (100 ms by default) once registered.
+        let paced = |want: f64| async move {
+            let deadline = Instant::now() + WAIT;
+            loop {
+                let n = node_by_name(&c.nodes_state().await, "node-0").clone();
+                if n["pacing"]["tpot_target_ms"].as_f64() == Some(want) {
+                    return n;
+                }
+                assert!(Instant::now() < deadline, "the node never paced to {want} ms: {n}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let n = paced(100.0).await;
+        let paced_before = n["pacing"]["paced_steps"].as_u64().unwrap();
+        // The tiny model runs a step in well under a millisecond: at 100 ms nothing is cut.
+        let long = long_prompt();
+        let unpaced = c.complete(greedy(&long, 32)).await["choices"][0]["text"].as_str().unwrap().to_string();
+        // A target no step can meet: every chunk beside a decode is cut to the floor. Long
+        // greedy streams decode while the long prompt comes; every text is what it was unpaced
+        // (a long stream's starts with transformers' 32 tokens).
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"targets": {"tpot_ms": 0.01}}))).await;
+        paced(0.01).await;
+        let background = load(3).into_iter().map(|(prompt, want)| async move {
+            let (text, finish) = c.stream(greedy(&prompt, 1500)).await;
+            assert!(text.starts_with(&want), "a paced stream's text changed (prompt {prompt:?}): {text:?}");
+            assert_eq!(finish, "length");
+        });
+        let (long, unpaced) = (&long, &unpaced);
+        let late = async move {
+            let deadline = Instant::now() + WAIT;
+            while node_by_name(&c.nodes_state().await, "node-0")["load"]["running_seqs"].as_u64() < Some(3) {
+                assert!(Instant::now() < deadline, "the long streams never ran");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let (text, _) = c.stream(greedy(long, 32)).await;
+            assert_eq!(&text, unpaced, "the paced prompt's text changed");
+        };
+        tokio::join!(futures::future::join_all(background), late);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let n = node_by_name(&c.nodes_state().await, "node-0").clone();
+            if n["pacing"]["paced_steps"].as_u64().unwrap() > paced_before {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no step was paced: {n}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        c.wait_blocks_free().await;
+    });
+}

@@ -63,6 +63,7 @@ enum Control {
     Snapshot(oneshot::Sender<EngineSnapshot>),
     PrefixHashes(oneshot::Sender<Vec<u64>>),
     SetStepBudget(usize, oneshot::Sender<Result<()>>),
+    SetTpotTarget(Option<std::time::Duration>, oneshot::Sender<Result<()>>),
     /// Imports are waiting in the import channel (see [`EngineHandle::import_kv`]).
     Wake,
     Shutdown,
@@ -273,6 +274,14 @@ impl EngineHandle {
         rx.await.map_err(|_| EngineError::Stopped)?
     }
 
+    /// Paces prompt chunks beside running decodes to `target` time per output token from the
+    /// next step on (None: the step budget alone limits them; see [`crate::sched::pacing`]).
+    pub async fn set_tpot_target(&self, target: Option<std::time::Duration>) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Control(Control::SetTpotTarget(target, tx)))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
     /// Cancels a request; its blocks are freed at the next step.
     pub fn cancel(&self, id: RequestId) {
         let _ = self.tx.try_send(Command::Control(Control::Cancel(id)));
@@ -304,6 +313,8 @@ impl EngineHandle {
             prefix_hashes: hashes.into_iter().take(max_hashes).collect(),
             steps: snap.step_totals,
             step_budget: u32::try_from(snap.step_budget).ok(),
+            tpot_target_us: snap.tpot_target.map(|t| u32::try_from(t.as_micros()).unwrap_or(u32::MAX)),
+            paced_steps: snap.paced_steps,
         })
     }
 }
@@ -514,6 +525,9 @@ fn control<B: Backend>(core: &mut EngineCore<B>, cmd: Control) -> bool {
         }
         Control::SetStepBudget(tokens, reply) => {
             let _ = reply.send(core.set_step_budget(tokens));
+        }
+        Control::SetTpotTarget(target, reply) => {
+            let _ = reply.send(core.set_tpot_target(target));
         }
         Control::Shutdown => return true,
     }

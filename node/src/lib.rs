@@ -94,6 +94,9 @@ pub struct NodeConfig {
     pub extra_transports: Vec<Arc<dyn Transport>>,
     /// The certificate's files, read again at each reconnect (rotation without a restart).
     pub identity_dir: Option<std::path::PathBuf>,
+    /// Pace prompt chunks beside running decodes to the TPOT target the coordinator sends
+    /// (`cleave_engine::sched::pacing`); false: the step budget alone sizes them.
+    pub pacing: bool,
     /// Receive KV over RDMA (decode side).
     #[cfg(feature = "rdma")]
     pub rdma: Option<cleave_decode_node::RdmaLanding>,
@@ -120,6 +123,7 @@ impl NodeConfig {
             send: SendConfig::default(),
             extra_transports: Vec::new(),
             identity_dir: None,
+            pacing: true,
             #[cfg(feature = "rdma")]
             rdma: None,
         }
@@ -234,7 +238,8 @@ impl Node {
                 }
             }));
             let (left_tx, mut left) = watch::channel(None::<String>);
-            let commands = tokio::spawn(apply_commands(cmd_rx, engine.clone(), role_tx, budget_tx, left_tx));
+            let commands =
+                tokio::spawn(apply_commands(cmd_rx, engine.clone(), cfg.pacing, role_tx, budget_tx, left_tx));
             let load_engine = engine.clone();
             let mut left_rx = left.clone();
             let stop = async move {
@@ -280,10 +285,12 @@ impl Node {
 }
 
 /// Carries out the coordinator's commands in order: a role change (and step budget) becomes the
-/// node's state; `Leave` stops the node.
+/// node's state, its TPOT target the engine's pacing (unless `pacing` is off); `Leave` stops
+/// the node.
 async fn apply_commands(
     mut rx: mpsc::Receiver<Command>,
     engine: EngineHandle,
+    pacing: bool,
     role: watch::Sender<NodeRole>,
     budget: watch::Sender<Option<u32>>,
     left: watch::Sender<Option<String>>,
@@ -291,6 +298,13 @@ async fn apply_commands(
     while let Some(cmd) = rx.recv().await {
         match cmd {
             Command::SetRole(r) => {
+                if let Some(us) = r.tpot_target_us.filter(|_| pacing) {
+                    let target = Duration::from_micros(u64::from(us));
+                    match engine.set_tpot_target(Some(target)).await {
+                        Ok(()) => tracing::info!(tpot_target_us = us, "prompt chunks paced to the TPOT target"),
+                        Err(e) => tracing::warn!(tpot_target_us = us, error = %e, "pacing target refused"),
+                    }
+                }
                 if let Some(b) = r.step_budget {
                     match engine.set_step_budget(b as usize).await {
                         Ok(()) => {

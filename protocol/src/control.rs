@@ -109,6 +109,10 @@ pub struct LoadReport {
     /// Most tokens per engine step the node runs with now (None: not said): what it really
     /// runs, after it accepted or refused a `SetRole`'s budget.
     pub step_budget: Option<u32>,
+    /// The time per output token its engine paces prompt chunks to, in microseconds (None: not
+    /// paced), and the steps whose prompt tokens pacing held below the budget so far.
+    pub tpot_target_us: Option<u32>,
+    pub paced_steps: u64,
 }
 
 /// Cumulative engine step timings of a node (monotonic; the coordinator differences two
@@ -134,6 +138,10 @@ pub struct SetRole {
     pub role: NodeRole,
     /// Most tokens per engine step (None: keep the current budget).
     pub step_budget: Option<u32>,
+    /// Time per output token to pace prompt chunks beside decodes to, in microseconds (None:
+    /// keep the current one). Carried with the role because a node's pacing is the
+    /// coordinator's target, sent at registration and whenever the target changes.
+    pub tpot_target_us: Option<u32>,
 }
 
 /// Everything a node needs to generate for a request (stop strings stay in the coordinator,
@@ -263,6 +271,8 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             decode_context_total: l.steps.decode_context,
             decode_us_total: l.steps.decode_us,
             step_budget: l.step_budget.unwrap_or(0),
+            tpot_target_us: l.tpot_target_us.unwrap_or(0),
+            paced_steps_total: l.paced_steps,
         })),
         ControlMsg::PrefillRequest(p) => fb::BodyT::PrefillRequest(Box::new(fb::PrefillRequestT {
             request_id: p.work.id.0,
@@ -314,6 +324,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
         ControlMsg::SetRole(r) => fb::BodyT::SetRole(Box::new(fb::SetRoleT {
             role: role_to_fb(r.role),
             step_budget: r.step_budget.unwrap_or(0),
+            tpot_target_us: r.tpot_target_us.unwrap_or(0),
         })),
         ControlMsg::Leave(reason) => fb::BodyT::Leave(Box::new(fb::LeaveT { reason: Some(reason.clone()) })),
     };
@@ -482,6 +493,8 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 decode_us: l.decode_us_total,
             },
             step_budget: (l.step_budget > 0).then_some(l.step_budget),
+            tpot_target_us: (l.tpot_target_us > 0).then_some(l.tpot_target_us),
+            paced_steps: l.paced_steps_total,
         })),
         fb::BodyT::PrefillRequest(p) => {
             const M: &str = "PrefillRequest";
@@ -552,6 +565,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
         fb::BodyT::SetRole(r) => Ok(ControlMsg::SetRole(SetRole {
             role: role_from_fb("SetRole", r.role)?,
             step_budget: (r.step_budget > 0).then_some(r.step_budget),
+            tpot_target_us: (r.tpot_target_us > 0).then_some(r.tpot_target_us),
         })),
         fb::BodyT::Leave(l) => Ok(ControlMsg::Leave(l.reason.unwrap_or_default())),
     }

@@ -76,9 +76,11 @@ fn samples() -> Vec<ControlMsg> {
                 decode_us: u64::MAX,
             },
             step_budget: Some(96),
+            tpot_target_us: Some(70_000),
+            paced_steps: u64::MAX - 1,
         }),
-        ControlMsg::SetRole(SetRole { role: NodeRole::Both, step_budget: Some(256) }),
-        ControlMsg::SetRole(SetRole { role: NodeRole::Prefill, step_budget: None }),
+        ControlMsg::SetRole(SetRole { role: NodeRole::Both, step_budget: Some(256), tpot_target_us: None }),
+        ControlMsg::SetRole(SetRole { role: NodeRole::Prefill, step_budget: None, tpot_target_us: Some(100_000) }),
         ControlMsg::Leave("drained".into()),
         ControlMsg::PrefillRequest(PrefillRequest {
             work: work(1, vec![1, 2, 3], Some(9), Some(2)),

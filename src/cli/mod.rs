@@ -180,6 +180,7 @@ impl EngineArgs {
             enable_prefix_caching: !self.no_prefix_caching,
             seed: 0,
             dequantize_weights: self.dequantize_weights,
+            tpot_target: None,
         }
     }
 }

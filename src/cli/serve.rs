@@ -226,6 +226,12 @@ pub struct NodeCmd {
     /// Where this node serves its Prometheus metrics (`GET /metrics`).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub metrics_listen: SocketAddr,
+    /// Size prompt chunks by the step budget alone, ignoring the coordinator's TPOT target.
+    /// By default a node that prefills beside running decodes (colocated, or a decode node
+    /// prefilling a short prompt) cuts the chunk so that no running sequence's time per output
+    /// token goes over the target, down to 16 tokens a step.
+    #[arg(long)]
+    pub no_pacing: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
@@ -443,6 +449,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         cfg.step_budget = u32::try_from(cmd.engine.max_num_batched_tokens).ok();
         cfg.metrics_addr = Some(metrics_addr);
         cfg.identity_dir = cmd.net.certs.clone();
+        cfg.pacing = !cmd.no_pacing;
         #[cfg(feature = "rdma")]
         if let Some(name) = &cmd.rdma_device {
             let dev = super::rdma::Device { name, port: cmd.rdma_port, gid_index: cmd.rdma_gid_index };

@@ -73,6 +73,12 @@ pub fn node_json(s: &NodeState) -> Value {
             "fingerprint": format!("{:016x}", s.weights.fingerprint),
         },
         "step_budget": s.step_budget,
+        // Prompt chunks beside running decodes sized to keep them within this time per output
+        // token (null: the step budget alone), and the steps it held below the budget.
+        "pacing": {
+            "tpot_target_ms": l.tpot_target_us.map(|us| f64::from(us) / 1e3),
+            "paced_steps": l.paced_steps,
+        },
         "report_age_ms": s.report_age.as_millis() as u64,
         "cached_prefix_blocks": s.cached_prefix_blocks,
         "active": { "prefill": s.active_prefill, "decode": s.active_decode },

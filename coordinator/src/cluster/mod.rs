@@ -176,6 +176,8 @@ enum Cmd {
     ReleasePrefill(Assignment),
     Op(NodeOp, oneshot::Sender<Result<(), NodeOpError>>),
     Bridge(Option<u64>),
+    /// The time per output token nodes pace prompt chunks to (microseconds).
+    Pacing(Option<u32>),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
     States(oneshot::Sender<Vec<registry::NodeState>>),
 }
@@ -260,6 +262,12 @@ impl ClusterHandle {
     /// Sets the planner's prefill saturation line (see [`Registry::set_bridge`]).
     pub async fn set_bridge(&self, tokens: Option<u64>) {
         let _ = self.tx.send(Cmd::Bridge(tokens)).await;
+    }
+
+    /// Sets the time per output token every node paces its prompt chunks to (sent to the live
+    /// nodes now, and to each node that registers later).
+    pub async fn set_pacing(&self, tpot_target_us: Option<u32>) {
+        let _ = self.tx.send(Cmd::Pacing(tpot_target_us)).await;
     }
 
     /// Drains a node, or changes its role (see [`NodeOp`]).
@@ -375,6 +383,10 @@ async fn registry_actor(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Each registered node's control-stream outbox (what [`Effect`]s are written to).
     let mut outboxes: std::collections::HashMap<u64, mpsc::Sender<ControlMsg>> = Default::default();
+    // The pacing target nodes are told (a node hears it right after its registration reply).
+    let mut pacing: Option<u32> = None;
+    let pace =
+        |role: NodeRole, us: u32| ControlMsg::SetRole(SetRole { role, step_budget: None, tpot_target_us: Some(us) });
     loop {
         tokio::select! {
             cmd = rx.recv() => {
@@ -387,6 +399,10 @@ async fn registry_actor(
                         match &res {
                             Ok(id) => {
                                 tracing::info!(node_id = id, %name, role = role.as_str(), "node registered");
+                                if let Some(us) = pacing {
+                                    // Queued: the stream's writer starts after the reply.
+                                    let _ = outbox.try_send(pace(role, us));
+                                }
                                 outboxes.insert(*id, outbox);
                             }
                             Err(e) => tracing::error!(%name, reason = %e, "node refused"),
@@ -424,6 +440,19 @@ async fn registry_actor(
                         let _ = reply.send(r);
                         publish_pools(&reg, &ready);
                     }
+                    Cmd::Pacing(us) => {
+                        pacing = us;
+                        if let Some(us) = us {
+                            tracing::info!(tpot_target_us = us, "nodes pace prompt chunks to the TPOT target");
+                            // The role each node registered (or last switched to): a node in
+                            // a switch keeps its old role until the switch's own SetRole.
+                            for n in reg.nodes() {
+                                if let Some(outbox) = outboxes.get(&n.id) {
+                                    let _ = outbox.try_send(pace(n.role, us));
+                                }
+                            }
+                        }
+                    }
                     Cmd::Bridge(tokens) => {
                         tracing::debug!(?tokens, "the planner moved the prefill saturation line");
                         reg.set_bridge(tokens);
@@ -453,7 +482,7 @@ async fn registry_actor(
             let (node, msg) = match e {
                 Effect::SetRole { node, role, step_budget } => {
                     tracing::info!(node_id = node, role = role.as_str(), ?step_budget, "node takes its new role");
-                    (node, ControlMsg::SetRole(SetRole { role, step_budget }))
+                    (node, ControlMsg::SetRole(SetRole { role, step_budget, tpot_target_us: None }))
                 }
                 Effect::Leave { node, reason } => {
                     tracing::info!(node_id = node, %reason, "node drained; telling it to leave");

@@ -106,6 +106,7 @@ pub(super) fn spawn(
         decided: false,
         totals: HashMap::new(),
         bridge: None,
+        pacing: None,
     };
     let task = tokio::spawn(run(actor, observations, rx));
     Ok((PlannerHandle { tx }, task))
@@ -124,6 +125,8 @@ struct Actor {
     totals: HashMap<u64, StepTotals>,
     /// The saturation line last sent to the registry.
     bridge: Option<u64>,
+    /// The pacing target last sent to the registry (microseconds per output token).
+    pacing: Option<u32>,
 }
 
 async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cmds: mpsc::Receiver<Cmd>) {
@@ -146,6 +149,7 @@ async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cm
                 let Some(states) = a.cluster.node_states().await else { return };
                 a.tick(&states, start.elapsed());
                 a.bridge().await;
+                a.pacing().await;
             }
         }
     }
@@ -281,6 +285,18 @@ impl Actor {
         if changed {
             self.bridge = want;
             self.cluster.set_bridge(want).await;
+        }
+    }
+
+    /// Keeps the nodes' pacing at the TPOT target, whatever the mode: a colocated node's prompt
+    /// chunks are sized to keep its running decodes within it (`cleave_engine::sched::pacing`),
+    /// which is the operator's target whether or not the planner moves nodes.
+    async fn pacing(&mut self) {
+        let ms = self.planner.config().targets.tpot_ms;
+        let want = (ms.is_finite() && ms > 0.0).then(|| (ms * 1e3).round().min(f64::from(u32::MAX)) as u32);
+        if want != self.pacing && want.is_some() {
+            self.pacing = want;
+            self.cluster.set_pacing(want).await;
         }
     }
 

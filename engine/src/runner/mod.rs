@@ -20,7 +20,7 @@ use crate::export::{ExportDone, ExportState, KvChunk, KvExportEvent};
 use crate::import::Imports;
 use crate::model::{ForwardBatch, KvSpec, KvStorage, LoadOptions, Model, ModelFiles, WeightBytes, Workspace};
 use crate::sampler::{Sampler, SamplerScratch};
-use crate::sched::{Scheduler, SchedulerConfig, SeqRequest};
+use crate::sched::{Scheduler, SchedulerConfig, SeqRequest, StepCosts};
 use crate::{EngineError, Result};
 
 /// Engine settings; defaults in one place.
@@ -47,6 +47,10 @@ pub struct EngineConfig {
     /// Dequantize block-quantized weights (GGUF Q4_1, Q8_0, ...) to f32 at load instead of
     /// multiplying them in their format ([`crate::model::LoadOptions::dequantize_weights`]).
     pub dequantize_weights: bool,
+    /// Time per output token that prompt chunks beside running decodes are paced to
+    /// ([`crate::sched::pacing`]); None: only `max_num_batched_tokens` limits them. Nodes get
+    /// it from the coordinator's target.
+    pub tpot_target: Option<std::time::Duration>,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +65,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             seed: 0,
             dequantize_weights: false,
+            tpot_target: None,
         }
     }
 }
@@ -134,6 +139,10 @@ pub struct EngineSnapshot {
     pub step_budget: usize,
     /// Cumulative step timings.
     pub step_totals: cleave_protocol::control::StepTotals,
+    /// Steps whose prompt tokens pacing held below the step budget.
+    pub paced_steps: u64,
+    /// The time per output token steps are paced to (None: not paced).
+    pub tpot_target: Option<std::time::Duration>,
 }
 
 /// One constrained sequence's mask in the making during a step.
@@ -180,6 +189,61 @@ pub struct EngineCore<B: Backend> {
     /// The model's identity with this tokenizer's vocabulary (see
     /// [`crate::model::identity`]): the KV layout's fingerprint.
     identity: u64,
+    /// Recent step costs, for pacing.
+    costs: CostTracker,
+}
+
+/// Moving averages of what a step costs, from [`EngineCore::note_step_time`]: the marginal
+/// time of a prompt token and the time of a decode-only step at the recent batch. Averages
+/// rather than totals: pacing needs the machine's speed now (shared machines drift), and the
+/// decode step's cost moves with the batch.
+#[derive(Debug, Clone, Copy, Default)]
+struct CostTracker {
+    prompt_token_s: Option<f64>,
+    decode_step_s: Option<f64>,
+}
+
+impl CostTracker {
+    /// Weight of the newest step.
+    const ALPHA: f64 = 0.2;
+
+    fn ewma(slot: &mut Option<f64>, x: f64) {
+        *slot = Some(slot.map_or(x, |v| v + Self::ALPHA * (x - v)));
+    }
+
+    /// Files a step that computed `prompt` prompt tokens beside `decodes` decodes in `took_s`.
+    /// A step with few prompt tokens says little about their marginal cost (its fixed cost
+    /// dominates) and is not filed as prefill; a mixed step is, less the decode step's cost.
+    fn observe(&mut self, prompt: u64, decodes: u64, took_s: f64) {
+        if prompt == 0 {
+            if decodes > 0 {
+                Self::ewma(&mut self.decode_step_s, took_s);
+            }
+            return;
+        }
+        if prompt < crate::sched::pacing::MIN_PACED_CHUNK as u64 {
+            return;
+        }
+        let beside = if decodes > 0 {
+            match self.decode_step_s {
+                Some(d) => d,
+                None => return,
+            }
+        } else {
+            0.0
+        };
+        let per_token = (took_s - beside).max(0.0) / prompt as f64;
+        if per_token > 0.0 {
+            Self::ewma(&mut self.prompt_token_s, per_token);
+        }
+    }
+
+    fn costs(&self) -> Option<StepCosts> {
+        Some(StepCosts {
+            prompt_token: std::time::Duration::from_secs_f64(self.prompt_token_s?),
+            decode_step: std::time::Duration::from_secs_f64(self.decode_step_s.unwrap_or(0.0)),
+        })
+    }
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -210,7 +274,7 @@ impl<B: Backend> EngineCore<B> {
         }
         let max_model_len =
             cfg.max_model_len.unwrap_or(model.config.max_position_embeddings).min(model.max_positions());
-        let sched = Scheduler::new(SchedulerConfig {
+        let mut sched = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             max_num_seqs: cfg.max_num_seqs,
             block_size: cfg.block_size,
@@ -219,6 +283,7 @@ impl<B: Backend> EngineCore<B> {
             enable_prefix_caching: cfg.enable_prefix_caching,
             long_prefill_threshold: None,
         })?;
+        sched.set_tpot_target(cfg.tpot_target)?;
         let kv = KvStorage::new(
             &backend,
             &model.config,
@@ -245,6 +310,7 @@ impl<B: Backend> EngineCore<B> {
             compiler,
             masked: Vec::new(),
             identity,
+            costs: CostTracker::default(),
         })
     }
 
@@ -295,7 +361,15 @@ impl<B: Backend> EngineCore<B> {
             kv_blocks_reserved: self.imports.num_blocks() + self.parked.iter().map(|p| p.blocks.len()).sum::<usize>(),
             step_budget: self.sched.config().max_num_batched_tokens,
             step_totals: self.stats.totals,
+            paced_steps: self.sched.num_paced_steps(),
+            tpot_target: self.sched.tpot_target(),
         }
+    }
+
+    /// Paces prompt chunks beside running decodes to `target` time per output token (None:
+    /// the step budget alone limits them); takes effect at the next step.
+    pub fn set_tpot_target(&mut self, target: Option<std::time::Duration>) -> Result<()> {
+        self.sched.set_tpot_target(target).map_err(EngineError::from)
     }
 
     /// Changes the most tokens one step feeds (a colocated node trades time to first token for
@@ -310,6 +384,10 @@ impl<B: Backend> EngineCore<B> {
     /// mixed step and an empty one are not counted.
     pub fn note_step_time(&mut self, took: std::time::Duration) {
         let us = took.as_micros() as u64;
+        self.costs.observe(self.stats.last_prefill_tokens, self.stats.last_decode_seqs, took.as_secs_f64());
+        if let Some(c) = self.costs.costs() {
+            self.sched.set_step_costs(c);
+        }
         let st = &mut self.stats;
         if st.last_prefill_tokens > 0 && st.last_decode_seqs > 0 {
             // A mixed step (a chunk beside decodes): its time is neither a prefill's nor a
@@ -710,5 +788,33 @@ impl<B: Backend> EngineCore<B> {
             completion_tokens: seq.output.len() as u32,
             error: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CostTracker;
+
+    #[test]
+    fn step_costs_come_from_pure_and_mixed_steps_and_ignore_tiny_prompts() {
+        let mut c = CostTracker::default();
+        assert!(c.costs().is_none(), "no prompt cost measured yet");
+        // A mixed step before any decode-only one says nothing about a prompt token.
+        c.observe(64, 2, 0.2);
+        assert!(c.costs().is_none());
+        c.observe(0, 4, 0.02);
+        c.observe(100, 0, 0.25);
+        let k = c.costs().unwrap();
+        assert!((k.prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
+        assert!((k.decode_step.as_secs_f64() - 0.02).abs() < 1e-9);
+        // A mixed step: (0.1 - 0.02) / 32 = 2.5 ms a token, as before.
+        c.observe(32, 4, 0.1);
+        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
+        // A 1-token prefill step (a prompt wholly in the prefix cache) is its fixed cost.
+        c.observe(1, 0, 0.02);
+        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
+        // A slower machine moves the average a fifth of the way per step.
+        c.observe(100, 0, 0.35);
+        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0027).abs() < 1e-9);
     }
 }

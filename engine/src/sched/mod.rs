@@ -27,9 +27,11 @@
 //! rejects any request that could not fit in the whole pool alone, so the oldest sequence
 //! always makes progress.
 
+pub mod pacing;
 mod scheduler;
 mod types;
 
+pub use pacing::StepCosts;
 pub use scheduler::Scheduler;
 pub use types::{Batch, BatchItem, SeqRequest, SeqUpdate};
 

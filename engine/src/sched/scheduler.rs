@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use cleave_protocol::FinishReason;
 
-use super::{Batch, BatchItem, SchedError, SchedulerConfig, SeqRequest, SeqUpdate};
+use super::pacing::{paced_chunk, Pace};
+use super::{Batch, BatchItem, SchedError, SchedulerConfig, SeqRequest, SeqUpdate, StepCosts};
 use crate::kv::{BlockPool, BlockTable, KvError, PrefixHit};
 
 /// One sequence's state. `tokens` is prompt + generated; `table.num_tokens()` of them have
@@ -33,6 +34,8 @@ struct Seq {
     copies: Vec<(u32, u32)>,
     /// Set by `finish`/`abort`; applied at the next `schedule`.
     finishing: Option<FinishReason>,
+    /// Set at the first token this scheduler committed for it (see [`super::pacing`]).
+    pace: Option<Pace>,
 }
 
 impl Seq {
@@ -75,6 +78,12 @@ pub struct Scheduler {
     in_flight: Option<Vec<(u64, bool)>>,
     next_order: u64,
     num_preemptions: u64,
+    /// Time per output token the running decodes are paced to (None: not paced).
+    tpot_target: Option<std::time::Duration>,
+    /// The runner's latest step costs (None until it has measured them).
+    costs: Option<StepCosts>,
+    /// Steps whose prompt tokens pacing cut below what the budget allowed.
+    num_paced_steps: u64,
 }
 
 impl Scheduler {
@@ -103,6 +112,9 @@ impl Scheduler {
             in_flight: None,
             next_order: 0,
             num_preemptions: 0,
+            tpot_target: None,
+            costs: None,
+            num_paced_steps: 0,
         })
     }
 
@@ -113,6 +125,30 @@ impl Scheduler {
         }
         self.cfg.max_num_batched_tokens = tokens;
         Ok(())
+    }
+
+    /// Paces prompt chunks beside running decodes to a time per output token (see
+    /// [`super::pacing`]); None: only the budget limits them. A zero target is refused.
+    pub fn set_tpot_target(&mut self, target: Option<std::time::Duration>) -> Result<(), SchedError> {
+        if target.is_some_and(|t| t.is_zero()) {
+            return Err(SchedError::InvalidConfig { what: "the time per output token target must be above 0" });
+        }
+        self.tpot_target = target;
+        Ok(())
+    }
+
+    pub fn tpot_target(&self) -> Option<std::time::Duration> {
+        self.tpot_target
+    }
+
+    /// The step costs pacing sizes chunks with (the runner measures them).
+    pub fn set_step_costs(&mut self, costs: StepCosts) {
+        self.costs = Some(costs);
+    }
+
+    /// Steps whose prompt tokens pacing held below the budget.
+    pub fn num_paced_steps(&self) -> u64 {
+        self.num_paced_steps
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -341,6 +377,7 @@ impl Scheduler {
             scheduled: 0,
             copies: Vec::new(),
             finishing: None,
+            pace: None,
         }
     }
 
@@ -369,7 +406,7 @@ impl Scheduler {
     /// batch was not committed. An empty batch needs no commit. `now` is not used yet (the
     /// policy is pure FCFS by `SeqRequest::arrival`); it is taken so that time-based policies
     /// (queue timeouts, metrics) need no API change.
-    pub fn schedule(&mut self, _now: Instant) -> Result<Batch, SchedError> {
+    pub fn schedule(&mut self, now: Instant) -> Result<Batch, SchedError> {
         if self.in_flight.is_some() {
             return Err(SchedError::BatchInFlight);
         }
@@ -403,6 +440,14 @@ impl Scheduler {
                     budget += self.preempt(victim, &mut batch)?;
                 }
             }
+            if decode_pass {
+                if let Some(chunk) = self.paced_prompt_tokens(now, budget) {
+                    if chunk < budget && self.has_prompt_work() {
+                        self.num_paced_steps += 1;
+                    }
+                    budget = chunk;
+                }
+            }
         }
 
         if batch.preempted.is_empty() {
@@ -431,6 +476,29 @@ impl Scheduler {
             self.in_flight = Some(batch.items.iter().map(|i| (i.seq_id, i.sample)).collect());
         }
         Ok(batch)
+    }
+
+    /// Prompt tokens this step may carry beside the decodes planned so far (see
+    /// [`super::pacing`]); None when nothing paces it.
+    fn paced_prompt_tokens(&self, now: Instant, budget: usize) -> Option<usize> {
+        let (target, costs) = (self.tpot_target?, self.costs?);
+        let allowance = self
+            .running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| s.scheduled == 1 && s.tokens.len() - s.table.num_tokens() == 1)
+            .filter_map(|s| Some(s.pace?.allowance_s(s.num_generated(), now, target)))
+            .min_by(f64::total_cmp)?;
+        Some(paced_chunk(allowance, costs, budget))
+    }
+
+    /// Whether any sequence waits for prompt tokens (a running prefill or a waiting one).
+    fn has_prompt_work(&self) -> bool {
+        !self.waiting.is_empty()
+            || self.running.iter().any(|id| {
+                let s = &self.seqs[id];
+                s.scheduled == 0 && s.tokens.len() - s.table.num_tokens() > 1
+            })
     }
 
     /// Removes the sequences marked by `finish`/`abort`.
@@ -528,7 +596,7 @@ impl Scheduler {
     /// (stop token ids, then EOS unless `ignore_eos` -> `Stop`; `max_tokens` or
     /// `max_model_len` -> `Length`) and frees finished sequences' blocks. On a malformed
     /// `outputs` nothing changes and the batch stays in flight.
-    pub fn commit(&mut self, outputs: &[(u64, u32)], _now: Instant) -> Result<Vec<SeqUpdate>, SchedError> {
+    pub fn commit(&mut self, outputs: &[(u64, u32)], now: Instant) -> Result<Vec<SeqUpdate>, SchedError> {
         let Some(flight) = self.in_flight.take() else {
             return match outputs.first() {
                 Some(&(id, _)) => Err(SchedError::UnexpectedOutput { id }),
@@ -552,6 +620,8 @@ impl Scheduler {
             }
             let token = sampled[&id];
             seq.tokens.push(token);
+            let generated_then = seq.num_generated();
+            seq.pace.get_or_insert(Pace { since: now, generated_then });
             let finish = seq.finish_reason(self.cfg.max_model_len);
             updates.push(SeqUpdate {
                 seq_id: id,

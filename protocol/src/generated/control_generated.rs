@@ -1744,6 +1744,8 @@ impl<'a> LoadReport<'a> {
   pub const VT_DECODE_CONTEXT_TOTAL: ::flatbuffers::VOffsetT = 26;
   pub const VT_DECODE_US_TOTAL: ::flatbuffers::VOffsetT = 28;
   pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 30;
+  pub const VT_TPOT_TARGET_US: ::flatbuffers::VOffsetT = 32;
+  pub const VT_PACED_STEPS_TOTAL: ::flatbuffers::VOffsetT = 34;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1755,6 +1757,7 @@ impl<'a> LoadReport<'a> {
     args: &'args LoadReportArgs<'args>
   ) -> ::flatbuffers::WIPOffset<LoadReport<'bldr>> {
     let mut builder = LoadReportBuilder::new(_fbb);
+    builder.add_paced_steps_total(args.paced_steps_total);
     builder.add_decode_us_total(args.decode_us_total);
     builder.add_decode_context_total(args.decode_context_total);
     builder.add_decode_seqs_total(args.decode_seqs_total);
@@ -1762,6 +1765,7 @@ impl<'a> LoadReport<'a> {
     builder.add_prefill_us_total(args.prefill_us_total);
     builder.add_prefill_tokens_total(args.prefill_tokens_total);
     builder.add_queued_prefill_tokens(args.queued_prefill_tokens);
+    builder.add_tpot_target_us(args.tpot_target_us);
     builder.add_step_budget(args.step_budget);
     if let Some(x) = args.prefix_hashes { builder.add_prefix_hashes(x); }
     builder.add_total_blocks(args.total_blocks);
@@ -1789,6 +1793,8 @@ impl<'a> LoadReport<'a> {
     let decode_context_total = self.decode_context_total();
     let decode_us_total = self.decode_us_total();
     let step_budget = self.step_budget();
+    let tpot_target_us = self.tpot_target_us();
+    let paced_steps_total = self.paced_steps_total();
     LoadReportT {
       queued_prefill_tokens,
       waiting_seqs,
@@ -1804,6 +1810,8 @@ impl<'a> LoadReport<'a> {
       decode_context_total,
       decode_us_total,
       step_budget,
+      tpot_target_us,
+      paced_steps_total,
     }
   }
 
@@ -1910,6 +1918,22 @@ impl<'a> LoadReport<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u32>(LoadReport::VT_STEP_BUDGET, Some(0)).unwrap()}
   }
+  /// The time per output token the engine paces prompt chunks to (microseconds; 0: not
+  /// paced), and the steps whose prompt tokens pacing has held below the budget.
+  #[inline]
+  pub fn tpot_target_us(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(LoadReport::VT_TPOT_TARGET_US, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn paced_steps_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_PACED_STEPS_TOTAL, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for LoadReport<'_> {
@@ -1932,6 +1956,8 @@ impl ::flatbuffers::Verifiable for LoadReport<'_> {
      .visit_field::<u64>("decode_context_total", Self::VT_DECODE_CONTEXT_TOTAL, false)?
      .visit_field::<u64>("decode_us_total", Self::VT_DECODE_US_TOTAL, false)?
      .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
+     .visit_field::<u32>("tpot_target_us", Self::VT_TPOT_TARGET_US, false)?
+     .visit_field::<u64>("paced_steps_total", Self::VT_PACED_STEPS_TOTAL, false)?
      .finish();
     Ok(())
   }
@@ -1951,6 +1977,8 @@ pub struct LoadReportArgs<'a> {
     pub decode_context_total: u64,
     pub decode_us_total: u64,
     pub step_budget: u32,
+    pub tpot_target_us: u32,
+    pub paced_steps_total: u64,
 }
 impl<'a> Default for LoadReportArgs<'a> {
   #[inline]
@@ -1970,6 +1998,8 @@ impl<'a> Default for LoadReportArgs<'a> {
       decode_context_total: 0,
       decode_us_total: 0,
       step_budget: 0,
+      tpot_target_us: 0,
+      paced_steps_total: 0,
     }
   }
 }
@@ -2036,6 +2066,14 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LoadReportBuilder<'a, 'b, A> 
     self.fbb_.push_slot::<u32>(LoadReport::VT_STEP_BUDGET, step_budget, 0);
   }
   #[inline]
+  pub fn add_tpot_target_us(&mut self, tpot_target_us: u32) {
+    self.fbb_.push_slot::<u32>(LoadReport::VT_TPOT_TARGET_US, tpot_target_us, 0);
+  }
+  #[inline]
+  pub fn add_paced_steps_total(&mut self, paced_steps_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_PACED_STEPS_TOTAL, paced_steps_total, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LoadReportBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     LoadReportBuilder {
@@ -2067,6 +2105,8 @@ impl ::core::fmt::Debug for LoadReport<'_> {
       ds.field("decode_context_total", &self.decode_context_total());
       ds.field("decode_us_total", &self.decode_us_total());
       ds.field("step_budget", &self.step_budget());
+      ds.field("tpot_target_us", &self.tpot_target_us());
+      ds.field("paced_steps_total", &self.paced_steps_total());
       ds.finish()
   }
 }
@@ -2087,6 +2127,8 @@ pub struct LoadReportT {
   pub decode_context_total: u64,
   pub decode_us_total: u64,
   pub step_budget: u32,
+  pub tpot_target_us: u32,
+  pub paced_steps_total: u64,
 }
 impl Default for LoadReportT {
   fn default() -> Self {
@@ -2105,6 +2147,8 @@ impl Default for LoadReportT {
       decode_context_total: 0,
       decode_us_total: 0,
       step_budget: 0,
+      tpot_target_us: 0,
+      paced_steps_total: 0,
     }
   }
 }
@@ -2129,6 +2173,8 @@ impl LoadReportT {
     let decode_context_total = self.decode_context_total;
     let decode_us_total = self.decode_us_total;
     let step_budget = self.step_budget;
+    let tpot_target_us = self.tpot_target_us;
+    let paced_steps_total = self.paced_steps_total;
     LoadReport::create(_fbb, &LoadReportArgs{
       queued_prefill_tokens,
       waiting_seqs,
@@ -2144,6 +2190,8 @@ impl LoadReportT {
       decode_context_total,
       decode_us_total,
       step_budget,
+      tpot_target_us,
+      paced_steps_total,
     })
   }
 }
@@ -4488,7 +4536,9 @@ pub enum SetRoleOffset {}
 
 /// Coordinator -> node on the control stream: the node's role from now on (it serves every
 /// request it is sent whatever its role; the role says what the coordinator routes to it and
-/// what it registers as after a reconnect), and the engine's step budget (0: keep it).
+/// what it registers as after a reconnect), the engine's step budget (0: keep it), and the
+/// time per output token the engine paces prompt chunks beside decodes to (microseconds; 0:
+/// keep it).
 pub struct SetRole<'a> {
   pub _tab: ::flatbuffers::Table<'a>,
 }
@@ -4504,6 +4554,7 @@ impl<'a> ::flatbuffers::Follow<'a> for SetRole<'a> {
 impl<'a> SetRole<'a> {
   pub const VT_ROLE: ::flatbuffers::VOffsetT = 4;
   pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 6;
+  pub const VT_TPOT_TARGET_US: ::flatbuffers::VOffsetT = 8;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -4515,6 +4566,7 @@ impl<'a> SetRole<'a> {
     args: &'args SetRoleArgs
   ) -> ::flatbuffers::WIPOffset<SetRole<'bldr>> {
     let mut builder = SetRoleBuilder::new(_fbb);
+    builder.add_tpot_target_us(args.tpot_target_us);
     builder.add_step_budget(args.step_budget);
     builder.add_role(args.role);
     builder.finish()
@@ -4523,9 +4575,11 @@ impl<'a> SetRole<'a> {
   pub fn unpack(&self) -> SetRoleT {
     let role = self.role();
     let step_budget = self.step_budget();
+    let tpot_target_us = self.tpot_target_us();
     SetRoleT {
       role,
       step_budget,
+      tpot_target_us,
     }
   }
 
@@ -4543,6 +4597,13 @@ impl<'a> SetRole<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u32>(SetRole::VT_STEP_BUDGET, Some(0)).unwrap()}
   }
+  #[inline]
+  pub fn tpot_target_us(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(SetRole::VT_TPOT_TARGET_US, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for SetRole<'_> {
@@ -4553,6 +4614,7 @@ impl ::flatbuffers::Verifiable for SetRole<'_> {
     v.visit_table(pos)?
      .visit_field::<Role>("role", Self::VT_ROLE, false)?
      .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
+     .visit_field::<u32>("tpot_target_us", Self::VT_TPOT_TARGET_US, false)?
      .finish();
     Ok(())
   }
@@ -4560,6 +4622,7 @@ impl ::flatbuffers::Verifiable for SetRole<'_> {
 pub struct SetRoleArgs {
     pub role: Role,
     pub step_budget: u32,
+    pub tpot_target_us: u32,
 }
 impl<'a> Default for SetRoleArgs {
   #[inline]
@@ -4567,6 +4630,7 @@ impl<'a> Default for SetRoleArgs {
     SetRoleArgs {
       role: Role::Prefill,
       step_budget: 0,
+      tpot_target_us: 0,
     }
   }
 }
@@ -4583,6 +4647,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> SetRoleBuilder<'a, 'b, A> {
   #[inline]
   pub fn add_step_budget(&mut self, step_budget: u32) {
     self.fbb_.push_slot::<u32>(SetRole::VT_STEP_BUDGET, step_budget, 0);
+  }
+  #[inline]
+  pub fn add_tpot_target_us(&mut self, tpot_target_us: u32) {
+    self.fbb_.push_slot::<u32>(SetRole::VT_TPOT_TARGET_US, tpot_target_us, 0);
   }
   #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> SetRoleBuilder<'a, 'b, A> {
@@ -4604,6 +4672,7 @@ impl ::core::fmt::Debug for SetRole<'_> {
     let mut ds = f.debug_struct("SetRole");
       ds.field("role", &self.role());
       ds.field("step_budget", &self.step_budget());
+      ds.field("tpot_target_us", &self.tpot_target_us());
       ds.finish()
   }
 }
@@ -4612,12 +4681,14 @@ impl ::core::fmt::Debug for SetRole<'_> {
 pub struct SetRoleT {
   pub role: Role,
   pub step_budget: u32,
+  pub tpot_target_us: u32,
 }
 impl Default for SetRoleT {
   fn default() -> Self {
     Self {
       role: Role::Prefill,
       step_budget: 0,
+      tpot_target_us: 0,
     }
   }
 }
@@ -4628,9 +4699,11 @@ impl SetRoleT {
   ) -> ::flatbuffers::WIPOffset<SetRole<'b>> {
     let role = self.role;
     let step_budget = self.step_budget;
+    let tpot_target_us = self.tpot_target_us;
     SetRole::create(_fbb, &SetRoleArgs{
       role,
       step_budget,
+      tpot_target_us,
     })
   }
 }
