@@ -197,6 +197,7 @@ mod window;
 pub use config::{Limits, LimitsUpdate, Mode, PlannerConfig, PlannerUpdate, Role, Targets, TargetsUpdate};
 pub use costs::{Calibration, LinearCosts, StepCosts, StepStats};
 pub use error::PlannerError;
+pub use model::{MIN_PACED_CHUNK, PACING_MARGIN};
 pub use planner::{
     Planner, CALIBRATION_WINDOW, CORRECTION_RANGE, DECISION_LOG, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES,
 };

@@ -279,7 +279,18 @@ pub(crate) struct Model<'a> {
     prefill: PrefillService,
     /// Budget assumed for colocated nodes that report none.
     largest_budget: u32,
+    /// The longest step a colocated node runs beside decodes when it paces prompt chunks to the
+    /// TPOT target (`cleave_engine::sched::pacing`: the target times its margin); None: the
+    /// step budget alone sizes chunks.
+    paced_step_s: Option<f64>,
 }
+
+/// What the engine's pacing aims a step beside decodes at: this share of the TPOT target
+/// (`cleave_engine::sched::pacing::PACING_MARGIN`; the planner does not depend on the engine).
+pub const PACING_MARGIN: f64 = 0.9;
+
+/// The fewest prompt tokens a paced step carries (`cleave_engine::sched::pacing::MIN_PACED_CHUNK`).
+pub const MIN_PACED_CHUNK: f64 = 4.0;
 
 fn tokens(x: f64) -> usize {
     x.round().max(0.0) as usize
@@ -314,7 +325,39 @@ impl<'a> Model<'a> {
         let s_tail = costs.prefill_time(tokens(p_tail)) + costs.handoff_time(tokens(p_tail));
         let tokens_per_s = p / costs.prefill_time(tokens(p));
         let prefill = PrefillService { s_mean, s_tail, cs2, tokens_per_s };
-        Self { costs, load, q: quantile, z, prefill, largest_budget }
+        Self { costs, load, q: quantile, z, prefill, largest_budget, paced_step_s: None }
+    }
+
+    /// Colocated nodes pace prompt chunks to `tpot_target_s` (what nodes do unless started
+    /// with `--no-pacing`): a chunk beside decodes is cut so the step stays within the target
+    /// times [`PACING_MARGIN`], down to [`MIN_PACED_CHUNK`] tokens. Modelled for a fresh
+    /// sequence (no slack banked), so it under-states the chunks older sequences let through:
+    /// TTFT errs long, TPOT is what pacing holds.
+    pub fn paced(mut self, tpot_target_s: Option<f64>) -> Self {
+        self.paced_step_s = tpot_target_s.filter(|t| t.is_finite() && *t > 0.0).map(|t| PACING_MARGIN * t);
+        self
+    }
+
+    /// Most prompt tokens a step beside `x` decodes carries: `room` unpaced, else the largest
+    /// chunk (at least the floor) whose mixed step fits the paced step.
+    fn paced_room(&self, room: f64, x: f64) -> f64 {
+        let Some(limit) = self.paced_step_s else { return room };
+        if room <= MIN_PACED_CHUNK || self.mixed_step(room, x) <= limit {
+            return room;
+        }
+        let (mut lo, mut hi) = (MIN_PACED_CHUNK, room);
+        if self.mixed_step(lo, x) > limit {
+            return lo;
+        }
+        while hi - lo > 1.0 {
+            let mid = ((lo + hi) / 2.0).floor();
+            if self.mixed_step(mid, x) <= limit {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
     }
 
     pub fn load(&self) -> &Load {
@@ -473,6 +516,7 @@ impl<'a> Model<'a> {
             if room < 1.0 {
                 return None;
             }
+            let room = self.paced_room(room, x);
             let chunk = room.min(p);
             let chunks = (p / chunk).ceil();
             let t_m = self.mixed_step(chunk, x);
@@ -544,7 +588,10 @@ impl<'a> Model<'a> {
         // with every sequence that instant holds (two in flight on a decoder whose lone step
         // is at the target read as "nobody meets it"), which made the choice flap.
         let load = Load { inflight_seqs: 0.0, ..self.load };
-        let at = |q: f64| Model::new(self.costs, load, q, self.largest_budget).predict(t).corrected(f);
+        let at = |q: f64| {
+            let m = Model { paced_step_s: self.paced_step_s, ..Model::new(self.costs, load, q, self.largest_budget) };
+            m.predict(t).corrected(f)
+        };
         let share = |within: &dyn Fn(&Corrected) -> bool| {
             let (mut lo, mut hi) = (ATTAIN_Q.0, ATTAIN_Q.1);
             if within(&at(hi)) {

@@ -109,6 +109,13 @@ fn probe(probe: &'static str, value: f64) -> Result<(), PlannerError> {
 }
 
 impl Planner {
+    /// The TPOT target colocated nodes pace their prompt chunks to (seconds): the coordinator
+    /// sends its target to every node, and nodes pace to it unless started with `--no-pacing`
+    /// (which the model then over-predicts colocated TPOT for).
+    fn paced_s(&self) -> Option<f64> {
+        Some(self.cfg.targets.tpot_ms / 1e3)
+    }
+
     /// A planner with validated settings and a usable cost model.
     pub fn new(cfg: PlannerConfig, costs: Box<dyn StepCosts>) -> Result<Self, PlannerError> {
         cfg.validate()?;
@@ -219,7 +226,8 @@ impl Planner {
     /// Window statistics and the predictions for the current configuration, in every mode.
     pub fn estimate(&self, snap: &Snapshot) -> Estimate {
         let a = self.assess(snap);
-        let model = Model::new(&*self.costs, a.load, self.cfg.targets.quantile, self.cfg.limits.largest_step_budget());
+        let model = Model::new(&*self.costs, a.load, self.cfg.targets.quantile, self.cfg.limits.largest_step_budget())
+            .paced(self.paced_s());
         let raw = model.predict(&a.current);
         let f = self.live_factors(snap.now).of(&a.current);
         Estimate {
@@ -403,9 +411,10 @@ impl Planner {
         let cfg = self.cfg.clone();
         let t = &cfg.targets;
         let largest = cfg.limits.largest_step_budget();
-        let raw_current = Model::new(&*self.costs, a.load, t.quantile, largest).predict(&a.current);
+        let raw_current =
+            Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s()).predict(&a.current);
         self.update_correction(now, &a.current, &a.stats, &raw_current);
-        let model = Model::new(&*self.costs, a.load, t.quantile, largest);
+        let model = Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s());
 
         let mut search = Search::new(&model, search_input(&cfg, &a, self.live_factors(now)));
         let current = search.evaluate(&a.current);
@@ -446,16 +455,16 @@ impl Planner {
                 None => e.ratio.is_nan() || e.ratio > current.ratio * cfg.scale_up_margin,
             })
         };
-        let decided = decided.filter(|mv| mv.kind != MoveKind::Relieve || !seen_worse(mv));
+        let decided = decided.filter(|mv| !matches!(mv.kind, MoveKind::Relieve | MoveKind::Hedge) || !seen_worse(mv));
         // A re-split (a relief that adds no node) waits for one window of observation: before
         // that the costs rest on a few steps (a node's first ones, with weights still paging
         // in, are the slowest it will run) and no client has corrected them, and a re-split
         // costs the streams it drains. Adding capacity does not wait.
         let decided =
-            decided.filter(|mv| warm || mv.kind != MoveKind::Relieve || mv.to.target.nodes() > a.current.nodes());
+            decided.filter(|mv| warm || !is_resplit_kind(mv.kind) || mv.to.target.nodes() > a.current.nodes());
         // A re-split must not rest on the rate's noise (see [`Planner::holds_across_rate_noise`]).
         let decided = decided.filter(|mv| {
-            let resplit = mv.kind == MoveKind::Relieve
+            let resplit = is_resplit_kind(mv.kind)
                 && mv.to.target.nodes() <= a.current.nodes()
                 && changes_roles(&a.current, &mv.to.target);
             !resplit || self.holds_across_rate_noise(&a, mv, now)
@@ -529,7 +538,8 @@ impl Planner {
         let spread = RATE_NOISE_Z / n.sqrt();
         [1.0 - spread, 1.0 + spread].into_iter().filter(|f| *f > 0.0).all(|f| {
             let load = Load { lambda: a.load.lambda * f, ..a.load };
-            let model = Model::new(&*self.costs, load, cfg.targets.quantile, largest);
+            let model =
+                Model::new(&*self.costs, load, cfg.targets.quantile, largest).paced(Some(cfg.targets.tpot_ms / 1e3));
             let mut s = Search::new(&model, search_input(cfg, a, factors));
             match mv.attainment {
                 Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current),
@@ -546,7 +556,8 @@ impl Planner {
         let reason = reason(&a.current, current, mv, &a.inputs, &self.cfg);
         let t = &self.cfg.targets;
         let live = self.live_factors(snap.now);
-        let model = Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget());
+        let model =
+            Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget()).paced(self.paced_s());
         let attain = |p: &PoolTarget| model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
         let (f_cur, f_to) = (live.of(&a.current), live.of(&target));
         let [cur_attain, to_attain] = mv.attainment.unwrap_or_else(|| [attain(&a.current), attain(&target)]);
@@ -632,6 +643,12 @@ fn similar(a: &Demand, b: &Demand) -> bool {
         close(x, y) || (x - y).abs() <= 2.0 * (a.rate_var + b.rate_var).sqrt()
     };
     rate_close && close(a.means[1], b.means[1]) && close(a.means[2], b.means[2])
+}
+
+/// Moves that may re-split the same nodes (and so wait for a window, and must hold across the
+/// rate's noise).
+fn is_resplit_kind(k: MoveKind) -> bool {
+    matches!(k, MoveKind::Relieve | MoveKind::Hedge)
 }
 
 fn within_limits(t: &PoolTarget, cfg: &PlannerConfig) -> bool {

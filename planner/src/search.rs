@@ -89,6 +89,12 @@ pub(crate) enum MoveKind {
     ScaleDown,
     /// It is predicted to miss the targets (or already does).
     Relieve,
+    /// It meets the targets disaggregated, and as many colocated nodes meet them too: colocated
+    /// nodes serve any mix, so a shift of the mix finds capacity on every node instead of
+    /// overloading one pool until the planner sees it (on the recorded shifting load, a 1p1d
+    /// caught by a decode-heavy phase lost 10-35 points of that phase to the 6 s before the
+    /// switch: BENCHMARKS.md). Disaggregation is chosen only where colocation misses.
+    Hedge,
 }
 
 /// A chosen move.
@@ -443,6 +449,29 @@ impl<'a, 'm> Search<'a, 'm> {
         Some((shrunk, a))
     }
 
+    /// As many colocated nodes as `current` has, at the step budget that meets the targets with
+    /// the most slack (`ratio <= margin`), when `current` is disaggregated (see
+    /// [`MoveKind::Hedge`]).
+    fn hedge(&mut self, current: &Candidate, margin: f64) -> Option<Candidate> {
+        let t = &current.target;
+        let n = t.nodes();
+        if t.prefill + t.decode == 0 || n == 0 {
+            return None;
+        }
+        let (lo, hi) = self.k_range((n, n))?;
+        if lo > n || hi < n {
+            return None;
+        }
+        let mut best: Option<Candidate> = None;
+        for b in self.budgets() {
+            let c = self.coloc(n, b);
+            if c.ratio <= margin && best.as_ref().is_none_or(|x| c.ratio < x.ratio) {
+                best = Some(c);
+            }
+        }
+        best
+    }
+
     /// The hysteresis policy (see the crate docs, "Choosing"). `None`: keep the current one.
     pub fn decide(&mut self, current: &Candidate, in_limits: bool, policy: Policy) -> Option<Move> {
         let (up, down) = (policy.scale_up_margin, policy.scale_down_margin);
@@ -456,10 +485,11 @@ impl<'a, 'm> Search<'a, 'm> {
             return chosen(to, MoveKind::Bounds);
         }
         if current.ratio <= up {
-            if !policy.allow_fewer || n == 0 {
-                return None;
+            let fewer = if policy.allow_fewer && n > 0 { self.best_meeting(down, (0, n - 1)) } else { None };
+            if let Some(to) = fewer {
+                return chosen(to, MoveKind::ScaleDown);
             }
-            return self.best_meeting(down, (0, n - 1)).and_then(|to| chosen(to, MoveKind::ScaleDown));
+            return self.hedge(current, up).and_then(|to| chosen(to, MoveKind::Hedge));
         }
         // At risk or in breach: a move that does not add nodes must land clearly inside the
         // targets (the scale-down margin), one that adds nodes inside the scale-up margin.

@@ -229,7 +229,7 @@ pub struct NodeCmd {
     /// Size prompt chunks by the step budget alone, ignoring the coordinator's TPOT target.
     /// By default a node that prefills beside running decodes (colocated, or a decode node
     /// prefilling a short prompt) cuts the chunk so that no running sequence's time per output
-    /// token goes over the target, down to 16 tokens a step.
+    /// token goes over the target, down to 4 tokens a step.
     #[arg(long)]
     pub no_pacing: bool,
     #[command(flatten)]

@@ -75,7 +75,8 @@ pub struct BaselineSpec<'a> {
 
 impl BaselineSpec<'_> {
     fn run(&self, t: Topology, stop_early: bool) -> Result<StaticRun> {
-        let mut cfg = ClusterConfig::new(t, self.limits);
+        // Nodes pace to the TPOT target, as the planner's runs do.
+        let mut cfg = ClusterConfig::new(t, self.limits).paced(self.slo.tpot_ms.map(|ms| ms / 1e3));
         if matches!(t, Topology::Disaggregated { .. }) {
             cfg.local_prefill_below = self.local_prefill_below;
         }

@@ -89,11 +89,21 @@ pub struct ClusterConfig {
     /// Conditional disaggregation (disaggregated topologies only): prompts shorter than this many
     /// tokens are prefilled on their decode node as a chunk of a mixed step. 0: always hand off.
     pub local_prefill_below: usize,
+    /// Nodes pace prompt chunks beside decodes to this time per output token, seconds (as
+    /// `cleave_engine::sched::pacing` does to the coordinator's target); None: the step budget
+    /// alone sizes chunks.
+    pub pacing_tpot_s: Option<f64>,
 }
 
 impl ClusterConfig {
     pub fn new(topology: Topology, limits: NodeLimits) -> Self {
-        Self { topology, limits, local_prefill_below: 0 }
+        Self { topology, limits, local_prefill_below: 0, pacing_tpot_s: None }
+    }
+
+    /// Paces prompt chunks to `tpot_s` (see [`Self::pacing_tpot_s`]).
+    pub fn paced(mut self, tpot_s: Option<f64>) -> Self {
+        self.pacing_tpot_s = tpot_s.filter(|t| t.is_finite() && *t > 0.0);
+        self
     }
 }
 

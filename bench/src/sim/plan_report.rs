@@ -214,7 +214,8 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
             (trace, requests)
         }
     };
-    let mut cfg = ClusterConfig::new(initial, limits);
+    // Nodes pace prompt chunks to the TPOT target (the coordinator sends it whatever the mode).
+    let mut cfg = ClusterConfig::new(initial, limits).paced(Some(planner.targets.tpot_ms / 1e3));
     cfg.local_prefill_below = args.local_prefill_below;
     let spec =
         PlannedSpec { tick_s: args.planner_tick_s, start_delay_s: args.start_delay_s, ..PlannedSpec::new(planner) };

@@ -193,14 +193,14 @@ pub struct EngineCore<B: Backend> {
     costs: CostTracker,
 }
 
-/// Moving averages of what a step costs, from [`EngineCore::note_step_time`]: the marginal
-/// time of a prompt token and the time of a decode-only step at the recent batch. Averages
-/// rather than totals: pacing needs the machine's speed now (shared machines drift), and the
-/// decode step's cost moves with the batch.
+/// Moving averages of what a step costs, from [`EngineCore::note_step_time`]: a decode-only step
+/// at the recent batch, and the marginal time of a prompt token per chunk size
+/// ([`crate::sched::pacing::CHUNK_BUCKETS`]). Averages rather than totals: pacing needs the
+/// machine's speed now (shared machines drift), and the decode step's cost moves with the batch.
 #[derive(Debug, Clone, Copy, Default)]
 struct CostTracker {
-    prompt_token_s: Option<f64>,
     decode_step_s: Option<f64>,
+    prompt_token_s: [Option<f64>; crate::sched::pacing::CHUNK_BUCKETS.len()],
 }
 
 impl CostTracker {
@@ -212,8 +212,9 @@ impl CostTracker {
     }
 
     /// Files a step that computed `prompt` prompt tokens beside `decodes` decodes in `took_s`.
-    /// A step with few prompt tokens says little about their marginal cost (its fixed cost
-    /// dominates) and is not filed as prefill; a mixed step is, less the decode step's cost.
+    /// A chunk below the smallest bucket is not filed (its step's fixed cost dominates); a
+    /// mixed step is, less the decode step's cost; a prompt-only step whole (its fixed cost in
+    /// the per-token figure: pessimistic where it is used beside decodes, which carry theirs).
     fn observe(&mut self, prompt: u64, decodes: u64, took_s: f64) {
         if prompt == 0 {
             if decodes > 0 {
@@ -221,28 +222,24 @@ impl CostTracker {
             }
             return;
         }
-        if prompt < crate::sched::pacing::MIN_PACED_CHUNK as u64 {
-            return;
-        }
-        let beside = if decodes > 0 {
-            match self.decode_step_s {
-                Some(d) => d,
-                None => return,
-            }
-        } else {
-            0.0
+        let Some(bucket) = crate::sched::pacing::chunk_bucket(prompt as usize) else { return };
+        let beside = match (decodes, self.decode_step_s) {
+            (0, _) => 0.0,
+            (_, Some(d)) => d,
+            (_, None) => return,
         };
         let per_token = (took_s - beside).max(0.0) / prompt as f64;
         if per_token > 0.0 {
-            Self::ewma(&mut self.prompt_token_s, per_token);
+            Self::ewma(&mut self.prompt_token_s[bucket], per_token);
         }
     }
 
-    fn costs(&self) -> Option<StepCosts> {
-        Some(StepCosts {
-            prompt_token: std::time::Duration::from_secs_f64(self.prompt_token_s?),
-            decode_step: std::time::Duration::from_secs_f64(self.decode_step_s.unwrap_or(0.0)),
-        })
+    fn costs(&self) -> StepCosts {
+        let d = |s: f64| std::time::Duration::from_secs_f64(s);
+        StepCosts {
+            decode_step: d(self.decode_step_s.unwrap_or(0.0)),
+            prompt_token: self.prompt_token_s.map(|p| p.map(d)),
+        }
     }
 }
 
@@ -385,9 +382,7 @@ impl<B: Backend> EngineCore<B> {
     pub fn note_step_time(&mut self, took: std::time::Duration) {
         let us = took.as_micros() as u64;
         self.costs.observe(self.stats.last_prefill_tokens, self.stats.last_decode_seqs, took.as_secs_f64());
-        if let Some(c) = self.costs.costs() {
-            self.sched.set_step_costs(c);
-        }
+        self.sched.set_step_costs(self.costs.costs());
         let st = &mut self.stats;
         if st.last_prefill_tokens > 0 && st.last_decode_seqs > 0 {
             // A mixed step (a chunk beside decodes): its time is neither a prefill's nor a
@@ -796,25 +791,28 @@ mod tests {
     use super::CostTracker;
 
     #[test]
-    fn step_costs_come_from_pure_and_mixed_steps_and_ignore_tiny_prompts() {
+    fn step_costs_come_from_pure_and_mixed_steps_by_chunk_size_and_ignore_tiny_prompts() {
+        let per_token = |c: &CostTracker, b: usize| c.costs().prompt_token[b].map(|d| d.as_secs_f64());
+        let close = |x: Option<f64>, y: f64| x.is_some_and(|x| (x - y).abs() < 1e-9);
         let mut c = CostTracker::default();
-        assert!(c.costs().is_none(), "no prompt cost measured yet");
+        assert!(!c.costs().known(), "no prompt cost measured yet");
         // A mixed step before any decode-only one says nothing about a prompt token.
         c.observe(64, 2, 0.2);
-        assert!(c.costs().is_none());
+        assert!(!c.costs().known());
         c.observe(0, 4, 0.02);
-        c.observe(100, 0, 0.25);
-        let k = c.costs().unwrap();
-        assert!((k.prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
-        assert!((k.decode_step.as_secs_f64() - 0.02).abs() < 1e-9);
-        // A mixed step: (0.1 - 0.02) / 32 = 2.5 ms a token, as before.
-        c.observe(32, 4, 0.1);
-        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
+        c.observe(128, 0, 0.25);
+        assert!(close(per_token(&c, 5), 0.25 / 128.0));
+        assert!((c.costs().decode_step.as_secs_f64() - 0.02).abs() < 1e-9);
+        // A mixed step with a 20-token chunk: (0.1 - 0.02) / 20 = 4 ms a token, in its own bucket.
+        c.observe(20, 4, 0.1);
+        assert!(close(per_token(&c, 2), 0.004));
+        assert!(close(per_token(&c, 5), 0.25 / 128.0));
         // A 1-token prefill step (a prompt wholly in the prefix cache) is its fixed cost.
         c.observe(1, 0, 0.02);
-        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0025).abs() < 1e-9);
+        c.observe(2, 4, 0.03);
+        assert!(close(per_token(&c, 2), 0.004));
         // A slower machine moves the average a fifth of the way per step.
-        c.observe(100, 0, 0.35);
-        assert!((c.costs().unwrap().prompt_token.as_secs_f64() - 0.0027).abs() < 1e-9);
+        c.observe(20, 4, 0.12);
+        assert!(close(per_token(&c, 2), 0.0042));
     }
 }

@@ -26,23 +26,44 @@
 use std::time::{Duration, Instant};
 
 /// Fewest prompt tokens a paced step carries when any wait: the floor that keeps prefill
-/// moving when decodes have no slack left (one KV block at the default block size).
-pub const MIN_PACED_CHUNK: usize = 16;
+/// moving when decodes have no slack left. Small, because a prompt row costs about what a
+/// decode row does: at 16 (the first floor tried) a step of one decode and the floor ran
+/// 104 ms for SmolLM2 Q4_1 on one core of the benchmark VM, past a 100-ms target on its own.
+pub const MIN_PACED_CHUNK: usize = 4;
 
 /// Share of the target the allowance aims at: the client's time per token also counts the
 /// network and the coordinator, which the node does not see.
 pub const PACING_MARGIN: f64 = 0.9;
 
-/// What the runner measured a step to cost: the marginal time of one prompt token, and a
-/// decode-only step at the current batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepCosts {
-    pub prompt_token: Duration,
-    pub decode_step: Duration,
+/// Chunk sizes whose prompt-token cost is tracked apart: bucket `i` holds chunks from
+/// `CHUNK_BUCKETS[i]` up to the next bucket's start. A prompt token costs far more in a small
+/// chunk than in a large one (a 16-token chunk is a skinny matrix product that streams the
+/// weights much as a decode step does: 3.4 ms a token against 1.7 at 128 for SmolLM2 Q4_1 on
+/// one core), so one average would cut chunks wrong at both ends.
+pub const CHUNK_BUCKETS: [usize; 7] = [4, 8, 16, 32, 64, 128, 256];
+
+/// The bucket of a chunk of `tokens` (None below the smallest).
+pub fn chunk_bucket(tokens: usize) -> Option<usize> {
+    CHUNK_BUCKETS.iter().rposition(|&lo| tokens >= lo)
 }
 
-/// One decoding sequence's pace: when it produced its first token on this node, and how many
-/// tokens it had then.
+/// What the runner measured steps to cost: a decode-only step at the current batch, and the
+/// marginal time of a prompt token by chunk bucket (None: no chunk of that size seen yet).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepCosts {
+    pub decode_step: Duration,
+    pub prompt_token: [Option<Duration>; CHUNK_BUCKETS.len()],
+}
+
+impl StepCosts {
+    /// Whether any prompt-token cost is known (pacing needs one).
+    pub fn known(&self) -> bool {
+        self.prompt_token.iter().any(Option::is_some)
+    }
+}
+
+/// One decoding sequence's pace: when its first token here was out (the start of the step
+/// after the one that sampled it), and how many tokens it had then.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Pace {
     pub since: Instant,
@@ -60,26 +81,37 @@ impl Pace {
 }
 
 /// Prompt tokens a step may carry, given the least allowance over its decoding sequences (in
-/// seconds), the costs, and the budget left after the decodes.
-pub(super) fn paced_chunk(allowance_s: f64, costs: StepCosts, budget: usize) -> usize {
-    let per_token = costs.prompt_token.as_secs_f64();
-    if per_token <= 0.0 {
-        return budget;
+/// seconds), the costs, and the budget left after the decodes: the largest chunk whose
+/// predicted step (the decode step plus the chunk at its own bucket's cost per token) fits,
+/// trying large buckets first; a bucket not measured yet is skipped (its chunks are tried
+/// once the floor or a smaller bucket measured the cost). At least [`MIN_PACED_CHUNK`].
+pub(super) fn paced_chunk(allowance_s: f64, costs: &StepCosts, budget: usize) -> usize {
+    let room = allowance_s - costs.decode_step.as_secs_f64();
+    let mut chunk = 0;
+    if room.is_finite() && room > 0.0 {
+        for (i, &lo) in CHUNK_BUCKETS.iter().enumerate().rev() {
+            let per_token = costs.prompt_token[i].map_or(0.0, |d| d.as_secs_f64());
+            if lo > budget || per_token <= 0.0 {
+                continue;
+            }
+            let fits = (room / per_token).min(budget as f64);
+            if fits >= lo as f64 {
+                chunk = fits as usize;
+                break;
+            }
+        }
     }
-    let room = (allowance_s - costs.decode_step.as_secs_f64()) / per_token;
-    let tokens = if room.is_finite() && room > 0.0 { room.min(budget as f64) as usize } else { 0 };
-    tokens.max(MIN_PACED_CHUNK).min(budget)
+    chunk.max(MIN_PACED_CHUNK).min(budget)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The same cost per prompt token in every bucket.
     fn costs(prompt_ms: f64, decode_ms: f64) -> StepCosts {
-        StepCosts {
-            prompt_token: Duration::from_secs_f64(prompt_ms / 1e3),
-            decode_step: Duration::from_secs_f64(decode_ms / 1e3),
-        }
+        let p = (prompt_ms > 0.0).then(|| Duration::from_secs_f64(prompt_ms / 1e3));
+        StepCosts { decode_step: Duration::from_secs_f64(decode_ms / 1e3), prompt_token: [p; CHUNK_BUCKETS.len()] }
     }
 
     #[test]
@@ -89,7 +121,7 @@ mod tests {
         let a = p.allowance_s(1, t0, Duration::from_millis(100));
         assert!((a - 0.09).abs() < 1e-9, "{a}");
         // 90 ms less a 20-ms decode step at 2.5 ms a prompt token: 28 tokens.
-        assert_eq!(paced_chunk(a, costs(2.5, 20.0), 128), 28);
+        assert_eq!(paced_chunk(a, &costs(2.5, 20.0), 128), 28);
     }
 
     #[test]
@@ -99,14 +131,40 @@ mod tests {
         let target = Duration::from_millis(100);
         // 50 tokens at 20 ms: 50 * 90 - 980 ms of allowance, far more than the budget.
         let fast = p.allowance_s(50, t0 + Duration::from_millis(980), target);
-        assert_eq!(paced_chunk(fast, costs(2.5, 20.0), 128), 128);
+        assert_eq!(paced_chunk(fast, &costs(2.5, 20.0), 128), 128);
         // 10 tokens in 2 s: already over; the floor keeps prompts moving.
         let late = p.allowance_s(10, t0 + Duration::from_secs(2), target);
         assert!(late < 0.0);
-        assert_eq!(paced_chunk(late, costs(2.5, 20.0), 128), MIN_PACED_CHUNK);
+        assert_eq!(paced_chunk(late, &costs(2.5, 20.0), 128), MIN_PACED_CHUNK);
         // The floor never exceeds what the budget left.
-        assert_eq!(paced_chunk(late, costs(2.5, 20.0), 5), 5);
-        // Unknown prompt cost: the budget alone.
-        assert_eq!(paced_chunk(late, costs(0.0, 20.0), 128), 128);
+        assert_eq!(paced_chunk(late, &costs(2.5, 20.0), 3), 3);
+        assert!(!costs(0.0, 20.0).known());
+    }
+
+    #[test]
+    fn each_chunk_size_is_costed_at_its_own_bucket() {
+        // SmolLM2 Q4_1 on one core: 3.4 ms a token in 16-token chunks, 1.7 ms at 128.
+        let ms = |x: f64| Some(Duration::from_secs_f64(x / 1e3));
+        let c = StepCosts {
+            decode_step: Duration::from_millis(15),
+            prompt_token: [None, None, ms(3.4), None, ms(2.3), ms(1.7), None],
+        };
+        // 90 ms: 75 ms of room; 44 tokens at 1.7 (below 128), 32 at 2.3 (below 64), 22 at 3.4.
+        assert_eq!(paced_chunk(0.09, &c, 128), 22);
+        // 300 ms: 285 ms of room, 167 tokens at 1.7: the budget caps it.
+        assert_eq!(paced_chunk(0.3, &c, 128), 128);
+        assert_eq!(paced_chunk(0.3, &c, 512), 167);
+        // 150 ms: 135 ms, 79 at 1.7 (below 128), 58 at 2.3 (below 64), 39 at 3.4.
+        assert_eq!(paced_chunk(0.15, &c, 512), 39);
+        // Only the large chunk's cost known (unpaced steps so far): the floor measures the small.
+        let big = StepCosts { prompt_token: [None, None, None, None, None, ms(1.7), None], ..c };
+        assert_eq!(paced_chunk(0.09, &big, 128), MIN_PACED_CHUNK);
+        // A budget below a bucket's start: that bucket's cost is the one for it.
+        let small = StepCosts { prompt_token: [None, None, ms(3.4), None, None, None, None], ..c };
+        assert_eq!(paced_chunk(0.5, &small, 100), 100);
+        assert_eq!(chunk_bucket(3), None);
+        assert_eq!(chunk_bucket(16), Some(2));
+        assert_eq!(chunk_bucket(200), Some(5));
+        assert_eq!(chunk_bucket(4096), Some(6));
     }
 }

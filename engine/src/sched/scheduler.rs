@@ -34,8 +34,10 @@ struct Seq {
     copies: Vec<(u32, u32)>,
     /// Set by `finish`/`abort`; applied at the next `schedule`.
     finishing: Option<FinishReason>,
-    /// Set at the first token this scheduler committed for it (see [`super::pacing`]).
+    /// Set at the step after the first token this scheduler committed for it, when that token
+    /// is out (see [`super::pacing`]); `pace_from` holds the count until then.
     pace: Option<Pace>,
+    pace_from: Option<usize>,
 }
 
 impl Seq {
@@ -378,6 +380,7 @@ impl Scheduler {
             copies: Vec::new(),
             finishing: None,
             pace: None,
+            pace_from: None,
         }
     }
 
@@ -412,6 +415,14 @@ impl Scheduler {
         }
         let mut batch = Batch::default();
         self.drain_finished(&mut batch)?;
+        // A token committed by the last step is out now: the pace of a sequence's first one
+        // starts here (the step that sampled it started a whole step earlier).
+        for id in &self.running {
+            let seq = self.seqs.get_mut(id).expect("running sequences exist");
+            if let Some(generated_then) = seq.pace_from.take() {
+                seq.pace = Some(Pace { since: now, generated_then });
+            }
+        }
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut order = Vec::new();
 
@@ -481,7 +492,7 @@ impl Scheduler {
     /// Prompt tokens this step may carry beside the decodes planned so far (see
     /// [`super::pacing`]); None when nothing paces it.
     fn paced_prompt_tokens(&self, now: Instant, budget: usize) -> Option<usize> {
-        let (target, costs) = (self.tpot_target?, self.costs?);
+        let (target, costs) = (self.tpot_target?, self.costs.filter(StepCosts::known)?);
         let allowance = self
             .running
             .iter()
@@ -489,7 +500,7 @@ impl Scheduler {
             .filter(|s| s.scheduled == 1 && s.tokens.len() - s.table.num_tokens() == 1)
             .filter_map(|s| Some(s.pace?.allowance_s(s.num_generated(), now, target)))
             .min_by(f64::total_cmp)?;
-        Some(paced_chunk(allowance, costs, budget))
+        Some(paced_chunk(allowance, &costs, budget))
     }
 
     /// Whether any sequence waits for prompt tokens (a running prefill or a waiting one).
@@ -596,7 +607,7 @@ impl Scheduler {
     /// (stop token ids, then EOS unless `ignore_eos` -> `Stop`; `max_tokens` or
     /// `max_model_len` -> `Length`) and frees finished sequences' blocks. On a malformed
     /// `outputs` nothing changes and the batch stays in flight.
-    pub fn commit(&mut self, outputs: &[(u64, u32)], now: Instant) -> Result<Vec<SeqUpdate>, SchedError> {
+    pub fn commit(&mut self, outputs: &[(u64, u32)], _now: Instant) -> Result<Vec<SeqUpdate>, SchedError> {
         let Some(flight) = self.in_flight.take() else {
             return match outputs.first() {
                 Some(&(id, _)) => Err(SchedError::UnexpectedOutput { id }),
@@ -620,8 +631,9 @@ impl Scheduler {
             }
             let token = sampled[&id];
             seq.tokens.push(token);
-            let generated_then = seq.num_generated();
-            seq.pace.get_or_insert(Pace { since: now, generated_then });
+            if seq.pace.is_none() && seq.pace_from.is_none() {
+                seq.pace_from = Some(seq.num_generated());
+            }
             let finish = seq.finish_reason(self.cfg.max_model_len);
             updates.push(SeqUpdate {
                 seq_id: id,

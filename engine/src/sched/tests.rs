@@ -251,21 +251,25 @@ fn pacing_cuts_chunks_beside_decodes_to_their_slack_and_never_stalls_prompts() {
     let mut s = Scheduler::new(SchedulerConfig { max_num_batched_tokens: 128, ..cfg(64, 16) }).unwrap();
     s.set_tpot_target(Some(Duration::from_millis(100))).unwrap();
     // 2 ms a prompt token, 20 ms a decode step.
-    s.set_step_costs(StepCosts { prompt_token: Duration::from_millis(2), decode_step: Duration::from_millis(20) });
+    let two_ms = Some(Duration::from_millis(2));
+    s.set_step_costs(StepCosts { decode_step: Duration::from_millis(20), prompt_token: [two_ms; 7] });
     // Alone, a prompt gets the whole budget: no decode to protect.
     s.add(req(1, 100, 50, t0)).unwrap();
     let b = s.schedule(t0).unwrap();
     assert_eq!(prompt_tokens(&b, 1), 100);
-    s.commit(&sevens(&b), t0).unwrap(); // sequence 1's first token at t0: its pace starts
-                                        // A prompt sharing no block with the first (no prefix-cache hit).
+    // Sequence 1's first token: committed as its step began (t0), out when the next begins.
+    s.commit(&sevens(&b), t0).unwrap();
+    // A prompt sharing no block with the first (no prefix-cache hit).
     s.add(SeqRequest::new(2, (1000..1200).collect(), 4, t0)).unwrap();
-    // Beside a fresh decode: 90 ms allowance, 20 for the decode, 2 ms a token: 35 tokens.
-    let b = s.schedule(t0).unwrap();
+    // Beside a fresh decode: 90 ms allowance from the token's release (the 50 ms of the step
+    // that sampled it not counted), 20 for the decode, 2 ms a token: 35 tokens.
+    let out = t0 + Duration::from_millis(50);
+    let b = s.schedule(out).unwrap();
     assert_eq!((prompt_tokens(&b, 1), prompt_tokens(&b, 2)), (1, 35));
     assert_eq!(s.num_paced_steps(), 1);
     // The step ran 100 ms (over the estimate): one interval at 100 ms, the next step's
     // allowance is 180 - 100 = 80 ms: 30 tokens.
-    let t1 = t0 + Duration::from_millis(100);
+    let t1 = out + Duration::from_millis(100);
     s.commit(&sevens(&b), t1).unwrap();
     let b = s.schedule(t1).unwrap();
     assert_eq!(prompt_tokens(&b, 2), 30);
@@ -275,10 +279,10 @@ fn pacing_cuts_chunks_beside_decodes_to_their_slack_and_never_stalls_prompts() {
     let b = s.schedule(t2).unwrap();
     assert_eq!(prompt_tokens(&b, 2), crate::sched::pacing::MIN_PACED_CHUNK);
     s.commit(&sevens(&b), t2).unwrap();
-    // Without a target only the budget limits it.
+    // Without a target only the budget (less the decode) limits it.
     s.set_tpot_target(None).unwrap();
     let b = s.schedule(t2).unwrap();
-    assert_eq!(prompt_tokens(&b, 2), 200 - 35 - 30 - crate::sched::pacing::MIN_PACED_CHUNK);
+    assert_eq!(prompt_tokens(&b, 2), 127);
     assert_eq!(
         s.set_tpot_target(Some(Duration::ZERO)),
         Err(SchedError::InvalidConfig { what: "the time per output token target must be above 0" })

@@ -683,6 +683,13 @@ impl<'a> Sim<'a> {
         node.decodes = node.running.len();
         node.chunks.clear();
         let mut budget = node.budget.saturating_sub(node.decodes);
+        if let Some(tpot) = self.cfg.pacing_tpot_s {
+            let waiting = !node.prefilling.is_empty() || !node.remote.is_empty();
+            if node.decodes > 0 && waiting {
+                budget = self.paced_budget(n, tpot, budget, now);
+            }
+        }
+        let node = &mut self.nodes[n];
         for &r in node.prefilling.iter() {
             if budget == 0 {
                 break;
@@ -709,6 +716,38 @@ impl<'a> Sim<'a> {
             node.decodes,
             node.context,
         ))
+    }
+
+    /// Prompt tokens node `n`'s next step may carry beside its decodes when it paces to `tpot`
+    /// (the engine's rule, `cleave_engine::sched::pacing`): each decoding sequence may see the
+    /// step last `margin * tpot * generated - (now - first token)` (its mean within the target
+    /// were it to end after this step); the largest chunk whose step fits the least of those,
+    /// at least the floor. The engine measures its costs; here they are the cost model's.
+    fn paced_budget(&self, n: usize, tpot: f64, budget: usize, now: f64) -> usize {
+        use cleave_planner::{MIN_PACED_CHUNK, PACING_MARGIN};
+        let node = &self.nodes[n];
+        let allowance = node.running[..node.decodes]
+            .iter()
+            .map(|&r| PACING_MARGIN * tpot * self.state[r].generated as f64 - (now - self.state[r].first_token_s))
+            .fold(f64::INFINITY, f64::min);
+        let step = |c: usize| self.cost.mixed_step_time([(c, 0)], node.decodes, node.context);
+        let floor = (MIN_PACED_CHUNK as usize).min(budget);
+        if budget <= floor || step(budget) <= allowance {
+            return budget;
+        }
+        if step(floor) > allowance {
+            return floor;
+        }
+        let (mut lo, mut hi) = (floor, budget);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if step(mid) <= allowance {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
     }
 
     fn step_done(&mut self, n: usize, t: f64) {
