@@ -168,6 +168,7 @@ mod tests {
             running_seqs: running,
             kv_used_ratio: 0.0,
             step_budget: (role == Role::Both).then_some(256),
+            paced: false,
         }
     }
 

@@ -510,13 +510,17 @@ impl<'a> Model<'a> {
         let (p, o) = (self.load.prompt, self.load.output);
         let budget = f64::from(budget);
         // Per batch of others `b`: (chunk, chunks per prompt, t_m, t_d, u, mean TPOT).
+        // Per batch of others `b`: (room, chunk, chunks per prompt, t_m, t_d, u, mean TPOT). A
+        // paced node cuts chunks only while decodes run, and a prompt's prefill overlaps
+        // decodes about `min(1, b)` of the time: its room blends the paced and the full one.
         let steps = |b: f64| {
             let x = 1.0 + b;
-            let room = (budget - x).floor();
-            if room < 1.0 {
+            let full = (budget - x).floor();
+            if full < 1.0 {
                 return None;
             }
-            let room = self.paced_room(room, x);
+            let paced = self.paced_room(full, x);
+            let room = (full - b.min(1.0) * (full - paced)).floor().max(1.0);
             let chunk = room.min(p);
             let chunks = (p / chunk).ceil();
             let t_m = self.mixed_step(chunk, x);
@@ -543,7 +547,7 @@ impl<'a> Model<'a> {
         let Some(b) = fixed.map(|b| b.max(inflight / f64::from(k))).filter(|b| 1.0 + b <= limit) else {
             return Raw::unbounded(stress);
         };
-        let Some((room, chunk, chunks, t_m, t_d, u, tpot_mean)) = steps(b) else {
+        let Some((room, _, chunks, t_m, t_d, u, tpot_mean)) = steps(b) else {
             return Raw::unbounded(stress);
         };
         let cs2 = self.prefill.cs2;
@@ -559,8 +563,11 @@ impl<'a> Model<'a> {
         // Prompts whose prefill overlaps the sequence's decoding: those arriving during its
         // life or up to one prompt's prefill before it.
         let overlapping = poisson_quantile(lam * (o * tpot_mean + chunks * t_m), self.q);
-        let mixed = (overlapping * chunks).min(o);
-        let tpot = (mixed * self.mixed_step(chunk, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
+        // The steps it shares with a prompt carry decodes: paced ones, where nodes pace.
+        let full = (budget - x_q).floor().max(1.0);
+        let chunk_q = self.paced_room(full, x_q).min(p);
+        let mixed = (overlapping * (p / chunk_q).ceil()).min(o);
+        let tpot = (mixed * self.mixed_step(chunk_q, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
         Raw {
             ttft: wait.max(drain) + settle,
             ttft_floor: drain + settle,

@@ -54,6 +54,9 @@ struct Assessment {
     stats: CompletionStats,
     inputs: Inputs,
     means: Means,
+    /// Every node paces its prompt chunks to the TPOT target (as nodes do unless started with
+    /// `--no-pacing`): colocated configurations are predicted paced.
+    paced: bool,
 }
 
 /// The SLO planner. See the crate docs for the model and the policy.
@@ -109,11 +112,11 @@ fn probe(probe: &'static str, value: f64) -> Result<(), PlannerError> {
 }
 
 impl Planner {
-    /// The TPOT target colocated nodes pace their prompt chunks to (seconds): the coordinator
-    /// sends its target to every node, and nodes pace to it unless started with `--no-pacing`
-    /// (which the model then over-predicts colocated TPOT for).
-    fn paced_s(&self) -> Option<f64> {
-        Some(self.cfg.targets.tpot_ms / 1e3)
+    /// The TPOT target colocated nodes pace their prompt chunks to (seconds), when the nodes
+    /// say they pace (the coordinator sends its target to every node; a node started with
+    /// `--no-pacing` ignores it).
+    fn paced_s(&self, a: &Assessment) -> Option<f64> {
+        a.paced.then(|| self.cfg.targets.tpot_ms / 1e3)
     }
 
     /// A planner with validated settings and a usable cost model.
@@ -227,7 +230,7 @@ impl Planner {
     pub fn estimate(&self, snap: &Snapshot) -> Estimate {
         let a = self.assess(snap);
         let model = Model::new(&*self.costs, a.load, self.cfg.targets.quantile, self.cfg.limits.largest_step_budget())
-            .paced(self.paced_s());
+            .paced(self.paced_s(&a));
         let raw = model.predict(&a.current);
         let f = self.live_factors(snap.now).of(&a.current);
         Estimate {
@@ -306,7 +309,8 @@ impl Planner {
             attainment: stats.attainment,
             completions: stats.count,
         };
-        Assessment { view, current, load, stats, inputs, means }
+        let paced = !snap.nodes.is_empty() && snap.nodes.iter().all(|n| n.paced);
+        Assessment { view, current, load, stats, inputs, means, paced }
     }
 
     /// Moves the correction factors toward observed/predicted for the current configuration:
@@ -412,9 +416,9 @@ impl Planner {
         let t = &cfg.targets;
         let largest = cfg.limits.largest_step_budget();
         let raw_current =
-            Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s()).predict(&a.current);
+            Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s(&a)).predict(&a.current);
         self.update_correction(now, &a.current, &a.stats, &raw_current);
-        let model = Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s());
+        let model = Model::new(&*self.costs, a.load, t.quantile, largest).paced(self.paced_s(&a));
 
         let mut search = Search::new(&model, search_input(&cfg, &a, self.live_factors(now)));
         let current = search.evaluate(&a.current);
@@ -424,6 +428,7 @@ impl Planner {
             scale_up_margin: cfg.scale_up_margin,
             scale_down_margin: cfg.scale_down_margin,
             allow_fewer: warm && clients_ok,
+            attainment: t.attainment,
         };
         let in_limits = within_limits(&a.current, &cfg);
         // Memory of experience: the current configuration's ratio, corrected by what clients
@@ -538,9 +543,11 @@ impl Planner {
         let spread = RATE_NOISE_Z / n.sqrt();
         [1.0 - spread, 1.0 + spread].into_iter().filter(|f| *f > 0.0).all(|f| {
             let load = Load { lambda: a.load.lambda * f, ..a.load };
-            let model =
-                Model::new(&*self.costs, load, cfg.targets.quantile, largest).paced(Some(cfg.targets.tpot_ms / 1e3));
+            let model = Model::new(&*self.costs, load, cfg.targets.quantile, largest).paced(self.paced_s(a));
             let mut s = Search::new(&model, search_input(cfg, a, factors));
+            if mv.kind == MoveKind::Hedge {
+                return s.attainment(&mv.to.target) >= cfg.targets.attainment;
+            }
             match mv.attainment {
                 Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current),
                 None => {
@@ -557,7 +564,7 @@ impl Planner {
         let t = &self.cfg.targets;
         let live = self.live_factors(snap.now);
         let model =
-            Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget()).paced(self.paced_s());
+            Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget()).paced(self.paced_s(&a));
         let attain = |p: &PoolTarget| model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
         let (f_cur, f_to) = (live.of(&a.current), live.of(&target));
         let [cur_attain, to_attain] = mv.attainment.unwrap_or_else(|| [attain(&a.current), attain(&target)]);

@@ -35,6 +35,11 @@ pub(crate) const RELIEF_GAIN: f64 = 0.95;
 /// move must gain this much of it (absolute share) over staying.
 pub(crate) const ATTAIN_GAIN: f64 = 0.05;
 
+/// How far above the attainment target a colocated configuration must be predicted for a
+/// hedge into it; it is then kept while predicted at the target (the band between is the
+/// hysteresis that keeps a hedge and a relief from trading places).
+pub(crate) const HEDGE_BAND: f64 = 0.05;
+
 /// Below this predicted attainment everywhere, nothing is kept within the targets worth the
 /// name, and the least bad configuration is the one nearest them (worst ratio).
 pub(crate) const MIN_ATTAINMENT: f64 = 0.05;
@@ -78,6 +83,8 @@ pub(crate) struct Policy {
     /// Whether configurations with fewer nodes than the current may be chosen (not during
     /// warm-up, nor while clients miss the attainment target).
     pub allow_fewer: bool,
+    /// Share of requests within both targets the operator asks for (a hedge must keep it).
+    pub attainment: f64,
 }
 
 /// Why the current configuration is left.
@@ -433,11 +440,19 @@ impl<'a, 'm> Search<'a, 'm> {
         if nodes.0 > nodes.1 {
             return None;
         }
+        let scored: Vec<(Candidate, u32, f64)> =
+            self.tops(nodes).into_iter().map(|(c, lo)| (c, lo, self.attainment(&c.target))).collect();
+        let top = scored.iter().map(|x| x.2).fold(f64::NEG_INFINITY, f64::max);
+        // Among those within a gain's worth of the most, the fewest role changes: a step budget
+        // moves at once and drains nothing, a role switch drains streams, and predictions this
+        // close do not tell the two apart (at a shift's onset the window mixes two loads).
         let mut best: Option<(Candidate, u32, f64)> = None;
-        for (c, lo) in self.tops(nodes) {
-            let a = self.attainment(&c.target);
+        for (c, lo, a) in scored.into_iter().filter(|x| x.2 + ATTAIN_GAIN > top + 1e-9) {
             let better = best.as_ref().is_none_or(|(b, _, ba)| {
-                a > ba + 1e-9 || ((a - ba).abs() <= 1e-9 && self.cmp_least(&c, b) == Ordering::Less)
+                let (cc, cb) = (self.changes(&c.target), self.changes(&b.target));
+                cc < cb
+                    || (cc == cb
+                        && (a > ba + 1e-9 || ((a - ba).abs() <= 1e-9 && self.cmp_least(&c, b) == Ordering::Less)))
             });
             if better {
                 best = Some((c, lo, a));
@@ -449,11 +464,14 @@ impl<'a, 'm> Search<'a, 'm> {
         Some((shrunk, a))
     }
 
-    /// As many colocated nodes as `current` has, at the step budget that meets the targets with
-    /// the most slack (`ratio <= margin`), when `current` is disaggregated (see
-    /// [`MoveKind::Hedge`]).
-    fn hedge(&mut self, current: &Candidate, margin: f64) -> Option<Candidate> {
-        let t = &current.target;
+    /// As many colocated nodes as `current` has, at the step budget predicted to keep the most
+    /// requests within both targets, when `current` is disaggregated and that share is at
+    /// least `attainment` and no less than the current one's (see [`MoveKind::Hedge`]). Judged
+    /// by attainment rather than the worst ratio: pacing holds a colocated node's TPOT near its
+    /// margin of the target by construction, so its ratio sits at the edge of "meets" while
+    /// nearly every request is within both targets.
+    fn hedge(&mut self, current: &Candidate, attainment: f64) -> Option<Candidate> {
+        let t = current.target;
         let n = t.nodes();
         if t.prefill + t.decode == 0 || n == 0 {
             return None;
@@ -462,14 +480,21 @@ impl<'a, 'm> Search<'a, 'm> {
         if lo > n || hi < n {
             return None;
         }
-        let mut best: Option<Candidate> = None;
+        let mut best: Option<(Candidate, f64)> = None;
         for b in self.budgets() {
             let c = self.coloc(n, b);
-            if c.ratio <= margin && best.as_ref().is_none_or(|x| c.ratio < x.ratio) {
-                best = Some(c);
+            if !c.ratio.is_finite() {
+                continue;
+            }
+            let a = self.attainment(&c.target);
+            if best.as_ref().is_none_or(|(x, ax)| a > *ax || (a == *ax && c.ratio < x.ratio)) {
+                best = Some((c, a));
             }
         }
-        best
+        let (c, a) = best?;
+        // Entering needs a band above what staying needs (hysteresis against the relief).
+        let enter = (attainment + HEDGE_BAND).min(1.0);
+        (a + 1e-9 >= enter && a + 1e-9 >= self.attainment(&t)).then_some(c)
     }
 
     /// The hysteresis policy (see the crate docs, "Choosing"). `None`: keep the current one.
@@ -484,12 +509,15 @@ impl<'a, 'm> Search<'a, 'm> {
             let to = self.best_meeting(up, all).or_else(|| self.least_ratio(all))?;
             return chosen(to, MoveKind::Bounds);
         }
-        if current.ratio <= up {
+        // A paced colocated configuration holds its TPOT near the ratio's edge by construction
+        // (see [`Search::hedge`]): it holds while its predicted attainment does.
+        let paced_holds = || current.target.colocated > 0 && current.ratio.is_finite();
+        if current.ratio <= up || (paced_holds() && self.attainment(&current.target) >= policy.attainment) {
             let fewer = if policy.allow_fewer && n > 0 { self.best_meeting(down, (0, n - 1)) } else { None };
             if let Some(to) = fewer {
                 return chosen(to, MoveKind::ScaleDown);
             }
-            return self.hedge(current, up).and_then(|to| chosen(to, MoveKind::Hedge));
+            return self.hedge(current, policy.attainment).and_then(|to| chosen(to, MoveKind::Hedge));
         }
         // At risk or in breach: a move that does not add nodes must land clearly inside the
         // targets (the scale-down margin), one that adds nodes inside the scale-up margin.
@@ -578,7 +606,7 @@ mod tests {
         };
         let mut s = Search::new(&model, input);
         let cur = s.evaluate(&PoolTarget { prefill: 1, decode: 1, colocated: 0, step_budget: None });
-        let policy = Policy { scale_up_margin: 0.9, scale_down_margin: 0.7, allow_fewer: true };
+        let policy = Policy { scale_up_margin: 0.9, scale_down_margin: 0.7, allow_fewer: true, attainment: 0.9 };
         let m = s.decide(&cur, true, policy).expect("1p1d cannot carry this load");
         assert!(m.to.ratio <= 0.9 && m.to.target.nodes() > 2);
         s.best_meeting(0.7, (0, n));

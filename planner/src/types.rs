@@ -69,6 +69,9 @@ pub struct NodeObs {
     pub kv_used_ratio: f64,
     /// Colocated nodes: tokens per engine step.
     pub step_budget: Option<u32>,
+    /// The node paces prompt chunks beside decodes to the TPOT target (it reports a target).
+    #[serde(default)]
+    pub paced: bool,
 }
 
 impl NodeObs {

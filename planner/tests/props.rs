@@ -52,6 +52,7 @@ fn nodes() -> impl Strategy<Value = Vec<NodeObs>> {
                 running_seqs: running,
                 kv_used_ratio: 0.5,
                 step_budget: budget,
+                paced: i % 2 == 0,
             })
             .collect()
     })

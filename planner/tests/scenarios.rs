@@ -386,3 +386,36 @@ fn with_no_configuration_meeting_the_targets_the_one_keeping_most_requests_withi
     assert!(d.why.contains("predicted to keep"), "{}", d.why);
     assert_eq!(decisions.len(), 1, "{decisions:?}");
 }
+
+/// (10) Nodes that pace their prompt chunks to the TPOT target (as cleave's do) hold a colocated
+/// node's TPOT near the target's margin however long the prompts. Under a light prefill-heavy
+/// load that 1p1d serves, two colocated nodes serve it too: the planner hedges to them once
+/// (a later decode-heavy shift then finds capacity on both nodes) and stays. Unpaced, the
+/// same nodes stay 1p1d: a prompt's chunks would stall the decodes beside them.
+#[test]
+fn paced_nodes_are_hedged_to_colocation_once_under_a_load_both_shapes_serve() {
+    let run = |paced: bool| {
+        let cfg = config(Mode::Auto, 3000.0, 100.0, limits(2, 2, 2, 2), false);
+        let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+        for n in sim.nodes.iter_mut() {
+            n.paced = paced;
+        }
+        let mut decisions = Vec::new();
+        for _ in 0..180 {
+            sim.arrive(0.5, TICK, 384, 8);
+            if let Some(d) = sim.tick() {
+                sim.apply(&d);
+                decisions.push(d);
+            }
+        }
+        (sim, decisions)
+    };
+    let (sim, decisions) = run(true);
+    assert_eq!(decisions.len(), 1, "{decisions:#?}");
+    let d = &decisions[0];
+    assert_eq!(d.reason, Reason::Colocate, "{}", d.why);
+    assert_eq!(d.target.colocated, 2, "{d:?}");
+    assert_eq!(sim.count(Role::Both), 2);
+    let (_, unpaced) = run(false);
+    assert!(unpaced.is_empty(), "unpaced nodes left 1p1d: {unpaced:#?}");
+}

@@ -351,6 +351,7 @@ pub(super) fn snapshot(states: &[NodeState], now: Duration) -> Snapshot {
                 running_seqs: l.running_seqs,
                 kv_used_ratio: if l.total_blocks == 0 { 0.0 } else { f64::from(used) / f64::from(l.total_blocks) },
                 step_budget: n.step_budget,
+                paced: l.tpot_target_us.is_some(),
             })
         })
         .collect();

@@ -62,6 +62,8 @@ pub fn node(id: u64, role: Role) -> NodeObs {
         running_seqs: 0,
         kv_used_ratio: 0.0,
         step_budget: (role == Role::Both).then_some(2048),
+        // The scenarios' clients report what unpaced nodes do.
+        paced: false,
     }
 }
 

@@ -177,6 +177,7 @@ impl Sim<'_> {
                         .unwrap_or(u32::MAX),
                     kv_used_ratio: (n.reserved as f64 / cap).min(1.0),
                     step_budget: (n.role == Role::Both).then(|| u32::try_from(n.budget).unwrap_or(u32::MAX)),
+                    paced: self.cfg.pacing_tpot_s.is_some(),
                 })
             })
             .collect();
