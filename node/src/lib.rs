@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! coordinator ◀══control link══▶ Register, LoadReport every interval ◀── engine load
-//!                               SetRole (role, step budget), Leave ──▶ role state, shutdown
+//!               SetRole (role, step budget, TPOT pacing), Leave ──▶ role state, shutdown
 //! coordinator ──rpc stream──▶ accept loop ─┬─ PrefillRequest ─▶ Prefiller::serve (prefill-node)
 //!                                          └─ DecodeRequest  ─▶ Decoder::serve   (decode-node)
 //! prefill nodes ══KV══▶ Decoder's receiver (always listening)
@@ -12,7 +12,9 @@
 //! serves whatever request the coordinator sends it. The role says what the coordinator routes
 //! here and what the node registers as (after a reconnect too); the coordinator changes it with
 //! `SetRole` once the node has drained the work its old role had and the new one does not (see
-//! the coordinator's registry), so a switch reloads nothing and loses nothing.
+//! the coordinator's registry), so a switch reloads nothing and loses nothing. The same message
+//! carries the coordinator's TPOT target (at registration, and when it changes), which the
+//! engine paces its prompt chunks to (`cleave_engine::sched::pacing`) unless `pacing` is off.
 //!
 //! Allowed dependencies: engine, net, kv-transfer, protocol and the two role crates; the coordinator
 //! never depends on this crate.

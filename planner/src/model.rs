@@ -329,19 +329,42 @@ impl<'a> Model<'a> {
     }
 
     /// Colocated nodes pace prompt chunks to `tpot_target_s` (what nodes do unless started
-    /// with `--no-pacing`): a chunk beside decodes is cut so the step stays within the target
-    /// times [`PACING_MARGIN`], down to [`MIN_PACED_CHUNK`] tokens. Modelled for a fresh
-    /// sequence (no slack banked), so it under-states the chunks older sequences let through:
-    /// TTFT errs long, TPOT is what pacing holds.
+    /// with `--no-pacing`): a chunk beside decodes is cut so that each decoding sequence's mean
+    /// time per token stays within the target times [`PACING_MARGIN`], down to
+    /// [`MIN_PACED_CHUNK`] tokens.
     pub fn paced(mut self, tpot_target_s: Option<f64>) -> Self {
         self.paced_step_s = tpot_target_s.filter(|t| t.is_finite() && *t > 0.0).map(|t| PACING_MARGIN * t);
         self
     }
 
-    /// Most prompt tokens a step beside `x` decodes carries: `room` unpaced, else the largest
-    /// chunk (at least the floor) whose mixed step fits the paced step.
-    fn paced_room(&self, room: f64, x: f64) -> f64 {
-        let Some(limit) = self.paced_step_s else { return room };
+    /// The step a paced node allows beside `x` decodes when prompts arrive at `lam` per
+    /// second: the allowance of its freshest sequence, which binds. A sequence `n` steps old
+    /// has banked `n (m T - t_d)` beyond the one step's `m T` it may always take; the freshest
+    /// is on average one arrival gap old (`1 / lam`), `1 / (lam t_d)` steps, and no older than
+    /// half the output on average (it may be the only sequence there is). Pacing therefore
+    /// binds just after a sequence starts and hardly at all on a node whose sequences are old
+    /// (modelling every step as a fresh sequence's, as first tried, starved the prefill of a
+    /// loaded colocated node in the model, and the planner left colocation as a decode-heavy
+    /// load began: BENCHMARKS.md).
+    fn paced_limit(&self, x: f64, lam: f64) -> Option<f64> {
+        let limit = self.paced_step_s?;
+        let t_d = self.decode_step(x);
+        let spare = (limit - t_d).max(0.0);
+        // Steps since its first token: an arrival gap's worth, but no more than half a life.
+        let age = if lam > 0.0 && t_d > 0.0 {
+            (1.0 / (lam * t_d)).min(self.load.output / 2.0)
+        } else {
+            self.load.output / 2.0
+        };
+        let banked = age * spare;
+        Some(limit + banked)
+    }
+
+    /// Most prompt tokens a step beside `x` decodes carries at arrival rate `lam`: `room`
+    /// unpaced, else the largest chunk (at least the floor) whose mixed step fits the paced
+    /// step.
+    fn paced_room(&self, room: f64, x: f64, lam: f64) -> f64 {
+        let Some(limit) = self.paced_limit(x, lam) else { return room };
         if room <= MIN_PACED_CHUNK || self.mixed_step(room, x) <= limit {
             return room;
         }
@@ -519,7 +542,7 @@ impl<'a> Model<'a> {
             if full < 1.0 {
                 return None;
             }
-            let paced = self.paced_room(full, x);
+            let paced = self.paced_room(full, x, lam);
             let room = (full - b.min(1.0) * (full - paced)).floor().max(1.0);
             let chunk = room.min(p);
             let chunks = (p / chunk).ceil();
@@ -565,9 +588,15 @@ impl<'a> Model<'a> {
         let overlapping = poisson_quantile(lam * (o * tpot_mean + chunks * t_m), self.q);
         // The steps it shares with a prompt carry decodes: paced ones, where nodes pace.
         let full = (budget - x_q).floor().max(1.0);
-        let chunk_q = self.paced_room(full, x_q).min(p);
+        let chunk_q = self.paced_room(full, x_q, lam).min(p);
         let mixed = (overlapping * (p / chunk_q).ceil()).min(o);
         let tpot = (mixed * self.mixed_step(chunk_q, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
+        // What pacing holds: every sequence's mean within the paced step, unless a decode
+        // step with the floor chunk beside it is already longer.
+        let tpot = match self.paced_step_s {
+            Some(m) => tpot.min(m.max(self.mixed_step(MIN_PACED_CHUNK, x_q))),
+            None => tpot,
+        };
         Raw {
             ttft: wait.max(drain) + settle,
             ttft_floor: drain + settle,
