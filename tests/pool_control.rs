@@ -367,7 +367,7 @@ fn long_prompt() -> String {
 #[test]
 fn colocated_nodes_pace_prompt_chunks_to_the_tpot_target_without_changing_text() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = TestCluster::start(&tiny_llama(), &["both"], &[]);
+    let c = TestCluster::start(&tiny_llama(), &["both"], &["--pacing"]);
     let c = &c;
     runtime().block_on(async {
         c.wait_nodes(1).await;

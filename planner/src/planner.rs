@@ -429,6 +429,7 @@ impl Planner {
             scale_down_margin: cfg.scale_down_margin,
             allow_fewer: warm && clients_ok,
             attainment: t.attainment,
+            hedge: !cfg.can_add_nodes,
         };
         let in_limits = within_limits(&a.current, &cfg);
         // Memory of experience: the current configuration's ratio, corrected by what clients

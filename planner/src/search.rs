@@ -85,6 +85,8 @@ pub(crate) struct Policy {
     pub allow_fewer: bool,
     /// Share of requests within both targets the operator asks for (a hedge must keep it).
     pub attainment: f64,
+    /// Whether hedges are made: only where the node count is fixed (see [`MoveKind::Hedge`]).
+    pub hedge: bool,
 }
 
 /// Why the current configuration is left.
@@ -100,7 +102,10 @@ pub(crate) enum MoveKind {
     /// nodes serve any mix, so a shift of the mix finds capacity on every node instead of
     /// overloading one pool until the planner sees it (on the recorded shifting load, a 1p1d
     /// caught by a decode-heavy phase lost 10-35 points of that phase to the 6 s before the
-    /// switch: BENCHMARKS.md). Disaggregation is chosen only where colocation misses.
+    /// switch: BENCHMARKS.md). Disaggregation is chosen only where colocation misses. Only
+    /// where the nodes are fixed: where the actuator starts nodes, a shift is met with new
+    /// ones, and re-splitting a whole large cluster to hedge cost thousands of role changes a
+    /// day in the simulated 400-node day (3471 against 513).
     Hedge,
 }
 
@@ -517,6 +522,9 @@ impl<'a, 'm> Search<'a, 'm> {
             if let Some(to) = fewer {
                 return chosen(to, MoveKind::ScaleDown);
             }
+            if !policy.hedge {
+                return None;
+            }
             return self.hedge(current, policy.attainment).and_then(|to| chosen(to, MoveKind::Hedge));
         }
         // At risk or in breach: a move that does not add nodes must land clearly inside the
@@ -606,7 +614,8 @@ mod tests {
         };
         let mut s = Search::new(&model, input);
         let cur = s.evaluate(&PoolTarget { prefill: 1, decode: 1, colocated: 0, step_budget: None });
-        let policy = Policy { scale_up_margin: 0.9, scale_down_margin: 0.7, allow_fewer: true, attainment: 0.9 };
+        let policy =
+            Policy { scale_up_margin: 0.9, scale_down_margin: 0.7, allow_fewer: true, attainment: 0.9, hedge: true };
         let m = s.decide(&cur, true, policy).expect("1p1d cannot carry this load");
         assert!(m.to.ratio <= 0.9 && m.to.target.nodes() > 2);
         s.best_meeting(0.7, (0, n));

@@ -152,6 +152,12 @@ pub struct PlannerArgs {
     /// timings alone.
     #[arg(long)]
     pub planner_profile: Option<std::path::PathBuf>,
+    /// Nodes pace prompt chunks beside running decodes to the TPOT target (the coordinator
+    /// sends it to every node; `cleave_engine::sched::pacing`). Off by default: pacing protects
+    /// TPOT at the expense of TTFT and does not yet know the TTFT target, so it costs a load
+    /// whose TTFT binds (BENCHMARKS.md, "Pacing").
+    #[arg(long)]
+    pub pacing: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,10 +232,11 @@ pub struct NodeCmd {
     /// Where this node serves its Prometheus metrics (`GET /metrics`).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub metrics_listen: SocketAddr,
-    /// Size prompt chunks by the step budget alone, ignoring the coordinator's TPOT target.
-    /// By default a node that prefills beside running decodes (colocated, or a decode node
-    /// prefilling a short prompt) cuts the chunk so that no running sequence's time per output
-    /// token goes over the target, down to 4 tokens a step.
+    /// Size prompt chunks by the step budget alone, even when the coordinator sends a TPOT
+    /// target to pace to (`cleave coordinator --pacing`). A node sent a target that prefills
+    /// beside running decodes (colocated, or a decode node prefilling a short prompt) cuts the
+    /// chunk so that no running sequence's time per output token goes over it, down to 4
+    /// tokens a step.
     #[arg(long)]
     pub no_pacing: bool,
     #[command(flatten)]
@@ -364,6 +371,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         cfg.revoked_certs = cmd.revoked_certs.clone();
         cfg.planner = planner;
         cfg.planner_profile = planner_profile;
+        cfg.pacing = cmd.planner.pacing;
         let admin = match cmd.admin_listen {
             Some(a) => {
                 let l =

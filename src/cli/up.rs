@@ -97,6 +97,12 @@ pub struct UpArgs {
     /// The planner's time-per-output-token target (ms, p90).
     #[arg(long, default_value_t = 100.0)]
     pub tpot_target_ms: f64,
+    /// Nodes pace prompt chunks beside running decodes to the TPOT target (the coordinator
+    /// sends it to every node; `cleave_engine::sched::pacing`). Off by default: pacing protects
+    /// TPOT at the expense of TTFT and does not yet know the TTFT target, so it costs a load
+    /// whose TTFT binds (BENCHMARKS.md, "Pacing").
+    #[arg(long)]
+    pub pacing: bool,
     /// The engine's cost profile the planner predicts with (`cleave bench profile` output; see
     /// `cleave coordinator --planner-profile`).
     #[arg(long)]
@@ -320,6 +326,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         ]);
         if let Some(p) = &args.planner_profile {
             cargs.extend(["--planner-profile".to_string(), p.display().to_string()]);
+        }
+        if args.pacing {
+            cargs.push("--pacing".into());
         }
         if max_nodes > nodes.len() {
             cargs.extend(["--max-nodes".to_string(), max_nodes.to_string(), "--launch-nodes-via-stdout".into()]);

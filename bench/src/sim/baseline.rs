@@ -60,6 +60,8 @@ pub struct Baseline {
 pub struct BaselineSpec<'a> {
     pub limits: NodeLimits,
     pub local_prefill_below: usize,
+    /// Nodes pace to this TPOT (s), as the planner's run did (`ClusterConfig::paced`).
+    pub pacing_tpot_s: Option<f64>,
     pub cost: &'a CostModel,
     pub requests: &'a [SimRequest],
     pub slo: &'a Slo,
@@ -75,8 +77,7 @@ pub struct BaselineSpec<'a> {
 
 impl BaselineSpec<'_> {
     fn run(&self, t: Topology, stop_early: bool) -> Result<StaticRun> {
-        // Nodes pace to the TPOT target, as the planner's runs do.
-        let mut cfg = ClusterConfig::new(t, self.limits).paced(self.slo.tpot_ms.map(|ms| ms / 1e3));
+        let mut cfg = ClusterConfig::new(t, self.limits).paced(self.pacing_tpot_s);
         if matches!(t, Topology::Disaggregated { .. }) {
             cfg.local_prefill_below = self.local_prefill_below;
         }

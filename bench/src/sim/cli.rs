@@ -60,6 +60,12 @@ pub struct SimulateArgs {
     /// Conditional disaggregation: prompts shorter than this are prefilled on the decode node.
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
+    /// Nodes pace (`cleave coordinator --pacing`) prompt chunks beside running decodes to the TPOT target (the coordinator
+    /// sends it to every node; `cleave_engine::sched::pacing`). Off by default: pacing protects
+    /// TPOT at the expense of TTFT and does not yet know the TTFT target, so it costs a load
+    /// whose TTFT binds (BENCHMARKS.md, "Pacing").
+    #[arg(long)]
+    pub pacing: bool,
     /// Override the profile's per-node max_num_seqs.
     #[arg(long)]
     pub max_num_seqs: Option<usize>,

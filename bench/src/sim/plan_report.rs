@@ -215,7 +215,8 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
         }
     };
     // Nodes pace prompt chunks to the TPOT target (the coordinator sends it whatever the mode).
-    let mut cfg = ClusterConfig::new(initial, limits).paced(Some(planner.targets.tpot_ms / 1e3));
+    let paced = args.pacing.then_some(planner.targets.tpot_ms / 1e3);
+    let mut cfg = ClusterConfig::new(initial, limits).paced(paced);
     cfg.local_prefill_below = args.local_prefill_below;
     let spec =
         PlannedSpec { tick_s: args.planner_tick_s, start_delay_s: args.start_delay_s, ..PlannedSpec::new(planner) };
@@ -270,6 +271,7 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
         let b = best_static(&BaselineSpec {
             limits,
             local_prefill_below: args.local_prefill_below,
+            pacing_tpot_s: paced,
             cost,
             requests: &requests,
             slo: &slo,

@@ -145,6 +145,9 @@ pub struct ClusterConfig {
     /// re-levelled live by the nodes' step timings; `None`: a linear model levelled by those
     /// timings alone (its shape, how a step grows with batch and context, is then a guess).
     pub planner_profile: Option<cleave_planner::Profile>,
+    /// Send the TPOT target to every node to pace its prompt chunks to (see
+    /// `cleave_engine::sched::pacing`); off: nodes size chunks by their step budget alone.
+    pub pacing: bool,
     /// A file of revoked node certificates, one SHA-256 fingerprint (hex, of the DER) per line;
     /// read at each registration.
     pub revoked_certs: Option<std::path::PathBuf>,
@@ -162,6 +165,7 @@ impl ClusterConfig {
             planner: cleave_planner::PlannerConfig::default(),
             revoked_certs: None,
             planner_profile: None,
+            pacing: false,
         }
     }
 }
@@ -341,9 +345,15 @@ impl Cluster {
             Connector::new(&cfg.net).map_err(|e| crate::CoordinatorError::Internal { reason: e.to_string() })?,
         );
         let actuator = make(handle.clone());
-        let (planner, planner_task) =
-            planning::spawn(cfg.planner.clone(), cfg.planner_profile.as_ref(), handle.clone(), obs_rx, actuator)
-                .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
+        let (planner, planner_task) = planning::spawn(
+            cfg.planner.clone(),
+            cfg.planner_profile.as_ref(),
+            cfg.pacing,
+            handle.clone(),
+            obs_rx,
+            actuator,
+        )
+        .map_err(|e| crate::CoordinatorError::Planner(e.to_string()))?;
         let cfg = Arc::new(cfg);
         let tasks = vec![
             tokio::spawn(registry_actor(registry, rx, deaths, ready_tx)),

@@ -85,6 +85,7 @@ pub const TICK: Duration = Duration::from_secs(1);
 pub(super) fn spawn(
     cfg: PlannerConfig,
     profile: Option<&cleave_planner::Profile>,
+    pacing: bool,
     cluster: ClusterHandle,
     observations: mpsc::Receiver<Observation>,
     actuator: Box<dyn Actuator>,
@@ -106,6 +107,7 @@ pub(super) fn spawn(
         decided: false,
         totals: HashMap::new(),
         bridge: None,
+        pace: pacing,
         pacing: None,
     };
     let task = tokio::spawn(run(actor, observations, rx));
@@ -125,6 +127,8 @@ struct Actor {
     totals: HashMap<u64, StepTotals>,
     /// The saturation line last sent to the registry.
     bridge: Option<u64>,
+    /// Nodes are told to pace to the TPOT target (`--pacing`).
+    pace: bool,
     /// The pacing target last sent to the registry (microseconds per output token).
     pacing: Option<u32>,
 }
@@ -288,10 +292,14 @@ impl Actor {
         }
     }
 
-    /// Keeps the nodes' pacing at the TPOT target, whatever the mode: a colocated node's prompt
-    /// chunks are sized to keep its running decodes within it (`cleave_engine::sched::pacing`),
-    /// which is the operator's target whether or not the planner moves nodes.
+    /// With `--pacing`, keeps the nodes' pacing at the TPOT target, whatever the mode: a
+    /// colocated node's prompt chunks are sized to keep its running decodes within it
+    /// (`cleave_engine::sched::pacing`), which is the operator's target whether or not the
+    /// planner moves nodes.
     async fn pacing(&mut self) {
+        if !self.pace {
+            return;
+        }
         let ms = self.planner.config().targets.tpot_ms;
         let want = (ms.is_finite() && ms > 0.0).then(|| (ms * 1e3).round().min(f64::from(u32::MAX)) as u32);
         if want != self.pacing && want.is_some() {
