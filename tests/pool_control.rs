@@ -421,3 +421,84 @@ fn colocated_nodes_pace_prompt_chunks_to_the_tpot_target_without_changing_text()
         c.wait_blocks_free().await;
     });
 }
+
+/// The coordinator's counter `name` (summed over its labels).
+async fn counter(c: &TestCluster, name: &str) -> f64 {
+    let text = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn slo_admission_caps_a_node_past_the_tpot_target_and_sheds_what_waited_too_long() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["both"], &["--slo-admission"]);
+    let c = &c;
+    runtime().block_on(async {
+        c.wait_nodes(1).await;
+        assert_eq!(node_by_name(&c.nodes_state().await, "node-0")["seat_cap"], Value::Null, "no cap before any load");
+        // A TPOT target no step can meet, and a TTFT target that lets a request wait 20 ms.
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"targets": {"tpot_ms": 0.01, "ttft_ms": 40}})))
+            .await;
+        // One stream runs over it: once the node reports its steps, its cap falls to one seat.
+        let (prompt, want) = load(1).remove(0);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let (text, _) = c.stream(greedy(&prompt, 64)).await;
+            assert!(text.starts_with(&want), "{text:?}");
+            let n = node_by_name(&c.nodes_state().await, "node-0").clone();
+            if n["seat_cap"] == json!(1) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the seat cap never fell to 1: {n}");
+        }
+        // A burst of long streams: one takes the seat, the others wait 20 ms for it and are
+        // refused with 503 and Retry-After (nothing was generated). What is served is whole.
+        let shed_before = counter(c, "cleave_requests_shed_total").await;
+        let burst = (0..6).map(|_| {
+            let (prompt, want) = (prompt.clone(), want.clone());
+            async move {
+                let r = c.client.post(format!("{}/v1/completions", c.http)).json(&greedy(&prompt, 1500)).send().await;
+                let r = r.unwrap();
+                let status = r.status().as_u16();
+                let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+                let v: Value = r.json().await.unwrap();
+                match status {
+                    200 => assert!(v["choices"][0]["text"].as_str().unwrap().starts_with(&want), "{v}"),
+                    503 => {
+                        assert_eq!(retry.as_deref(), Some("1"), "{v}");
+                        assert!(v["error"]["message"].as_str().unwrap().contains("SLO admission"), "{v}");
+                    }
+                    s => panic!("unexpected {s}: {v}"),
+                }
+                status
+            }
+        });
+        let statuses = futures::future::join_all(burst).await;
+        let served = statuses.iter().filter(|&&s| s == 200).count();
+        assert!(served >= 1 && served < statuses.len(), "one seat, six long streams: {statuses:?}");
+        let shed = counter(c, "cleave_requests_shed_total").await - shed_before;
+        assert_eq!(shed as usize, statuses.len() - served, "{statuses:?}");
+        assert!(counter(c, "cleave_requests_held_for_seat_total").await >= shed);
+        c.wait_blocks_free().await;
+        // Off again (a loose target): no cap binds, a burst is served whole.
+        c.admin(
+            reqwest::Method::PUT,
+            "/admin/planner",
+            Some(json!({"targets": {"tpot_ms": 100000, "ttft_ms": 100000}})),
+        )
+        .await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let (text, _) = c.stream(greedy(&prompt, 64)).await;
+            assert!(text.starts_with(&want), "{text:?}");
+            let n = node_by_name(&c.nodes_state().await, "node-0").clone();
+            if n["seat_cap"].as_u64().is_none_or(|cap| cap > 1) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the cap never let go: {n}");
+        }
+    });
+}

@@ -201,7 +201,9 @@ impl IntoResponse for CoordinatorError {
             CoordinatorError::QueueFull { retry_after_secs, .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
             }
-            CoordinatorError::KeyLimit { .. } => {
+            // Nothing was generated (no node could take it now, or SLO admission shed it):
+            // the same request may succeed a moment later.
+            CoordinatorError::KeyLimit { .. } | CoordinatorError::Unavailable { .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
             CoordinatorError::Unauthorized | CoordinatorError::AdminUnauthorized { .. } => {

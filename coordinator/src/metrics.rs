@@ -108,6 +108,8 @@ fn zeroes() {
     use crate::cluster::metric;
     metrics::counter!(metric::HELD_FOR_SWITCH_TOTAL).increment(0);
     metrics::counter!(metric::HELD_FOR_DECODE_KV_TOTAL).increment(0);
+    metrics::counter!(metric::HELD_FOR_SEAT_TOTAL).increment(0);
+    metrics::counter!(metric::SHED_TOTAL).increment(0);
     for r in cleave_planner::Reason::ALL {
         metrics::counter!(metric::PLANNER_DECISIONS_TOTAL, "reason" => r.as_str()).increment(0);
     }

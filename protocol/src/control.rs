@@ -130,6 +130,12 @@ pub struct StepTotals {
     pub decode_seqs: u64,
     pub decode_context: u64,
     pub decode_us: u64,
+    /// Mixed steps (a prompt chunk beside decodes), the decoding sequences they carried, and
+    /// their wall time: not a cost of either kind, but time every running sequence waited for
+    /// its token.
+    pub mixed_steps: u64,
+    pub mixed_seqs: u64,
+    pub mixed_us: u64,
 }
 
 /// Coordinator -> node: the node's role from now on, and its engine's step budget.
@@ -273,6 +279,9 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             step_budget: l.step_budget.unwrap_or(0),
             tpot_target_us: l.tpot_target_us.unwrap_or(0),
             paced_steps_total: l.paced_steps,
+            mixed_steps_total: l.steps.mixed_steps,
+            mixed_seqs_total: l.steps.mixed_seqs,
+            mixed_us_total: l.steps.mixed_us,
         })),
         ControlMsg::PrefillRequest(p) => fb::BodyT::PrefillRequest(Box::new(fb::PrefillRequestT {
             request_id: p.work.id.0,
@@ -491,6 +500,9 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
                 decode_seqs: l.decode_seqs_total,
                 decode_context: l.decode_context_total,
                 decode_us: l.decode_us_total,
+                mixed_steps: l.mixed_steps_total,
+                mixed_seqs: l.mixed_seqs_total,
+                mixed_us: l.mixed_us_total,
             },
             step_budget: (l.step_budget > 0).then_some(l.step_budget),
             tpot_target_us: (l.tpot_target_us > 0).then_some(l.tpot_target_us),

@@ -158,6 +158,13 @@ pub struct PlannerArgs {
     /// whose TTFT binds (BENCHMARKS.md, "Pacing").
     #[arg(long)]
     pub pacing: bool,
+    /// SLO admission: each node takes at most as many streams as keep its time per output
+    /// token within the TPOT target (measured from its steps, once it runs over it); requests
+    /// wait at the edge for a seat, and one that waited half the TTFT target is refused with
+    /// 503 and Retry-After instead of being served late. Under a load past the cluster's
+    /// capacity it serves what it can within the targets instead of missing them for everyone.
+    #[arg(long)]
+    pub slo_admission: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,6 +379,7 @@ pub fn run_coordinator(cmd: CoordinatorCmd) -> anyhow::Result<()> {
         cfg.planner = planner;
         cfg.planner_profile = planner_profile;
         cfg.pacing = cmd.planner.pacing;
+        cfg.admission = cmd.planner.slo_admission;
         let admin = match cmd.admin_listen {
             Some(a) => {
                 let l =

@@ -103,6 +103,11 @@ pub struct UpArgs {
     /// whose TTFT binds (BENCHMARKS.md, "Pacing").
     #[arg(long)]
     pub pacing: bool,
+    /// SLO admission on the coordinator (see `cleave coordinator --slo-admission`): nodes take
+    /// as many streams as keep the TPOT target, requests wait for a seat, and one that waited
+    /// half the TTFT target is refused with 503.
+    #[arg(long)]
+    pub slo_admission: bool,
     /// The engine's cost profile the planner predicts with (`cleave bench profile` output; see
     /// `cleave coordinator --planner-profile`).
     #[arg(long)]
@@ -329,6 +334,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
         if args.pacing {
             cargs.push("--pacing".into());
+        }
+        if args.slo_admission {
+            cargs.push("--slo-admission".into());
         }
         if max_nodes > nodes.len() {
             cargs.extend(["--max-nodes".to_string(), max_nodes.to_string(), "--launch-nodes-via-stdout".into()]);

@@ -82,6 +82,8 @@ pub fn node_json(s: &NodeState) -> Value {
         "report_age_ms": s.report_age.as_millis() as u64,
         "cached_prefix_blocks": s.cached_prefix_blocks,
         "active": { "prefill": s.active_prefill, "decode": s.active_decode },
+        // SLO admission: the most streams it decodes at once to keep the TPOT target.
+        "seat_cap": s.seat_cap,
         "load": {
             "queued_prefill_tokens": l.queued_prefill_tokens,
             "waiting_seqs": l.waiting_seqs,
@@ -99,6 +101,9 @@ pub fn node_json(s: &NodeState) -> Value {
             "decode_seqs": l.steps.decode_seqs,
             "decode_context": l.steps.decode_context,
             "decode_us": l.steps.decode_us,
+            "mixed_steps": l.steps.mixed_steps,
+            "mixed_seqs": l.steps.mixed_seqs,
+            "mixed_us": l.steps.mixed_us,
         },
     })
 }

@@ -83,8 +83,21 @@ struct Hold {
     query: RouteQuery,
     /// Until when a transient "no route" holds the request.
     deadline: Instant,
+    /// Until when it may wait for a seat (SLO admission), from the first time it was told to.
+    seat_deadline: Option<Instant>,
     /// The hold was counted.
     held: bool,
+}
+
+impl Hold {
+    /// Until when a "no route" that says `wait` holds the request: the hold's limit, or for a
+    /// seat the wait SLO admission allows from the first time it was told to wait for one.
+    fn until(&mut self, wait: Wait, now: Instant) -> Instant {
+        match wait {
+            Wait::Seats { max_wait } => self.deadline.min(*self.seat_deadline.get_or_insert(now + max_wait)),
+            Wait::Switch | Wait::DecodeKv => self.deadline,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -300,7 +313,7 @@ impl Journey {
             force_local: !self.generated.is_empty(),
         };
         out.push(Action::Plan(query.clone()));
-        self.phase = Phase::Planning(Hold { query, deadline: now + HOLD_LIMIT, held: false });
+        self.phase = Phase::Planning(Hold { query, deadline: now + HOLD_LIMIT, seat_deadline: None, held: false });
     }
 
     fn on_planned(&mut self, now: Instant, r: Result<(Plan, Assignment), NoRoute>, out: &mut Vec<Action>) {
@@ -310,12 +323,13 @@ impl Journey {
         };
         match r {
             Ok((plan, booking)) => self.begin(now, plan, booking, out),
-            Err(NoRoute { wait: Some(wait), reason }) if now < hold.deadline && !self.cancelled => {
+            Err(NoRoute { wait: Some(wait), reason }) if now < hold.until(wait, now) && !self.cancelled => {
                 if !hold.held {
                     hold.held = true;
                     out.push(Action::Record(match wait {
                         Wait::Switch => Metric::HeldForSwitch,
                         Wait::DecodeKv => Metric::HeldForDecodeKv,
+                        Wait::Seats { .. } => Metric::HeldForSeat,
                     }));
                     tracing::debug!(%reason, "no node can take the request yet; holding it");
                 }
@@ -323,6 +337,9 @@ impl Journey {
             }
             Err(e) => {
                 self.failed = true;
+                if matches!(e.wait, Some(Wait::Seats { .. })) && !self.cancelled {
+                    out.push(Action::Record(Metric::Shed));
+                }
                 // Nothing sent yet: the edge answers 503 (a client may retry), naming the
                 // earlier attempt's failure too when there was one.
                 match self.last_error.take() {

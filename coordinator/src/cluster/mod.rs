@@ -42,8 +42,8 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use crate::dispatch::Dispatch;
 use cleave_protocol::control::{NodeRole, SetRole};
 use registry::{
-    AfterDrain, Assignment, Effect, NoRoute, NodeOpError, NodeRef, Plan, PoolSummary, Refusal, Registry, RouteQuery,
-    RoutingConfig,
+    Admission, AfterDrain, Assignment, Effect, NoRoute, NodeOpError, NodeRef, Plan, PoolSummary, Refusal, Registry,
+    RouteQuery, RoutingConfig,
 };
 
 /// Metric names of the cluster (the edge's are in [`crate::metrics`]).
@@ -59,6 +59,10 @@ pub mod metric {
     /// Requests held at the edge because every decode node's KV cache was too full to reserve
     /// their prompt for a handoff.
     pub const HELD_FOR_DECODE_KV_TOTAL: &str = "cleave_requests_held_for_decode_kv_total";
+    /// SLO admission: requests held at the edge for a seat (every decode node held as many
+    /// streams as keep the TPOT target), and requests refused (503) after waiting their most.
+    pub const HELD_FOR_SEAT_TOTAL: &str = "cleave_requests_held_for_seat_total";
+    pub const SHED_TOTAL: &str = "cleave_requests_shed_total";
     /// Registrations refused before they reach the registry, by `cause` (`identity`: the
     /// certificate names another node, does not allow the role, or is revoked).
     pub const REGISTRATIONS_REFUSED_TOTAL: &str = "cleave_node_registrations_refused_total";
@@ -148,6 +152,11 @@ pub struct ClusterConfig {
     /// Send the TPOT target to every node to pace its prompt chunks to (see
     /// `cleave_engine::sched::pacing`); off: nodes size chunks by their step budget alone.
     pub pacing: bool,
+    /// SLO admission: cap the streams each node decodes at once at what keeps the TPOT target
+    /// (measured from its steps), hold requests at the edge for a seat, and refuse (503) those
+    /// that waited half their TTFT target (see `registry::seats`); off: route every request at
+    /// once.
+    pub admission: bool,
     /// A file of revoked node certificates, one SHA-256 fingerprint (hex, of the DER) per line;
     /// read at each registration.
     pub revoked_certs: Option<std::path::PathBuf>,
@@ -166,6 +175,7 @@ impl ClusterConfig {
             revoked_certs: None,
             planner_profile: None,
             pacing: false,
+            admission: false,
         }
     }
 }
@@ -182,6 +192,8 @@ enum Cmd {
     Bridge(Option<u64>),
     /// The time per output token nodes pace prompt chunks to (microseconds).
     Pacing(Option<u32>),
+    /// SLO admission's targets (None: off).
+    Admission(Option<Admission>),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
     States(oneshot::Sender<Vec<registry::NodeState>>),
 }
@@ -274,6 +286,11 @@ impl ClusterHandle {
         let _ = self.tx.send(Cmd::Pacing(tpot_target_us)).await;
     }
 
+    /// Turns SLO admission on with these targets, or off (see [`Registry::set_admission`]).
+    pub async fn set_admission(&self, admission: Option<Admission>) {
+        let _ = self.tx.send(Cmd::Admission(admission)).await;
+    }
+
     /// Drains a node, or changes its role (see [`NodeOp`]).
     pub async fn node_op(&self, op: NodeOp) -> Result<(), NodeOpError> {
         self.call(|tx| Cmd::Op(op, tx)).await.unwrap_or(Err(NodeOpError::ShuttingDown))
@@ -349,6 +366,7 @@ impl Cluster {
             cfg.planner.clone(),
             cfg.planner_profile.as_ref(),
             cfg.pacing,
+            cfg.admission,
             handle.clone(),
             obs_rx,
             actuator,
@@ -462,6 +480,10 @@ async fn registry_actor(
                                 }
                             }
                         }
+                    }
+                    Cmd::Admission(a) => {
+                        tracing::info!(?a, "SLO admission");
+                        reg.set_admission(a);
                     }
                     Cmd::Bridge(tokens) => {
                         tracing::debug!(?tokens, "the planner moved the prefill saturation line");

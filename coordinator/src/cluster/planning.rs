@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::actuate::Actuator;
 use super::history::History;
-use super::registry::{AfterDrain, Lifecycle, NodeState};
+use super::registry::{Admission, AfterDrain, Lifecycle, NodeState};
 use super::{ClusterHandle, Observation};
 
 /// Requests of the admin API to the planner actor.
@@ -86,6 +86,7 @@ pub(super) fn spawn(
     cfg: PlannerConfig,
     profile: Option<&cleave_planner::Profile>,
     pacing: bool,
+    admission: bool,
     cluster: ClusterHandle,
     observations: mpsc::Receiver<Observation>,
     actuator: Box<dyn Actuator>,
@@ -109,6 +110,8 @@ pub(super) fn spawn(
         bridge: None,
         pace: pacing,
         pacing: None,
+        admit: admission,
+        admission: None,
     };
     let task = tokio::spawn(run(actor, observations, rx));
     Ok((PlannerHandle { tx }, task))
@@ -131,6 +134,9 @@ struct Actor {
     pace: bool,
     /// The pacing target last sent to the registry (microseconds per output token).
     pacing: Option<u32>,
+    /// SLO admission is on (`--slo-admission`), and the settings last sent to the registry.
+    admit: bool,
+    admission: Option<Admission>,
 }
 
 async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cmds: mpsc::Receiver<Cmd>) {
@@ -154,6 +160,7 @@ async fn run(mut a: Actor, mut observations: mpsc::Receiver<Observation>, mut cm
                 a.tick(&states, start.elapsed());
                 a.bridge().await;
                 a.pacing().await;
+                a.admission().await;
             }
         }
     }
@@ -305,6 +312,23 @@ impl Actor {
         if want != self.pacing && want.is_some() {
             self.pacing = want;
             self.cluster.set_pacing(want).await;
+        }
+    }
+
+    /// With `--slo-admission`, keeps the registry's seat caps on the targets, whatever the
+    /// mode (they are the operator's targets whether or not the planner moves nodes).
+    async fn admission(&mut self) {
+        if !self.admit {
+            return;
+        }
+        let t = &self.planner.config().targets;
+        let want = Some(Admission::from_targets(
+            Duration::from_secs_f64(t.ttft_ms / 1e3),
+            Duration::from_secs_f64(t.tpot_ms / 1e3),
+        ));
+        if want != self.admission {
+            self.admission = want;
+            self.cluster.set_admission(want).await;
         }
     }
 

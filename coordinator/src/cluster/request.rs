@@ -257,6 +257,8 @@ fn record(m: Metric) {
         Metric::Migration { node } => metrics::counter!(metric::MIGRATIONS_TOTAL, "node" => node).increment(1),
         Metric::HeldForSwitch => metrics::counter!(metric::HELD_FOR_SWITCH_TOTAL).increment(1),
         Metric::HeldForDecodeKv => metrics::counter!(metric::HELD_FOR_DECODE_KV_TOTAL).increment(1),
+        Metric::HeldForSeat => metrics::counter!(metric::HELD_FOR_SEAT_TOTAL).increment(1),
+        Metric::Shed => metrics::counter!(metric::SHED_TOTAL).increment(1),
         Metric::Reservation { node, waited } => {
             metrics::histogram!(metric::HANDOFF_RESERVATION_SECONDS, "pool" => "decode", "node" => node)
                 .record(waited.as_secs_f64())

@@ -377,8 +377,8 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Files the wall time of the step just run (measured by the caller, which owns the clock):
-    /// a step of prompt tokens only as prefill time, a step of decodes only as decode time; a
-    /// mixed step and an empty one are not counted.
+    /// a step of prompt tokens only as prefill time, a step of decodes only as decode time, a
+    /// mixed step apart; an empty one is not counted.
     pub fn note_step_time(&mut self, took: std::time::Duration) {
         let us = took.as_micros() as u64;
         self.costs.observe(self.stats.last_prefill_tokens, self.stats.last_decode_seqs, took.as_secs_f64());
@@ -387,7 +387,11 @@ impl<B: Backend> EngineCore<B> {
         if st.last_prefill_tokens > 0 && st.last_decode_seqs > 0 {
             // A mixed step (a chunk beside decodes): its time is neither a prefill's nor a
             // decode step's, and filed as either it would skew the per-token or per-step cost
-            // that planners calibrate from these totals; not filed.
+            // that planners calibrate from these totals; filed apart, as time the running
+            // sequences waited for their tokens.
+            st.totals.mixed_steps += 1;
+            st.totals.mixed_seqs += st.last_decode_seqs;
+            st.totals.mixed_us += us;
         } else if st.last_prefill_tokens > 0 {
             st.totals.prefill_tokens += st.last_prefill_tokens;
             st.totals.prefill_us += us;

@@ -1746,6 +1746,9 @@ impl<'a> LoadReport<'a> {
   pub const VT_STEP_BUDGET: ::flatbuffers::VOffsetT = 30;
   pub const VT_TPOT_TARGET_US: ::flatbuffers::VOffsetT = 32;
   pub const VT_PACED_STEPS_TOTAL: ::flatbuffers::VOffsetT = 34;
+  pub const VT_MIXED_STEPS_TOTAL: ::flatbuffers::VOffsetT = 36;
+  pub const VT_MIXED_SEQS_TOTAL: ::flatbuffers::VOffsetT = 38;
+  pub const VT_MIXED_US_TOTAL: ::flatbuffers::VOffsetT = 40;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1757,6 +1760,9 @@ impl<'a> LoadReport<'a> {
     args: &'args LoadReportArgs<'args>
   ) -> ::flatbuffers::WIPOffset<LoadReport<'bldr>> {
     let mut builder = LoadReportBuilder::new(_fbb);
+    builder.add_mixed_us_total(args.mixed_us_total);
+    builder.add_mixed_seqs_total(args.mixed_seqs_total);
+    builder.add_mixed_steps_total(args.mixed_steps_total);
     builder.add_paced_steps_total(args.paced_steps_total);
     builder.add_decode_us_total(args.decode_us_total);
     builder.add_decode_context_total(args.decode_context_total);
@@ -1795,6 +1801,9 @@ impl<'a> LoadReport<'a> {
     let step_budget = self.step_budget();
     let tpot_target_us = self.tpot_target_us();
     let paced_steps_total = self.paced_steps_total();
+    let mixed_steps_total = self.mixed_steps_total();
+    let mixed_seqs_total = self.mixed_seqs_total();
+    let mixed_us_total = self.mixed_us_total();
     LoadReportT {
       queued_prefill_tokens,
       waiting_seqs,
@@ -1812,6 +1821,9 @@ impl<'a> LoadReport<'a> {
       step_budget,
       tpot_target_us,
       paced_steps_total,
+      mixed_steps_total,
+      mixed_seqs_total,
+      mixed_us_total,
     }
   }
 
@@ -1934,6 +1946,30 @@ impl<'a> LoadReport<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u64>(LoadReport::VT_PACED_STEPS_TOTAL, Some(0)).unwrap()}
   }
+  /// Steps that ran a prompt chunk beside decodes (mixed), the decoding sequences they
+  /// carried, and their time: with the decode-only steps, the time between a running
+  /// sequence's tokens (the coordinator's seat cap is sized from it).
+  #[inline]
+  pub fn mixed_steps_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_MIXED_STEPS_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn mixed_seqs_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_MIXED_SEQS_TOTAL, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn mixed_us_total(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_MIXED_US_TOTAL, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for LoadReport<'_> {
@@ -1958,6 +1994,9 @@ impl ::flatbuffers::Verifiable for LoadReport<'_> {
      .visit_field::<u32>("step_budget", Self::VT_STEP_BUDGET, false)?
      .visit_field::<u32>("tpot_target_us", Self::VT_TPOT_TARGET_US, false)?
      .visit_field::<u64>("paced_steps_total", Self::VT_PACED_STEPS_TOTAL, false)?
+     .visit_field::<u64>("mixed_steps_total", Self::VT_MIXED_STEPS_TOTAL, false)?
+     .visit_field::<u64>("mixed_seqs_total", Self::VT_MIXED_SEQS_TOTAL, false)?
+     .visit_field::<u64>("mixed_us_total", Self::VT_MIXED_US_TOTAL, false)?
      .finish();
     Ok(())
   }
@@ -1979,6 +2018,9 @@ pub struct LoadReportArgs<'a> {
     pub step_budget: u32,
     pub tpot_target_us: u32,
     pub paced_steps_total: u64,
+    pub mixed_steps_total: u64,
+    pub mixed_seqs_total: u64,
+    pub mixed_us_total: u64,
 }
 impl<'a> Default for LoadReportArgs<'a> {
   #[inline]
@@ -2000,6 +2042,9 @@ impl<'a> Default for LoadReportArgs<'a> {
       step_budget: 0,
       tpot_target_us: 0,
       paced_steps_total: 0,
+      mixed_steps_total: 0,
+      mixed_seqs_total: 0,
+      mixed_us_total: 0,
     }
   }
 }
@@ -2074,6 +2119,18 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LoadReportBuilder<'a, 'b, A> 
     self.fbb_.push_slot::<u64>(LoadReport::VT_PACED_STEPS_TOTAL, paced_steps_total, 0);
   }
   #[inline]
+  pub fn add_mixed_steps_total(&mut self, mixed_steps_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_MIXED_STEPS_TOTAL, mixed_steps_total, 0);
+  }
+  #[inline]
+  pub fn add_mixed_seqs_total(&mut self, mixed_seqs_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_MIXED_SEQS_TOTAL, mixed_seqs_total, 0);
+  }
+  #[inline]
+  pub fn add_mixed_us_total(&mut self, mixed_us_total: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_MIXED_US_TOTAL, mixed_us_total, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LoadReportBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     LoadReportBuilder {
@@ -2107,6 +2164,9 @@ impl ::core::fmt::Debug for LoadReport<'_> {
       ds.field("step_budget", &self.step_budget());
       ds.field("tpot_target_us", &self.tpot_target_us());
       ds.field("paced_steps_total", &self.paced_steps_total());
+      ds.field("mixed_steps_total", &self.mixed_steps_total());
+      ds.field("mixed_seqs_total", &self.mixed_seqs_total());
+      ds.field("mixed_us_total", &self.mixed_us_total());
       ds.finish()
   }
 }
@@ -2129,6 +2189,9 @@ pub struct LoadReportT {
   pub step_budget: u32,
   pub tpot_target_us: u32,
   pub paced_steps_total: u64,
+  pub mixed_steps_total: u64,
+  pub mixed_seqs_total: u64,
+  pub mixed_us_total: u64,
 }
 impl Default for LoadReportT {
   fn default() -> Self {
@@ -2149,6 +2212,9 @@ impl Default for LoadReportT {
       step_budget: 0,
       tpot_target_us: 0,
       paced_steps_total: 0,
+      mixed_steps_total: 0,
+      mixed_seqs_total: 0,
+      mixed_us_total: 0,
     }
   }
 }
@@ -2175,6 +2241,9 @@ impl LoadReportT {
     let step_budget = self.step_budget;
     let tpot_target_us = self.tpot_target_us;
     let paced_steps_total = self.paced_steps_total;
+    let mixed_steps_total = self.mixed_steps_total;
+    let mixed_seqs_total = self.mixed_seqs_total;
+    let mixed_us_total = self.mixed_us_total;
     LoadReport::create(_fbb, &LoadReportArgs{
       queued_prefill_tokens,
       waiting_seqs,
@@ -2192,6 +2261,9 @@ impl LoadReportT {
       step_budget,
       tpot_target_us,
       paced_steps_total,
+      mixed_steps_total,
+      mixed_seqs_total,
+      mixed_us_total,
     })
   }
 }

@@ -1023,6 +1023,41 @@ fn a_request_is_held_while_nodes_switch_roles_until_the_deadline() {
 }
 
 #[test]
+fn a_request_waits_for_a_seat_at_most_its_max_wait_then_is_shed() {
+    let seats = || Some(Wait::Seats { max_wait: Duration::from_millis(500) });
+    let mut h = H::new(3);
+    assert_eq!(kinds(&h.feed(no_route("every node holds its seats", seats()))), ["Record(HeldForSeat)"]);
+    h.advance(HOLD_POLL);
+    assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
+    assert!(h.feed(no_route("every node holds its seats", seats())).is_empty(), "counted once");
+    // A switch in between does not restart the seat's clock.
+    h.advance(HOLD_POLL);
+    h.feed(Event::Timer);
+    assert!(h.feed(no_route("switching", Some(Wait::Switch))).is_empty());
+    h.advance(Duration::from_millis(400));
+    assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
+    assert_eq!(
+        kinds(&h.feed(no_route("every node holds its seats", seats()))),
+        ["Record(Shed)", "Refused", "Finish"],
+        "500 ms waited: shed"
+    );
+    assert!(matches!(&h.client[0], DispatchEvent::Refused { reason } if reason.contains("seats")), "{:?}", h.client);
+    // One that finds a seat in time goes.
+    let mut h = H::new(3);
+    h.feed(no_route("every node holds its seats", seats()));
+    h.advance(Duration::from_millis(450));
+    h.feed(Event::Timer);
+    h.remote();
+    h.token(pre(fin(7, FinishReason::Stop)));
+    assert!(h.finished);
+    // A cancelled request is not counted as shed.
+    let mut h = H::new(3);
+    h.feed(no_route("every node holds its seats", seats()));
+    assert_eq!(kinds(&h.feed(Event::Cancelled)), ["Plan"]);
+    assert_eq!(kinds(&h.feed(no_route("every node holds its seats", seats()))), ["Refused", "Finish"]);
+}
+
+#[test]
 fn a_held_request_goes_when_a_node_can_take_it() {
     let mut h = H::new(3);
     h.feed(no_route("switching", Some(Wait::Switch)));

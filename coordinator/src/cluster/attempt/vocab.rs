@@ -192,6 +192,10 @@ pub enum Metric {
     HeldForSwitch,
     /// `cleave_requests_held_for_decode_kv_total`.
     HeldForDecodeKv,
+    /// `cleave_requests_held_for_seat_total`: SLO admission held it for a seat.
+    HeldForSeat,
+    /// `cleave_requests_shed_total`: refused after waiting its most for a seat.
+    Shed,
     /// `cleave_handoff_reservation_seconds{pool="decode", node}`: streams opened to ticket.
     Reservation { node: String, waited: Duration },
     /// `cleave_handoff_decode_first_step_seconds{pool="decode", node}`: first token to the

@@ -30,7 +30,9 @@ use cleave_net::tls::Roles;
 use cleave_protocol::control::{LoadReport, NodeRole, Register};
 use cleave_protocol::KvLayout;
 
+mod seats;
 mod state;
+pub use seats::Admission;
 pub use state::{NodeState, PoolLoad, PoolSummary};
 
 /// Routing thresholds (conditional disaggregation).
@@ -214,6 +216,8 @@ struct Node {
     /// Not returned when an attempt ends (by then the node's own report counts the
     /// reservation, or its release): only a report resets it.
     inflight_reserve: u64,
+    /// SLO admission's cap on the streams it decodes at once (see [`seats`]).
+    seats: seats::Seats,
 }
 
 impl Node {
@@ -339,6 +343,10 @@ pub enum Wait {
     /// Every decode node's KV cache is too full to reserve the prompt's blocks for a handoff
     /// now; running streams free blocks as they finish.
     DecodeKv,
+    /// SLO admission: every decode node holds as many streams as keep the TPOT target; a seat
+    /// frees when a stream ends. A request held longer than `max_wait` is refused (it could no
+    /// longer make its TTFT target).
+    Seats { max_wait: Duration },
 }
 
 impl NoRoute {
@@ -360,6 +368,8 @@ pub struct Registry {
     cfg: RoutingConfig,
     /// The planner's saturation line (see [`Registry::set_bridge`]); the configured one when None.
     bridge: Option<u64>,
+    /// SLO admission (see [`seats`]); None: every request is routed at once.
+    admission: Option<Admission>,
     fingerprint: Option<u64>,
     layout: Option<KvLayout>,
     nodes: BTreeMap<u64, Node>,
@@ -375,6 +385,7 @@ impl Registry {
         Self {
             cfg,
             bridge: None,
+            admission: None,
             fingerprint,
             layout: None,
             nodes: BTreeMap::new(),
@@ -398,6 +409,20 @@ impl Registry {
     /// late while capacity moves; None restores the configured line.
     pub fn set_bridge(&mut self, tokens: Option<u64>) {
         self.bridge = tokens;
+    }
+
+    /// Turns SLO admission on (with its targets) or off (every seat cap is forgotten).
+    pub fn set_admission(&mut self, admission: Option<Admission>) {
+        if admission.is_none() {
+            for n in self.nodes.values_mut() {
+                n.seats = Default::default();
+            }
+        }
+        self.admission = admission;
+    }
+
+    pub fn admission(&self) -> Option<Admission> {
+        self.admission
     }
 
     pub fn layout(&self) -> Option<&KvLayout> {
@@ -496,6 +521,7 @@ impl Registry {
                 inflight_seqs: 0,
                 inflight_blocks: 0,
                 inflight_reserve: 0,
+                seats: Default::default(),
             },
         );
         Ok(id)
@@ -506,6 +532,9 @@ impl Registry {
     pub fn report(&mut self, id: u64, load: LoadReport, now: Instant) -> bool {
         let Some(n) = self.nodes.get_mut(&id) else { return false };
         n.prefix = load.prefix_hashes.iter().copied().collect();
+        if let Some(a) = self.admission {
+            n.seats.observe(&load.steps, a.tpot_target);
+        }
         // The node's own word on its step budget wins over what it was asked for.
         if load.step_budget.is_some() {
             n.reg.step_budget = load.step_budget;
@@ -544,6 +573,10 @@ impl Registry {
         // What a decode node reserves at once for a handoff: the prompt's blocks.
         let reserve_blocks = prompt_len.div_ceil(block) as u64;
         let excluded = |id: &u64| q.exclude.contains(id);
+        // SLO admission: a node holding its seat cap takes no new stream (a stream that moves
+        // after its node failed is not new: it keeps its seat, wherever it lands).
+        let seated = self.admission.filter(|_| !q.force_local);
+        let mut full = Vec::new();
 
         // Decode side: room to reserve the prompt now, then most free KV after its in-flight
         // work, fewest running sequences, then prefix overlap (saved prefill), then the lowest
@@ -553,6 +586,13 @@ impl Registry {
             .iter()
             .filter(|(id, n)| n.decodes() && !excluded(id))
             .filter(|(_, n)| n.reg.max_model_len as usize >= prompt_len + q.max_tokens)
+            .filter(|(&id, n)| {
+                let is_full = seated.is_some() && n.seats.is_full(n.active_decode);
+                if is_full {
+                    full.push(id);
+                }
+                !is_full
+            })
             .max_by_key(|(id, n)| {
                 let free = u64::from(n.load.free_blocks + n.load.cached_blocks).saturating_sub(n.inflight_blocks);
                 let fits = free >= need_blocks;
@@ -563,6 +603,23 @@ impl Registry {
                 (n.room_now() >= reserve_blocks, fits, score, std::cmp::Reverse(**id))
             })
             .map(|(&id, _)| id);
+        if let (None, Some(a)) = (decode, seated) {
+            if !full.is_empty() {
+                for id in &full {
+                    if let Some(n) = self.nodes.get_mut(id) {
+                        n.seats.turned_away();
+                    }
+                }
+                return Err(NoRoute {
+                    reason: format!(
+                        "every decode node holds as many streams as keep the {} ms TPOT target \
+                         (SLO admission)",
+                        a.tpot_target.as_secs_f64() * 1e3
+                    ),
+                    wait: Some(Wait::Seats { max_wait: a.max_wait }),
+                });
+            }
+        }
         let Some(decode_id) = decode else {
             return Err(NoRoute {
                 reason: if self.nodes.is_empty() {
@@ -799,6 +856,7 @@ impl Registry {
                 lifecycle: n.lifecycle,
                 active_prefill: n.active_prefill,
                 active_decode: n.active_decode,
+                seat_cap: n.seats.cap(),
                 step_budget: n.reg.step_budget,
                 model_name: n.reg.model_name.clone(),
                 metrics_addr: n.reg.metrics_addr,

@@ -17,6 +17,9 @@ pub struct NodeState {
     /// Attempts routed to the node that have not ended.
     pub active_prefill: u32,
     pub active_decode: u32,
+    /// SLO admission's cap on the streams it decodes at once (None: admission off, or the node
+    /// has not yet run over the TPOT target).
+    pub seat_cap: Option<u32>,
     pub step_budget: Option<u32>,
     pub model_name: String,
     /// Where the node serves its metrics, as it registered it.
@@ -38,6 +41,7 @@ impl NodeState {
             lifecycle,
             active_prefill: 0,
             active_decode: 0,
+            seat_cap: None,
             step_budget: None,
             model_name: "m".into(),
             metrics_addr: None,

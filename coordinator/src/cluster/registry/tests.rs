@@ -393,3 +393,69 @@ fn a_handoff_waits_for_room_on_a_decode_node() {
     assert_eq!(e.wait, None, "{e}");
     assert!(e.reason.contains("needs 101 blocks"), "{e}");
 }
+
+/// A report of a node that ran `steps` decode steps of `batch` sequences, `step_ms` each, on
+/// top of `t` (its running totals).
+fn ran(t: &mut cleave_protocol::control::StepTotals, steps: u64, batch: u64, step_ms: u64) -> LoadReport {
+    t.decode_steps += steps;
+    t.decode_seqs += steps * batch;
+    t.decode_us += steps * step_ms * 1000;
+    LoadReport { free_blocks: 100, total_blocks: 100, steps: *t, ..Default::default() }
+}
+
+#[test]
+fn slo_admission_holds_requests_for_a_seat_once_every_node_runs_over_the_tpot_target() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let a = r.register(reg("a", NodeRole::Both, 1, 1), t).unwrap();
+    let b = r.register(reg("b", NodeRole::Both, 1, 2), t).unwrap();
+    r.set_admission(Some(Admission::from_targets(Duration::from_secs(2), Duration::from_millis(100))));
+    let (mut ta, mut tb) = Default::default();
+    r.report(a, ran(&mut ta, 0, 0, 0), t);
+    r.report(b, ran(&mut tb, 0, 0, 0), t);
+    // Within the target: no cap, every request is routed.
+    r.report(a, ran(&mut ta, 20, 4, 60), t);
+    let booked: Vec<_> = (0..10).map(|_| r.plan(&q(10)).unwrap().1).collect();
+    assert!(r.node_states(t).iter().all(|s| s.seat_cap.is_none()));
+    for x in &booked {
+        r.release(x, t);
+    }
+    // Both run over it: 8 sequences at 160 ms a step is a cap of 8 x 85 / 160 = 4.25: 4 each.
+    r.report(a, ran(&mut ta, 20, 8, 160), t);
+    r.report(b, ran(&mut tb, 20, 8, 160), t);
+    assert!(r.node_states(t).iter().all(|s| s.seat_cap == Some(4)), "{:?}", r.node_states(t));
+    let booked: Vec<_> = (0..8).map(|_| r.plan(&q(10)).expect("a free seat").1).collect();
+    let err = r.plan(&q(10)).unwrap_err();
+    assert_eq!(err.wait, Some(Wait::Seats { max_wait: Duration::from_secs(1) }), "{err}");
+    assert!(err.reason.contains("100 ms TPOT target"), "{err}");
+    // A stream that moves after its node failed keeps its seat wherever it lands.
+    let moved = RouteQuery { force_local: true, ..q(10) };
+    let (_, m) = r.plan(&moved).expect("a migration is not held for a seat");
+    r.release(&m, t);
+    // A stream ends: its seat frees.
+    r.release(&booked[0], t);
+    r.plan(&q(10)).expect("the freed seat");
+    // Off: every cap is forgotten.
+    r.set_admission(None);
+    r.plan(&q(10)).expect("no admission");
+    assert!(r.node_states(t).iter().all(|s| s.seat_cap.is_none()));
+}
+
+#[test]
+fn a_seat_cap_that_turned_requests_away_grows_while_the_node_keeps_up() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let a = r.register(reg("a", NodeRole::Both, 1, 1), t).unwrap();
+    r.set_admission(Some(Admission::from_targets(Duration::from_secs(2), Duration::from_millis(100))));
+    let mut ta = Default::default();
+    r.report(a, ran(&mut ta, 0, 0, 0), t);
+    r.report(a, ran(&mut ta, 20, 2, 340), t);
+    assert_eq!(r.node_states(t)[0].seat_cap, Some(1));
+    let (_, one) = r.plan(&q(10)).unwrap();
+    assert!(r.plan(&q(10)).is_err());
+    // The node now keeps up easily: a cap that turned requests away grows.
+    r.report(a, ran(&mut ta, 20, 1, 20), t);
+    assert!(r.node_states(t)[0].seat_cap.unwrap() >= 2, "{:?}", r.node_states(t)[0].seat_cap);
+    r.plan(&q(10)).expect("a new seat");
+    r.release(&one, t);
+}
