@@ -161,7 +161,8 @@ pub struct PlannerArgs {
     /// SLO admission: each node takes at most as many streams as keep its time per output
     /// token within the TPOT target (measured from its steps, once it runs over it); requests
     /// wait at the edge for a seat, and one that waited half the TTFT target is refused with
-    /// 503 and Retry-After instead of being served late. Under a load past the cluster's
+    /// 503 and Retry-After instead of being served late, as is at once a prompt that would
+    /// queue past the TTFT target behind its prefill node's queued prompt work. Under a load past the cluster's
     /// capacity it serves what it can within the targets instead of missing them for everyone.
     #[arg(long)]
     pub slo_admission: bool,

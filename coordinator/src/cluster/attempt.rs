@@ -90,6 +90,11 @@ struct Hold {
 }
 
 impl Hold {
+    /// The hold's query asked again, with the time waited so far.
+    fn ask(&self, now: Instant, started: Instant) -> RouteQuery {
+        RouteQuery { waited: now.saturating_duration_since(started), ..self.query.clone() }
+    }
+
     /// Until when a "no route" that says `wait` holds the request: the hold's limit, or for a
     /// seat the wait SLO admission allows from the first time it was told to wait for one.
     fn until(&mut self, wait: Wait, now: Instant) -> Instant {
@@ -311,6 +316,7 @@ impl Journey {
             max_tokens: max_tokens - self.generated.len(),
             exclude: self.exclude.clone(),
             force_local: !self.generated.is_empty(),
+            waited: now.saturating_duration_since(self.started),
         };
         out.push(Action::Plan(query.clone()));
         self.phase = Phase::Planning(Hold { query, deadline: now + HOLD_LIMIT, seat_deadline: None, held: false });
@@ -323,7 +329,7 @@ impl Journey {
         };
         match r {
             Ok((plan, booking)) => self.begin(now, plan, booking, out),
-            Err(NoRoute { wait: Some(wait), reason }) if now < hold.until(wait, now) && !self.cancelled => {
+            Err(NoRoute { wait: Some(wait), reason, .. }) if now < hold.until(wait, now) && !self.cancelled => {
                 if !hold.held {
                     hold.held = true;
                     out.push(Action::Record(match wait {
@@ -337,14 +343,15 @@ impl Journey {
             }
             Err(e) => {
                 self.failed = true;
-                if matches!(e.wait, Some(Wait::Seats { .. })) && !self.cancelled {
+                if (e.shed || matches!(e.wait, Some(Wait::Seats { .. }))) && !self.cancelled {
                     out.push(Action::Record(Metric::Shed));
                 }
                 // Nothing sent yet: the edge answers 503 (a client may retry), naming the
                 // earlier attempt's failure too when there was one.
                 match self.last_error.take() {
                     None if self.generated.is_empty() => {
-                        out.push(Action::Tell(DispatchEvent::Refused { reason: e.to_string() }));
+                        // The edge's 503 says "no node can serve the request" itself.
+                        out.push(Action::Tell(DispatchEvent::Refused { reason: e.reason }));
                         self.finish(out);
                     }
                     Some(last) if self.generated.is_empty() => {
@@ -660,7 +667,7 @@ impl Journey {
             }
             // A held request asks once more (and is refused unless a node can take it now).
             Phase::Holding { hold, .. } => {
-                out.push(Action::Plan(hold.query.clone()));
+                out.push(Action::Plan(hold.ask(now, self.started)));
                 self.phase = Phase::Planning(hold);
             }
             Phase::Backoff { .. } => self.finish(out),
@@ -675,7 +682,7 @@ impl Journey {
         }
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Holding { hold, .. } => {
-                out.push(Action::Plan(hold.query.clone()));
+                out.push(Action::Plan(hold.ask(now, self.started)));
                 self.phase = Phase::Planning(hold);
             }
             Phase::Backoff { .. } => self.next_attempt(now, out),

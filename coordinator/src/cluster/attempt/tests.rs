@@ -103,7 +103,7 @@ fn handoff_done() -> Event {
 }
 
 fn no_route(reason: &str, wait: Option<Wait>) -> Event {
-    Event::Planned(Err(NoRoute { reason: reason.into(), wait }))
+    Event::Planned(Err(NoRoute { reason: reason.into(), wait, shed: false }))
 }
 
 /// One line per action, for comparing batches.
@@ -185,8 +185,8 @@ impl H {
         assert_eq!(kinds(&out), ["Plan"]);
         let q = the_query(&out);
         assert_eq!(
-            (q.tokens.as_slice(), q.max_tokens, q.exclude.len(), q.force_local),
-            (&PROMPT[..], max_tokens as usize, 0, false)
+            (q.tokens.as_slice(), q.max_tokens, q.exclude.len(), q.force_local, q.waited),
+            (&PROMPT[..], max_tokens as usize, 0, false, Duration::ZERO)
         );
         h
     }
@@ -992,7 +992,7 @@ fn no_route_before_anything_was_sent_or_failed_is_a_refusal() {
     let out = h.feed(no_route("no decode node is alive", None));
     assert_eq!(kinds(&out), ["Refused", "Finish"]);
     assert!(matches!(&h.client[0], DispatchEvent::Refused { reason }
-        if reason == "no node can serve this request: no decode node is alive"));
+        if reason == "no decode node is alive"));
     let Some(Observation::Completion { ttft, ok, .. }) = h.m.completion(h.now, false) else { panic!() };
     assert_eq!((ttft, ok), (Duration::from_millis(7), false));
 }
@@ -1055,6 +1055,18 @@ fn a_request_waits_for_a_seat_at_most_its_max_wait_then_is_shed() {
     h.feed(no_route("every node holds its seats", seats()));
     assert_eq!(kinds(&h.feed(Event::Cancelled)), ["Plan"]);
     assert_eq!(kinds(&h.feed(no_route("every node holds its seats", seats()))), ["Refused", "Finish"]);
+}
+
+#[test]
+fn a_request_shed_for_its_ttft_is_refused_at_once_and_a_held_one_asks_with_its_wait() {
+    let mut h = H::new(3);
+    let shed = Event::Planned(Err(NoRoute { reason: "past the TTFT target".into(), wait: None, shed: true }));
+    assert_eq!(kinds(&h.feed(shed)), ["Record(Shed)", "Refused", "Finish"]);
+    let mut h = H::new(3);
+    h.feed(no_route("switching", Some(Wait::Switch)));
+    h.advance(HOLD_POLL * 3);
+    let out = h.feed(Event::Timer);
+    assert_eq!(the_query(&out).waited, HOLD_POLL * 3, "a held request asks again with its wait");
 }
 
 #[test]

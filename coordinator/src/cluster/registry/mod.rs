@@ -108,6 +108,9 @@ pub struct RouteQuery {
     pub exclude: Vec<u64>,
     /// Resume on a decode node with local prefill (migration).
     pub force_local: bool,
+    /// How long the request has waited for its first token so far (SLO admission predicts its
+    /// time to first token from it).
+    pub waited: Duration,
 }
 
 /// Where a node is in its life, as the coordinator sees it.
@@ -216,8 +219,10 @@ struct Node {
     /// Not returned when an attempt ends (by then the node's own report counts the
     /// reservation, or its release): only a report resets it.
     inflight_reserve: u64,
-    /// SLO admission's cap on the streams it decodes at once (see [`seats`]).
+    /// SLO admission's cap on the streams it decodes at once, and the rate it prefills at (see
+    /// [`seats`]).
     seats: seats::Seats,
+    prompts: seats::PromptRate,
 }
 
 impl Node {
@@ -333,6 +338,8 @@ pub struct NoRoute {
     /// Why a node may take the request soon, so that the caller should hold it a moment rather
     /// than fail it; None: no node will (the answer is final).
     pub wait: Option<Wait>,
+    /// SLO admission refused it: it could not make its TTFT target (counted as shed).
+    pub shed: bool,
 }
 
 /// What a held request waits for.
@@ -351,7 +358,7 @@ pub enum Wait {
 
 impl NoRoute {
     pub fn new(reason: impl Into<String>) -> Self {
-        Self { reason: reason.into(), wait: None }
+        Self { reason: reason.into(), wait: None, shed: false }
     }
 }
 
@@ -416,6 +423,7 @@ impl Registry {
         if admission.is_none() {
             for n in self.nodes.values_mut() {
                 n.seats = Default::default();
+                n.prompts = Default::default();
             }
         }
         self.admission = admission;
@@ -522,6 +530,7 @@ impl Registry {
                 inflight_blocks: 0,
                 inflight_reserve: 0,
                 seats: Default::default(),
+                prompts: Default::default(),
             },
         );
         Ok(id)
@@ -534,6 +543,7 @@ impl Registry {
         n.prefix = load.prefix_hashes.iter().copied().collect();
         if let Some(a) = self.admission {
             n.seats.observe(&load.steps, a.tpot_target);
+            n.prompts.observe(&load.steps);
         }
         // The node's own word on its step budget wins over what it was asked for.
         if load.step_budget.is_some() {
@@ -617,6 +627,7 @@ impl Registry {
                         a.tpot_target.as_secs_f64() * 1e3
                     ),
                     wait: Some(Wait::Seats { max_wait: a.max_wait }),
+                    shed: false,
                 });
             }
         }
@@ -628,6 +639,7 @@ impl Registry {
                     "no live decode node can hold this request".into()
                 },
                 wait: self.nodes.values().any(Node::switching).then_some(Wait::Switch),
+                shed: false,
             });
         };
         let d = &self.nodes[&decode_id];
@@ -692,7 +704,36 @@ impl Registry {
                          the best decode node has {room} free of {capacity}"
                     ),
                     wait: (capacity >= reserve_blocks).then_some(Wait::DecodeKv),
+                    shed: false,
                 });
+            }
+        }
+        if let Some(a) = seated {
+            // The TTFT half of SLO admission: a prompt that would wait behind more prompt work
+            // than its node gets through before the target is refused now (waiting at the edge
+            // would not shorten that queue).
+            let (node, work) = match assignment.prefill {
+                Some((pid, work)) => (pid, work),
+                None => (decode_id, uncached_local as u64),
+            };
+            let n = &self.nodes[&node];
+            if let Some(rate) = n.prompts.tokens_per_s() {
+                let queued = n.queued_prefill() + work;
+                let ttft = q.waited + Duration::from_secs_f64(queued as f64 / rate);
+                if ttft > a.ttft_target {
+                    return Err(NoRoute {
+                        reason: format!(
+                            "its time to first token would be {:.1} s, past the {:.1} s target: \
+                             {queued} prompt tokens are queued on {} at the {rate:.0} tokens/s it \
+                             prefills (SLO admission)",
+                            ttft.as_secs_f64(),
+                            a.ttft_target.as_secs_f64(),
+                            n.reg.name
+                        ),
+                        wait: None,
+                        shed: true,
+                    });
+                }
             }
         }
         if let Some((pid, work)) = assignment.prefill {

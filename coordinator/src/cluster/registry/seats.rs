@@ -22,6 +22,10 @@
 //!   when that is more. From a batch far below capacity the proportional estimate is too low
 //!   (the fixed cost is most of a small batch's step), so growth is what finds the capacity.
 //!
+//! The TTFT half: a request whose prefill node has more prompt work queued than it gets
+//! through before the TTFT target (the request's wait so far, plus the queue at the node's
+//! measured prompt rate, [`PromptRate`]) is refused at once rather than queued to miss.
+//!
 //! Invariant: the cap, when set, is at least 1 (a node always takes one stream).
 
 use std::time::Duration;
@@ -43,6 +47,9 @@ const MAX_CAP: f64 = 4096.0;
 /// SLO admission's settings (the planner's targets).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Admission {
+    /// A request predicted past it (its wait so far, plus the prompt work queued ahead of it on
+    /// its prefill node at that node's measured rate) is refused at once.
+    pub ttft_target: Duration,
     /// The time per output token a node's streams are held to.
     pub tpot_target: Duration,
     /// How long a request may wait for a seat before it is refused: what is left of the TTFT
@@ -53,7 +60,7 @@ pub struct Admission {
 impl Admission {
     /// From the targets: a request may wait half its TTFT target for a seat.
     pub fn from_targets(ttft_target: Duration, tpot_target: Duration) -> Self {
-        Self { tpot_target, max_wait: ttft_target / 2 }
+        Self { ttft_target, tpot_target, max_wait: ttft_target / 2 }
     }
 }
 
@@ -118,6 +125,45 @@ impl Seats {
         }
         .map(|c| c.clamp(1.0, MAX_CAP));
         self.bound = false;
+    }
+}
+
+/// Prompt tokens a second a node prefills, from its prefill-only steps (a colocated node's
+/// prompts beside decodes go slower: the estimate errs toward admitting).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PromptRate {
+    /// Prompt tokens and their time (us) at the last reading.
+    base: Option<[u64; 2]>,
+    rate: Option<f64>,
+}
+
+/// Prompt tokens a reading spans at least.
+const MIN_PROMPT_TOKENS: u64 = 256;
+
+impl PromptRate {
+    pub fn tokens_per_s(&self) -> Option<f64> {
+        self.rate
+    }
+
+    /// Folds a load report's cumulative step totals in (an even mix of the last reading and
+    /// the one before).
+    pub fn observe(&mut self, t: &StepTotals) {
+        let cur = [t.prefill_tokens, t.prefill_us];
+        let Some(base) = self.base else {
+            self.base = Some(cur);
+            return;
+        };
+        if cur[0] < base[0] || cur[1] < base[1] {
+            self.base = Some(cur);
+            return;
+        }
+        let [tokens, us] = [cur[0] - base[0], cur[1] - base[1]];
+        if tokens < MIN_PROMPT_TOKENS || us == 0 {
+            return;
+        }
+        self.base = Some(cur);
+        let r = tokens as f64 * 1e6 / us as f64;
+        self.rate = Some(self.rate.map_or(r, |old| 0.5 * old + 0.5 * r));
     }
 }
 
@@ -219,6 +265,24 @@ mod tests {
         run(&mut fresh, 1, 20, 0.5, 0.0);
         s.observe(&fresh, T);
         assert_eq!(s.cap(), cap, "the totals went back: no reading across the restart");
+    }
+
+    #[test]
+    fn the_prompt_rate_is_read_over_enough_prompt_tokens() {
+        let (mut r, mut t) = (PromptRate::default(), StepTotals::default());
+        r.observe(&t);
+        t.prefill_tokens += 100;
+        t.prefill_us += 100_000;
+        r.observe(&t);
+        assert_eq!(r.tokens_per_s(), None, "100 tokens are too few");
+        t.prefill_tokens += 300;
+        t.prefill_us += 300_000;
+        r.observe(&t);
+        assert_eq!(r.tokens_per_s(), Some(1000.0));
+        t.prefill_tokens += 2000;
+        t.prefill_us += 1_000_000;
+        r.observe(&t);
+        assert_eq!(r.tokens_per_s(), Some(1500.0), "half the old, half the new");
     }
 
     #[test]

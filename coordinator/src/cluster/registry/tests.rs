@@ -459,3 +459,40 @@ fn a_seat_cap_that_turned_requests_away_grows_while_the_node_keeps_up() {
     r.plan(&q(10)).expect("a new seat");
     r.release(&one, t);
 }
+
+#[test]
+fn slo_admission_refuses_a_prompt_that_would_wait_past_the_ttft_target() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    r.set_admission(Some(Admission::from_targets(Duration::from_secs(2), Duration::from_millis(100))));
+    let mut tp = cleave_protocol::control::StepTotals::default();
+    let prefill = |tp: &cleave_protocol::control::StepTotals, queued: u64| LoadReport {
+        queued_prefill_tokens: queued,
+        free_blocks: 100,
+        total_blocks: 100,
+        steps: *tp,
+        ..Default::default()
+    };
+    r.report(p, prefill(&tp, 0), t);
+    r.report(d, LoadReport { free_blocks: 100, total_blocks: 100, ..Default::default() }, t);
+    // Unmeasured: nothing is refused for its TTFT.
+    r.report(p, prefill(&tp, 100_000), t);
+    let (_, a) = r.plan(&q(200)).expect("no rate measured yet");
+    r.release(&a, t);
+    // 1000 prompt tokens a second: 1500 queued and 200 more is 1.7 s, within 2 s; after 0.5 s
+    // waited it is not.
+    tp.prefill_tokens += 1000;
+    tp.prefill_us += 1_000_000;
+    r.report(p, prefill(&tp, 1500), t);
+    let (_, a) = r.plan(&q(200)).expect("1.7 s to the first token");
+    r.release(&a, t);
+    r.report(p, prefill(&tp, 1500), t);
+    let late = RouteQuery { waited: Duration::from_millis(500), ..q(200) };
+    let err = r.plan(&late).unwrap_err();
+    assert!(err.shed && err.wait.is_none(), "{err:?}");
+    assert!(err.reason.contains("2.2 s") && err.reason.contains("1700 prompt tokens"), "{err}");
+    // A migration is never refused for it.
+    r.plan(&RouteQuery { force_local: true, ..late }).expect("a migration goes on");
+}
