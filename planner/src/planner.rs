@@ -430,6 +430,10 @@ impl Planner {
             allow_fewer: warm && clients_ok,
             attainment: t.attainment,
             hedge: !cfg.can_add_nodes,
+            // Only once the whole window ran under the current configuration.
+            observed: a.stats.attainment.filter(|_| {
+                a.stats.count >= MIN_CORRECTION_SAMPLES && now.saturating_sub(self.config_since) >= cfg.window
+            }),
         };
         let in_limits = within_limits(&a.current, &cfg);
         // Memory of experience: the current configuration's ratio, corrected by what clients

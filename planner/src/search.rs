@@ -87,6 +87,9 @@ pub(crate) struct Policy {
     pub attainment: f64,
     /// Whether hedges are made: only where the node count is fixed (see [`MoveKind::Hedge`]).
     pub hedge: bool,
+    /// The share of requests within both targets clients saw in the window under the current
+    /// configuration, where enough of them finished to tell (see [`Search::hedge`]).
+    pub observed: Option<f64>,
 }
 
 /// Why the current configuration is left.
@@ -475,7 +478,13 @@ impl<'a, 'm> Search<'a, 'm> {
     /// by attainment rather than the worst ratio: pacing holds a colocated node's TPOT near its
     /// margin of the target by construction, so its ratio sits at the edge of "meets" while
     /// nearly every request is within both targets.
-    fn hedge(&mut self, current: &Candidate, attainment: f64) -> Option<Candidate> {
+    ///
+    /// The current configuration counts at the lower of its predicted and `observed` share:
+    /// where clients see it miss the targets while its corrected prediction says it meets them,
+    /// the clients are right (measured: a 1p1d predicted at 94-98% while clients saw 80-89% for
+    /// a minute, its TTFT correction stuck low from a start-up burst, kept the planner off the
+    /// colocated nodes that held 74-83%; BENCHMARKS.md, "SLO admission").
+    fn hedge(&mut self, current: &Candidate, attainment: f64, observed: Option<f64>) -> Option<Candidate> {
         let t = current.target;
         let n = t.nodes();
         if t.prefill + t.decode == 0 || n == 0 {
@@ -499,7 +508,8 @@ impl<'a, 'm> Search<'a, 'm> {
         let (c, a) = best?;
         // Entering needs a band above what staying needs (hysteresis against the relief).
         let enter = (attainment + HEDGE_BAND).min(1.0);
-        (a + 1e-9 >= enter && a + 1e-9 >= self.attainment(&t)).then_some(c)
+        let here = self.attainment(&t).min(observed.unwrap_or(1.0));
+        (a + 1e-9 >= enter && a + 1e-9 >= here).then_some(c)
     }
 
     /// The hysteresis policy (see the crate docs, "Choosing"). `None`: keep the current one.
@@ -525,7 +535,7 @@ impl<'a, 'm> Search<'a, 'm> {
             if !policy.hedge {
                 return None;
             }
-            return self.hedge(current, policy.attainment).and_then(|to| chosen(to, MoveKind::Hedge));
+            return self.hedge(current, policy.attainment, policy.observed).and_then(|to| chosen(to, MoveKind::Hedge));
         }
         // At risk or in breach: a move that does not add nodes must land clearly inside the
         // targets (the scale-down margin), one that adds nodes inside the scale-up margin.
@@ -614,8 +624,14 @@ mod tests {
         };
         let mut s = Search::new(&model, input);
         let cur = s.evaluate(&PoolTarget { prefill: 1, decode: 1, colocated: 0, step_budget: None });
-        let policy =
-            Policy { scale_up_margin: 0.9, scale_down_margin: 0.7, allow_fewer: true, attainment: 0.9, hedge: true };
+        let policy = Policy {
+            scale_up_margin: 0.9,
+            scale_down_margin: 0.7,
+            allow_fewer: true,
+            attainment: 0.9,
+            hedge: true,
+            observed: None,
+        };
         let m = s.decide(&cur, true, policy).expect("1p1d cannot carry this load");
         assert!(m.to.ratio <= 0.9 && m.to.target.nodes() > 2);
         s.best_meeting(0.7, (0, n));

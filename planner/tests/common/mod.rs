@@ -127,6 +127,20 @@ impl Sim {
         }
     }
 
+    /// `n` failed completions at `now` (refused, or an error: no latency to learn from).
+    pub fn fail(&mut self, n: u32, waited: Duration) {
+        for _ in 0..n {
+            self.planner.on_completion(Completion {
+                at: self.now,
+                ttft: waited,
+                tpot: None,
+                output_tokens: 0,
+                max_tokens: self.max_tokens,
+                ok: false,
+            });
+        }
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         Snapshot { now: self.now, nodes: self.nodes.clone() }
     }
