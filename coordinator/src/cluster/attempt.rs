@@ -99,7 +99,10 @@ impl Hold {
     /// seat the wait SLO admission allows from the first time it was told to wait for one.
     fn until(&mut self, wait: Wait, now: Instant) -> Instant {
         match wait {
-            Wait::Seats { max_wait } => self.deadline.min(*self.seat_deadline.get_or_insert(now + max_wait)),
+            Wait::Seats { max_wait } => {
+                let deadline = self.deadline;
+                deadline.min(*self.seat_deadline.get_or_insert_with(|| now.checked_add(max_wait).unwrap_or(deadline)))
+            }
             Wait::Switch | Wait::DecodeKv => self.deadline,
         }
     }

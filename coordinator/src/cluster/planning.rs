@@ -322,10 +322,7 @@ impl Actor {
             return;
         }
         let t = &self.planner.config().targets;
-        let want = Some(Admission::from_targets(
-            Duration::from_secs_f64(t.ttft_ms / 1e3),
-            Duration::from_secs_f64(t.tpot_ms / 1e3),
-        ));
+        let want = Some(Admission::from_target_ms(t.ttft_ms, t.tpot_ms));
         if want != self.admission {
             self.admission = want;
             self.cluster.set_admission(want).await;

@@ -1070,6 +1070,16 @@ fn a_request_shed_for_its_ttft_is_refused_at_once_and_a_held_one_asks_with_its_w
 }
 
 #[test]
+fn a_seat_wait_past_what_an_instant_holds_is_bounded_by_the_hold_limit() {
+    let mut h = H::new(3);
+    let seats = || Some(Wait::Seats { max_wait: Duration::MAX / 2 });
+    assert_eq!(kinds(&h.feed(no_route("every node holds its seats", seats()))), ["Record(HeldForSeat)"]);
+    h.advance(HOLD_LIMIT);
+    assert_eq!(kinds(&h.feed(Event::Timer)), ["Plan"]);
+    assert_eq!(kinds(&h.feed(no_route("every node holds its seats", seats()))), ["Record(Shed)", "Refused", "Finish"]);
+}
+
+#[test]
 fn a_held_request_goes_when_a_node_can_take_it() {
     let mut h = H::new(3);
     h.feed(no_route("switching", Some(Wait::Switch)));

@@ -429,10 +429,6 @@ impl Registry {
         self.admission = admission;
     }
 
-    pub fn admission(&self) -> Option<Admission> {
-        self.admission
-    }
-
     pub fn layout(&self) -> Option<&KvLayout> {
         self.layout.as_ref()
     }
@@ -719,7 +715,9 @@ impl Registry {
             let n = &self.nodes[&node];
             if let Some(rate) = n.prompts.tokens_per_s() {
                 let queued = n.queued_prefill() + work;
-                let ttft = q.waited + Duration::from_secs_f64(queued as f64 / rate);
+                // Saturating: the rate comes from a node's report (a wild one must not panic).
+                let wait = Duration::try_from_secs_f64(queued as f64 / rate).unwrap_or(Duration::MAX);
+                let ttft = q.waited.saturating_add(wait);
                 if ttft > a.ttft_target {
                     return Err(NoRoute {
                         reason: format!(

@@ -62,6 +62,13 @@ impl Admission {
     pub fn from_targets(ttft_target: Duration, tpot_target: Duration) -> Self {
         Self { ttft_target, tpot_target, max_wait: ttft_target / 2 }
     }
+
+    /// From the planner's targets in milliseconds (validated finite and positive, but not
+    /// bounded: a target past what a `Duration` holds saturates instead of panicking).
+    pub fn from_target_ms(ttft_ms: f64, tpot_ms: f64) -> Self {
+        let d = |ms: f64| Duration::try_from_secs_f64(ms / 1e3).unwrap_or(Duration::MAX);
+        Self::from_targets(d(ttft_ms), d(tpot_ms))
+    }
 }
 
 /// One node's seat cap and the step totals it was last read from.
@@ -179,6 +186,15 @@ mod tests {
     }
 
     const T: Duration = Duration::from_millis(100);
+
+    #[test]
+    fn targets_past_what_a_duration_holds_saturate() {
+        let a = Admission::from_target_ms(1e300, 100.0);
+        assert_eq!((a.ttft_target, a.tpot_target), (Duration::MAX, Duration::from_millis(100)));
+        assert_eq!(a.max_wait, Duration::MAX / 2);
+        let a = Admission::from_target_ms(3000.0, 0.01);
+        assert_eq!((a.ttft_target, a.tpot_target), (Duration::from_secs(3), Duration::from_micros(10)));
+    }
 
     /// A request asks for a seat on a node holding `active` streams: refused when it is full.
     fn ask(s: &mut Seats, active: u32) -> bool {

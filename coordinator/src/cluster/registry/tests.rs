@@ -494,5 +494,11 @@ fn slo_admission_refuses_a_prompt_that_would_wait_past_the_ttft_target() {
     assert!(err.shed && err.wait.is_none(), "{err:?}");
     assert!(err.reason.contains("2.2 s") && err.reason.contains("1700 prompt tokens"), "{err}");
     // A migration is never refused for it.
-    r.plan(&RouteQuery { force_local: true, ..late }).expect("a migration goes on");
+    r.plan(&RouteQuery { force_local: true, ..late.clone() }).expect("a migration goes on");
+    // A wild report (256 tokens in u64::MAX us) halves the rate read: still refused, no panic.
+    tp.prefill_tokens += 256;
+    tp.prefill_us = u64::MAX;
+    r.report(p, prefill(&tp, 1500), t);
+    r.report(p, prefill(&tp, 1500), t);
+    assert!(r.plan(&q(200)).unwrap_err().shed);
 }
