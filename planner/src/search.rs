@@ -482,7 +482,7 @@ impl<'a, 'm> Search<'a, 'm> {
     /// The current configuration counts at the lower of its predicted and `observed` share:
     /// where clients see it miss the targets while its corrected prediction says it meets them,
     /// the clients are right (measured: a 1p1d predicted at 94-98% while clients saw 80-89% for
-    /// a minute, its TTFT correction stuck low from a start-up burst, kept the planner off the
+    /// 16 s of a run, its TTFT correction stuck low from a start-up burst, kept the planner off the
     /// colocated nodes that held 74-83%; BENCHMARKS.md, "SLO admission").
     fn hedge(&mut self, current: &Candidate, attainment: f64, observed: Option<f64>) -> Option<Candidate> {
         let t = current.target;
