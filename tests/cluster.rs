@@ -91,6 +91,24 @@ fn responses_say_how_they_were_served_and_the_metrics_agree() {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        if sample(&m, "cleave_handoff_queue_seconds_count", &[]) < 1.0 {
+            // Say what each process saw of the handoff, not the whole text (CI shows a part).
+            let pm = get(format!("http://{}/metrics", c.nodes[0].ready["metrics"])).await;
+            let dm = get(format!("http://{}/metrics", c.nodes[1].ready["metrics"])).await;
+            let seen = |t: &str| {
+                t.lines()
+                    .filter(|l| !l.starts_with('#') && !l.contains("_bucket{"))
+                    .filter(|l| ["handoff", "migrat", "kv_transfer", "failure", "requests_total"].iter().any(|k| l.contains(k)))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            panic!(
+                "no handoff report in 10 s\n-- coordinator\n{}\n-- prefill node\n{}\n-- decode node\n{}",
+                seen(&m),
+                seen(&pm),
+                seen(&dm)
+            );
+        }
         let ttft = "cleave_time_to_first_token_seconds_count";
         assert_eq!(sample(&m, ttft, &[("pool", "prefill"), ("path", "remote")]), 1.0, "{m}");
         assert_eq!(sample(&m, ttft, &[("pool", "decode"), ("path", "local"), ("local_reason", "short_prompt")]), 2.0, "{m}");

@@ -39,8 +39,8 @@ use cleave_kv_transfer::{
     Ask, Grant, KvSink, KvTransferError, KvWrite, ReceiverConfig, ReceiverHandle, ReceiverService, Reservation,
     Reserved,
 };
-use cleave_net::{DuplexStream, Listener, NetConfig, NetKind};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, DecodeRequest};
+use cleave_net::{DuplexStream, Listener, NetConfig, NetKind, RecvHalf, SendHalf};
+use cleave_protocol::control::{write_msg, ControlMsg, DecodeRequest, MsgReader};
 use cleave_protocol::{RequestId, TokenEvent, TransportKind};
 use tracing::Instrument;
 use wait::{Action, Event, KvWait, Metric};
@@ -391,9 +391,12 @@ impl Shared {
 async fn serve_request(req: DecodeRequest, s: &mut DuplexStream, shared: &Shared) {
     let id = req.work.id;
     let prompt_tokens = req.work.prompt.len() as u32;
-    let stream = if req.local_prefill { local(shared, req) } else { remote(shared, req, s).await };
+    // One reader for the request's life: it keeps a message read halfway when a `select!`
+    // below drops its call.
+    let mut rx = MsgReader::new(&mut s.recv);
+    let stream = if req.local_prefill { local(shared, req) } else { remote(shared, req, &mut s.send, &mut rx).await };
     match stream {
-        Ok(Some(ts)) => forward(ts, s).await,
+        Ok(Some(ts)) => forward(ts, &mut s.send, &mut rx).await,
         Ok(None) => {}
         Err(e) => {
             let ev = TokenEvent::failed(id, prompt_tokens, 0, e.to_string());
@@ -424,7 +427,12 @@ fn local(shared: &Shared, req: DecodeRequest) -> Result<Option<TokenStream>, Nod
 
 /// Leases blocks, answers the ticket, waits for the KV (or a cancel), then starts decoding: the
 /// shell of [`wait::KvWait`], which decides what each outcome means.
-async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Result<Option<TokenStream>, NodeError> {
+async fn remote(
+    shared: &Shared,
+    req: DecodeRequest,
+    send: &mut SendHalf,
+    rx: &mut MsgReader<&mut RecvHalf>,
+) -> Result<Option<TokenStream>, NodeError> {
     let id = req.work.id;
     let started = Instant::now();
     let prompt: Arc<[u32]> = req.work.prompt.as_slice().into();
@@ -453,7 +461,7 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
             match a {
                 Action::SendTicket => {
                     let Some(t) = ticket.take() else { continue };
-                    answer = Some(match write_msg(&mut s.send, &ControlMsg::Ticket(t)).await {
+                    answer = Some(match write_msg(send, &ControlMsg::Ticket(t)).await {
                         Ok(()) => Event::TicketSent,
                         Err(error) => {
                             tracing::warn!(%error, "sending the ticket failed");
@@ -483,7 +491,7 @@ async fn remote(shared: &Shared, req: DecodeRequest, s: &mut DuplexStream) -> Re
             Some(ev) => ev,
             None => tokio::select! {
                 r = &mut wait => Event::Landed(r),
-                msg = read_msg(&mut s.recv) => match msg {
+                msg = rx.next() => match msg {
                     Ok(Some(msg)) => Event::Message(Box::new(msg)),
                     Ok(None) => Event::Lost(None),
                     Err(e) => Event::Lost(Some(e)),
@@ -530,17 +538,17 @@ fn record(m: Metric) {
 
 /// Streams a request's events to the coordinator until the final one, a Cancel, or the stream
 /// closing (dropping `ts` cancels the request in the engine).
-async fn forward(mut ts: TokenStream, s: &mut DuplexStream) {
+async fn forward(mut ts: TokenStream, send: &mut SendHalf, rx: &mut MsgReader<&mut RecvHalf>) {
     loop {
         tokio::select! {
             ev = ts.next() => {
                 let Some(ev) = ev else { return };
                 let last = ev.finish_reason.is_some();
-                if write_msg(&mut s.send, &ControlMsg::Token(ev)).await.is_err() || last {
+                if write_msg(send, &ControlMsg::Token(ev)).await.is_err() || last {
                     return;
                 }
             }
-            m = read_msg(&mut s.recv) => match m {
+            m = rx.next() => match m {
                 Ok(Some(ControlMsg::Cancel(_))) | Ok(None) | Err(_) => return,
                 Ok(Some(_)) => {}
             },

@@ -309,7 +309,7 @@ async fn a_delta_handoff_moves_only_what_the_receiver_lacks() {
                 "{kind:?} case {i}: only the uncached tokens travel"
             );
             let done = res.done.wait(common::WAIT).await.unwrap();
-            assert_eq!(&done.blocks[..2] == &held[..], cached > 0, "{kind:?} case {i}");
+            assert_eq!(done.blocks[..2] == held[..], cached > 0, "{kind:?} case {i}");
             for layer in 0..l.num_layers {
                 let (k, v) = pool.gather(&done.blocks, layer, 0, 21);
                 assert_eq!(k, kv_bytes(&l, 0, layer, 0, 21), "{kind:?} case {i} layer {layer} K");

@@ -569,7 +569,7 @@ impl Planner {
         let t = &self.cfg.targets;
         let live = self.live_factors(snap.now);
         let model =
-            Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget()).paced(self.paced_s(&a));
+            Model::new(&*self.costs, a.load, t.quantile, self.cfg.limits.largest_step_budget()).paced(self.paced_s(a));
         let attain = |p: &PoolTarget| model.attainment(p, live.of(p), t.ttft_ms / 1e3, t.tpot_ms / 1e3);
         let (f_cur, f_to) = (live.of(&a.current), live.of(&target));
         let [cur_attain, to_attain] = mv.attainment.unwrap_or_else(|| [attain(&a.current), attain(&target)]);

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use cleave_engine::{EngineHandle, EngineRequest, KvExport, KvExportEvent, SinkError};
 use cleave_kv_transfer::{KvSender, KvTransferError, LayerChunk, NetTransport, SendConfig, Transport, TransportSet};
 use cleave_net::{DuplexStream, NetConfig};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, PrefillRequest};
+use cleave_protocol::control::{write_msg, ControlMsg, MsgReader, PrefillRequest};
 use cleave_protocol::{HandoffTicket, KvLayout};
 use request::{Action, Event, Metric, Request, Shipped};
 use tokio::sync::{mpsc, oneshot};
@@ -156,6 +156,9 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
     };
     let (ticket_tx, ticket_rx) = oneshot::channel();
     let mut ticket_tx = Some(ticket_tx);
+    // Read in the `select!` below beside the engine and the shipper: the reader keeps a message
+    // read halfway when another branch wins.
+    let mut rx = MsgReader::new(&mut s.recv);
     let shipper = ship(shared, ticket_rx, xrx);
     tokio::pin!(shipper);
     let mut actions = match req.ticket {
@@ -192,7 +195,7 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
                     Event::Engine { event: ev, computing: computing_rx.try_recv().ok() }
                 }
                 r = &mut shipper, if m.shipping() => Event::Shipped(r),
-                msg = read_msg(&mut s.recv) => match msg {
+                msg = rx.next() => match msg {
                     Ok(Some(msg)) => Event::Message(msg),
                     Ok(None) | Err(_) => Event::Lost,
                 },

@@ -722,29 +722,67 @@ pub async fn write_msg<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, msg: &Contro
 }
 
 /// Reads one length-prefixed frame. `Ok(None)` on a clean end of stream between frames.
+///
+/// Not cancel-safe (a frame read halfway is lost with the future): for a stream read in a
+/// `select!` beside other events, use a [`MsgReader`].
 pub async fn read_msg<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Option<ControlMsg>, WireError> {
-    use tokio::io::AsyncReadExt;
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        let n = r.read(&mut len[got..]).await?;
-        if n == 0 {
-            return if got == 0 {
-                Ok(None)
-            } else {
-                Err(WireError::Malformed("stream ended inside a frame length".into()))
-            };
+    MsgReader::new(r).next().await
+}
+
+/// Reads frames from a stream one after another, keeping a frame read halfway between calls.
+///
+/// Invariant: [`MsgReader::next`] is cancel-safe. Every byte read is kept in the reader before
+/// the next await (each await is one `read`, which reads nothing when dropped), so a `select!`
+/// that drops the call while a frame is in flight, because another branch won, loses nothing:
+/// the next call continues the same frame. It never reads past the end of the frame it is on,
+/// so the stream can be handed on between frames.
+#[derive(Debug)]
+pub struct MsgReader<R> {
+    inner: R,
+    /// The frame so far: its 4-byte length, then as much of its body as has arrived.
+    buf: Vec<u8>,
+    /// Bytes of `buf` that hold data (the rest is room for the next `read`).
+    filled: usize,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> MsgReader<R> {
+    pub fn new(inner: R) -> Self {
+        Self { inner, buf: vec![0; 4], filled: 0 }
+    }
+
+    /// The next message; `Ok(None)` on a clean end of stream between frames. After an error the
+    /// stream is out of step: drop the reader.
+    pub async fn next(&mut self) -> Result<Option<ControlMsg>, WireError> {
+        use tokio::io::AsyncReadExt;
+        loop {
+            let want = if self.filled < 4 { 4 } else { self.buf.len() };
+            if self.filled == want {
+                // A whole body (a zero-length one too) has arrived.
+                let msg = decode(&self.buf[4..]);
+                self.buf.truncate(4);
+                if self.buf.capacity() > 1 << 16 {
+                    // Do not hold a rare large frame's room for the stream's lifetime.
+                    self.buf.shrink_to(4);
+                }
+                self.filled = 0;
+                return msg.map(Some);
+            }
+            let n = self.inner.read(&mut self.buf[self.filled..want]).await?;
+            if n == 0 {
+                return match (self.filled, self.buf.len()) {
+                    (0, _) => Ok(None),
+                    (1..=3, _) => Err(WireError::Malformed("stream ended inside a frame length".into())),
+                    (_, total) => Err(WireError::Malformed(format!("stream ended inside a {}-byte frame", total - 4))),
+                };
+            }
+            self.filled += n;
+            if self.filled == 4 && self.buf.len() == 4 {
+                let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+                if len > MAX_FRAME_BYTES {
+                    return Err(WireError::TooLarge { len, max: MAX_FRAME_BYTES });
+                }
+                self.buf.resize(4 + len, 0);
+            }
         }
-        got += n;
     }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(WireError::TooLarge { len, max: MAX_FRAME_BYTES });
-    }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf).await.map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => WireError::Malformed(format!("stream ended inside a {len}-byte frame")),
-        _ => WireError::Io(e),
-    })?;
-    decode(&buf).map(Some)
 }

@@ -189,6 +189,59 @@ async fn truncated_and_oversized_frames_are_refused() {
     assert!(matches!(err, WireError::TooLarge { .. }), "{err}");
 }
 
+/// A stream that gives one byte a read and answers every other read `Pending` (waking itself),
+/// as a QUIC stream does when a frame arrives in pieces.
+struct Trickle {
+    data: Vec<u8>,
+    pos: usize,
+    pending: bool,
+}
+
+impl tokio::io::AsyncRead for Trickle {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.pending = !self.pending;
+        if self.pending {
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        if self.pos < self.data.len() && buf.remaining() > 0 {
+            buf.put_slice(&[self.data[self.pos]]);
+            self.pos += 1;
+        }
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// A reader in a `select!` loses its future whenever another branch wins, often in the middle of
+/// a frame: every call here is polled once and dropped, and no byte may be lost for it.
+#[test]
+fn a_reader_dropped_mid_frame_loses_nothing() {
+    let mut data = Vec::new();
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    for m in samples() {
+        rt.block_on(write_msg(&mut data, &m)).unwrap();
+    }
+    let total = data.len();
+    let mut r = MsgReader::new(Trickle { data, pos: 0, pending: false });
+    let (mut got, mut dropped) = (Vec::new(), 0);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        let mut fut = std::pin::pin!(r.next());
+        match std::future::Future::poll(fut.as_mut(), &mut cx) {
+            std::task::Poll::Ready(Ok(Some(m))) => got.push(m),
+            std::task::Poll::Ready(Ok(None)) => break,
+            std::task::Poll::Ready(Err(e)) => panic!("after {} messages: {e}", got.len()),
+            std::task::Poll::Pending => dropped += 1,
+        }
+    }
+    assert_eq!(got, samples());
+    assert!(dropped >= total, "{dropped} calls dropped for {total} bytes: every byte arrived in one");
+}
+
 #[test]
 fn other_versions_are_refused() {
     // The version is the first field of the envelope; rebuild one with another version by

@@ -397,7 +397,7 @@ mod tests {
         let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into()];
         let mut types = vec![token_type::CONTROL, token_type::CONTROL];
         tokens.extend(alphabet.iter().map(|c| c.to_string()));
-        types.extend(std::iter::repeat(token_type::NORMAL).take(256));
+        types.extend(std::iter::repeat_n(token_type::NORMAL, 256));
         let merges = ["h e", "l l", "he ll", "hell o", "\u{120} w", "\u{120}w o", "1 2"];
         for m in merges {
             let (l, r) = m.split_once(' ').unwrap();

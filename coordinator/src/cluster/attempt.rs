@@ -746,9 +746,7 @@ impl Journey {
                     return self.resume(now, out);
                 }
                 if last {
-                    if let Some(r) = self.attempt.as_ref().and_then(|a| a.remote.as_ref()).filter(|r| r.prefill_open) {
-                        out.push(Action::ReportLater { node: r.prefill.clone(), dispatched: r.dispatched });
-                    }
+                    self.report_later(out);
                 }
                 self.end(now, Outcome::Finished, out);
             }
@@ -759,7 +757,21 @@ impl Journey {
                 self.end(now, Outcome::Finished, out);
             }
             Delivery::First { last: false } | Delivery::Early { last: false } if delivered => self.flush(now, out),
+            Delivery::Early { last: true } => {
+                // Every decode event overtook the first token, and the prefill node's report
+                // follows the first token: it has not been read yet.
+                self.report_later(out);
+                self.end(now, Outcome::Finished, out)
+            }
             Delivery::First { .. } | Delivery::Early { .. } => self.end(now, Outcome::Finished, out),
+        }
+    }
+
+    /// The output ended with the handoff's report still to come: read it after the end (before
+    /// [`Action::CloseStreams`]), so that the handoff metrics count every handoff.
+    fn report_later(&self, out: &mut Vec<Action>) {
+        if let Some(r) = self.attempt.as_ref().and_then(|a| a.remote.as_ref()).filter(|r| r.prefill_open) {
+            out.push(Action::ReportLater { node: r.prefill.clone(), dispatched: r.dispatched });
         }
     }
 

@@ -478,7 +478,8 @@ fn an_overtaking_last_event_ends_the_request_in_the_flush() {
     h.feed(dec(fin(8, FinishReason::Length)));
     h.feed(pre(tok(7)));
     assert_eq!(kinds(&h.feed(Event::Delivered)), ["Emit(8)"]);
-    assert_eq!(kinds(&h.feed(Event::Delivered)), ["CloseStreams", "Release", "Finish"]);
+    // The prefill node's report follows its first token: still to come (CI once lost it here).
+    assert_eq!(kinds(&h.feed(Event::Delivered)), ["ReportLater", "CloseStreams", "Release", "Finish"]);
     assert_eq!(h.tokens(), [7, 8]);
 }
 

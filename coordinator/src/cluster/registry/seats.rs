@@ -115,7 +115,7 @@ impl Seats {
         }
         self.base = Some(cur);
         let target = target.as_secs_f64();
-        if us == 0 || !(target > 0.0) {
+        if us == 0 || target <= 0.0 {
             return;
         }
         let step = us as f64 / 1e6 / steps as f64;
