@@ -314,7 +314,8 @@ impl Planner {
     }
 
     /// Moves the correction factors toward observed/predicted for the current configuration:
-    /// observed = the quantile over successful completions that started under it (at least
+    /// observed = the quantile over successful completions that started under it, once the old
+    /// configuration's queue had cleared (at least
     /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
     /// same window. An EWMA with time constant window / 3, ratios clamped to
     /// [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
@@ -323,10 +324,19 @@ impl Planner {
     /// corrects neither.
     fn update_correction(&mut self, now: Duration, current: &PoolTarget, stats: &CompletionStats, raw: &Raw) {
         let cutoff = now.checked_sub(self.cfg.window);
-        while self.history.front().is_some_and(|h| cutoff.is_some_and(|c| h.0 <= c)) {
+        // Predictions made while the old configuration's queue still held requests back are
+        // compared with nothing (their requests are not counted either: `CompletionWindow::settle`).
+        let since = self.completions.since();
+        while self.history.front().is_some_and(|h| cutoff.is_some_and(|c| h.0 <= c) || h.0 < since) {
             self.history.pop_front();
         }
-        if raw.ttft.is_finite() && raw.tpot.is_finite() {
+        // Nor are those made before a whole window of demand was seen: a rate read over the
+        // first seconds is a handful of arrivals (5 in 6.7 s read as 0.75 req/s where the load
+        // ran at 0.6), its queueing predictions run to many seconds, and a factor learnt from
+        // them sat at 0.58 for a minute afterwards, making one prefill node look fit for a load
+        // that kept its p90 TTFT at 5 s.
+        let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= self.cfg.window);
+        if warm && raw.ttft.is_finite() && raw.tpot.is_finite() {
             self.history.push_back((now, raw.ttft, raw.tpot, raw.tpot_floor));
         }
         if self.history.is_empty() {
@@ -402,6 +412,7 @@ impl Planner {
             return None;
         }
         self.see(now);
+        self.completions.settle();
         let mut a = self.assess(snap);
         self.means = a.means;
         if self.last_current != Some(a.current) {

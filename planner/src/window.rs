@@ -274,9 +274,14 @@ struct Done {
 #[derive(Debug)]
 pub(crate) struct CompletionWindow {
     q: VecDeque<Done>,
-    /// Start of the current configuration: completions that started at or after it are
-    /// `recent`.
+    /// When the current configuration began.
+    changed: Duration,
+    /// Completions that started at or after it are `recent`: `changed`, or later while requests
+    /// that started before the change still waited for their first token (see
+    /// [`CompletionWindow::settle`]).
     since: Duration,
+    /// The latest first token (start + TTFT) of a completion that started before `changed`.
+    settle_to: Duration,
     ttft_target_s: f64,
     tpot_target_s: f64,
     count: u32,
@@ -289,6 +294,11 @@ pub(crate) struct CompletionWindow {
     tpot: Hist,
     since_ttft: Hist,
     since_tpot: Hist,
+}
+
+/// When a completion's first token came out.
+fn first_token(d: &Done) -> Duration {
+    d.started + Duration::from_secs_f64(d.ttft.max(0.0))
 }
 
 /// Sums over the stale prefix, to leave out of the running totals.
@@ -309,7 +319,9 @@ impl CompletionWindow {
     pub fn new(ttft_target_s: f64, tpot_target_s: f64) -> Self {
         Self {
             q: VecDeque::new(),
+            changed: Duration::ZERO,
             since: Duration::ZERO,
+            settle_to: Duration::ZERO,
             ttft_target_s,
             tpot_target_s,
             count: 0,
@@ -326,7 +338,7 @@ impl CompletionWindow {
 
     /// Sets the start of the current configuration and the targets; recounts only what
     /// changed (O(window), once per configuration or target change).
-    pub fn configure(&mut self, since: Duration, ttft_target_s: f64, tpot_target_s: f64) {
+    pub fn configure(&mut self, changed: Duration, ttft_target_s: f64, tpot_target_s: f64) {
         if (ttft_target_s, tpot_target_s) != (self.ttft_target_s, self.tpot_target_s) {
             self.ttft_target_s = ttft_target_s;
             self.tpot_target_s = tpot_target_s;
@@ -337,17 +349,44 @@ impl CompletionWindow {
                 self.met += u32::from(met);
             }
         }
-        if since != self.since {
-            self.since = since;
-            self.since_ttft.clear();
-            self.since_tpot.clear();
-            for d in &mut self.q {
-                d.recent = d.ok && d.started >= since;
-                if d.recent {
-                    self.since_ttft.add(d.ttft);
-                    if !d.tpot.is_nan() {
-                        self.since_tpot.add(d.tpot);
-                    }
+        if changed != self.changed {
+            self.changed = changed;
+            self.settle_to =
+                self.q.iter().filter(|d| d.started < changed).map(first_token).max().unwrap_or_default();
+            self.recount(changed.max(self.settle_to));
+        }
+    }
+
+    /// Moves `since` past the first token of every request that started before the change and
+    /// has completed since: a request that arrived while the old configuration's queue was still
+    /// being served waited behind it (a switch from one prefill node to two colocated ones
+    /// inherits the prefill node's backlog: the first requests after it saw 4-7 s TTFT that no
+    /// colocated node caused), so it says nothing about the new configuration. O(window) when
+    /// it moves, at most once a tick.
+    pub fn settle(&mut self) {
+        if self.settle_to > self.since {
+            self.recount(self.settle_to);
+        }
+    }
+
+    /// Completions that started at or after this judge the current configuration.
+    pub fn since(&self) -> Duration {
+        self.since
+    }
+
+    fn recount(&mut self, since: Duration) {
+        if since == self.since {
+            return;
+        }
+        self.since = since;
+        self.since_ttft.clear();
+        self.since_tpot.clear();
+        for d in &mut self.q {
+            d.recent = d.ok && d.started >= since;
+            if d.recent {
+                self.since_ttft.add(d.ttft);
+                if !d.tpot.is_nan() {
+                    self.since_tpot.add(d.tpot);
                 }
             }
         }
@@ -371,6 +410,9 @@ impl CompletionWindow {
         };
         d.met = self.meets(&d);
         d.recent = d.ok && d.started >= self.since;
+        if d.started < self.changed {
+            self.settle_to = self.settle_to.max(first_token(&d));
+        }
         self.count += 1;
         self.met += u32::from(d.met);
         if d.ok {
@@ -562,10 +604,12 @@ mod tests {
         assert_eq!(s.output_share, Some(0.5));
         assert_eq!(s.since_count, 10);
         // A later configuration start: only completions that started after it count there
-        // (started = at - ttft - 4 x 20 ms = 9820 - 99 i ms).
+        // (started = at - ttft - 4 x 20 ms = 9820 - 99 i ms), and only once the requests that
+        // started before it had their first tokens (the last at 9424 + 500 = 9924 ms, after
+        // the four that started from 9523 ms on: see the test below).
         w.configure(ms(9_500), 0.5, 0.1);
         let s = w.stats(None, 0.9);
-        assert_eq!(s.since_count, 4, "{s:?}");
+        assert_eq!(s.since_count, 0, "{s:?}");
         // Stricter targets recount attainment.
         w.configure(ms(9_500), 0.25, 0.1);
         assert_eq!(w.stats(None, 0.9).attainment, Some(2.0 / 11.0));
@@ -575,5 +619,45 @@ mod tests {
         assert_eq!((s.count, s.ok, s.since_count), (6, 5, 0), "{s:?}");
         w.prune(cutoff);
         assert_eq!(w.stats(None, 0.9), s);
+    }
+
+    #[test]
+    fn requests_that_queued_behind_the_old_configuration_do_not_judge_the_new_one() {
+        let ms = Duration::from_millis;
+        // One-token replies: a request started at `at - ttft`.
+        let done = |started: u64, ttft: u64| Completion {
+            at: ms(started + ttft),
+            ttft: ms(ttft),
+            tpot: None,
+            output_tokens: 1,
+            max_tokens: 8,
+            ok: true,
+        };
+        let mut w = CompletionWindow::new(3.0, 0.1);
+        w.configure(ms(10_000), 3.0, 0.1);
+        // Started after the change while one from before it still waited for its first token.
+        w.push(done(10_500, 2_000));
+        assert_eq!(w.stats(None, 0.9).since_count, 1);
+        // The old request's first token came at 12 s: the one above queued behind it.
+        w.push(done(8_000, 4_000));
+        w.settle();
+        assert_eq!(w.stats(None, 0.9).since_count, 0);
+        // After it, the new configuration's own requests count...
+        w.push(done(12_200, 200));
+        w.settle();
+        let s = w.stats(None, 0.9);
+        assert_eq!(s.since_count, 1);
+        assert!((0.2..=0.21).contains(&s.since_ttft_q.unwrap()), "{s:?}");
+        // ...and an old request whose first token came before that moves nothing back.
+        w.push(done(9_000, 500));
+        w.settle();
+        assert_eq!(w.stats(None, 0.9).since_count, 1);
+        // The next change starts afresh from what the window holds: every request that started
+        // before 13 s had its first token before it (the last at 12.5 s), so nothing waits.
+        w.configure(ms(13_000), 3.0, 0.1);
+        assert_eq!(w.stats(None, 0.9).since_count, 0);
+        w.push(done(13_100, 100));
+        w.settle();
+        assert_eq!(w.stats(None, 0.9).since_count, 1);
     }
 }

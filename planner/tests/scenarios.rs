@@ -456,3 +456,61 @@ fn a_split_clients_see_missing_is_judged_by_what_they_see() {
     let d = &decisions[0];
     assert_eq!((d.reason, d.target.colocated), (Reason::Colocate, 2), "{}", d.why);
 }
+
+/// (12) A switch from 1p1d to two colocated nodes inherits the prefill node's queue: the
+/// requests that arrive in the seconds after it wait behind prompts the old split left, and
+/// their clients see 3-4 s TTFT that no colocated node caused (measured: 3.6-6.8 s for the
+/// first ten requests after such a switch, 0.2 s after them). What the new configuration is
+/// judged by starts once the old requests had their first tokens: the colocated correction
+/// stays near 1 and the colocated nodes stay, where counting those requests made colocation
+/// look 2-3x slower than it ran and sent the cluster back to a split 90 s later.
+#[test]
+fn requests_queued_behind_the_old_split_do_not_judge_colocation() {
+    let run = |inherited_ttft_s: f64| {
+        let cfg = config(Mode::Advise, 3000.0, 100.0, limits(2, 2, 2, 2), false);
+        let mut sim = Sim::new(cfg, &[Role::Prefill, Role::Decode]);
+        let (out, tpot) = (8u32, Duration::from_millis(30));
+        // 1p1d on 384-token prompts at 1 req/s: one prefill node 77% busy, clients at 2.5 s.
+        for _ in 0..40 {
+            sim.arrive(1.0, TICK, 384, out);
+            sim.complete(1, secs(2.5), tpot, out);
+            sim.tick();
+        }
+        for n in sim.nodes.iter_mut() {
+            n.role = Role::Both;
+            n.step_budget = Some(2048);
+        }
+        let tc = sim.now;
+        let mut late_split = Vec::new();
+        for step in 0..45u32 {
+            sim.arrive(1.0, TICK, 384, out);
+            match step {
+                // The old split's last prompts get their first tokens up to tc + 4.8 s.
+                0..=4 => sim.complete(1, secs(8.0), tpot, out),
+                // Requests that arrived from tc on, queued behind them.
+                5..=7 => sim.complete(1, secs(inherited_ttft_s), tpot, out),
+                // Then the colocated nodes' own: 0.9 s.
+                _ => sim.complete(1, secs(0.9), tpot, out),
+            }
+            if let Some(d) = sim.tick() {
+                if d.target.prefill > 0 {
+                    late_split.push(d);
+                }
+            }
+        }
+        let e = sim.planner.estimate(&sim.snapshot());
+        (e, late_split)
+    };
+    // The inherited requests started from tc + 1.3 s to tc + 3.3 s (start = completion - TTFT
+    // - 7 x 30 ms).
+    let (calm, splits) = run(0.9);
+    assert!(splits.is_empty(), "{splits:#?}");
+    let (inherited, splits) = run(4.5);
+    assert!(splits.is_empty(), "{splits:#?}");
+    assert!(
+        (inherited.ttft_correction - calm.ttft_correction).abs() < 0.05,
+        "inherited queueing corrected colocation to {} (calm: {})",
+        inherited.ttft_correction,
+        calm.ttft_correction
+    );
+}
