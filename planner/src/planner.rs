@@ -380,7 +380,7 @@ impl Planner {
     /// The correction factors predictions use at `now`: each family's own while clients
     /// corrected it within [`EXPERIENCE_WINDOWS`] windows. A family without such a correction
     /// (never run, or left long ago under another workload) is predicted with the current
-    /// family's factors where those are above 1, else uncorrected: a model nobody checked is
+    /// family's TTFT factor where that is above 1, else uncorrected: a model nobody checked is
     /// assumed no less wrong than the one clients are checking, so that the current family's
     /// errors never make the other look better than it is (the grass is not greener for
     /// being unobserved), and no better than the model says (a colocated factor at its 0.5
@@ -394,7 +394,12 @@ impl Planner {
             .and_then(|c| Family::of(&c))
             .filter(|f| fresh(*f))
             .map_or(Factors::default(), |f| self.factors.get(f));
-        let prior = Factors { ttft: seen.ttft.max(1.0), tpot: seen.tpot.max(1.0) };
+        // TTFT only: the two families' TPOT formulas differ in kind (a decode-only step against
+        // a paced mixed step), and a factor learnt on one's few milliseconds above the lone step
+        // scaled the other's seventy: a 1p1d's TPOT factor of 4 (22 ms seen against 17 predicted
+        // over a 16-ms step) predicted paced colocated nodes at 300 ms a token, and kept a 1p1d
+        // that clients saw at 67-75% for a minute (BENCHMARKS.md, "Paced, every SLO").
+        let prior = Factors { ttft: seen.ttft.max(1.0), tpot: 1.0 };
         let mut out = self.factors;
         for f in Family::ALL.into_iter().filter(|f| !fresh(*f)) {
             *out.get_mut(f) = prior;
@@ -441,10 +446,7 @@ impl Planner {
             allow_fewer: warm && clients_ok,
             attainment: t.attainment,
             hedge: !cfg.can_add_nodes,
-            // Only once the whole window ran under the current configuration.
-            observed: a.stats.attainment.filter(|_| {
-                a.stats.count >= MIN_CORRECTION_SAMPLES && now.saturating_sub(self.config_since) >= cfg.window
-            }),
+            observed: self.observed(&a, now),
         };
         let in_limits = within_limits(&a.current, &cfg);
         // Memory of experience: the current configuration's ratio, corrected by what clients
@@ -548,6 +550,14 @@ impl Planner {
     /// scale-downs (they must already be wanted for a whole window). An earlier
     /// try averaged attainment over the same three rates instead, which gave a failing shape
     /// partial credit for the low reading and kept it (rejected, same chapter).
+    /// What clients saw of the current configuration: the window's attainment, once the whole
+    /// window ran under it and enough requests finished to tell.
+    fn observed(&self, a: &Assessment, now: Duration) -> Option<f64> {
+        a.stats.attainment.filter(|_| {
+            a.stats.count >= MIN_CORRECTION_SAMPLES && now.saturating_sub(self.config_since) >= self.cfg.window
+        })
+    }
+
     fn holds_across_rate_noise(&self, a: &Assessment, mv: &Move, now: Duration) -> bool {
         let n = a.inputs.arrival_rate * a.inputs.demand_span_s;
         if n < 1.0 {
@@ -564,8 +574,10 @@ impl Planner {
             if mv.kind == MoveKind::Hedge {
                 return s.attainment(&mv.to.target) >= cfg.targets.attainment;
             }
+            // The current configuration no better than its clients saw it (as in the choice).
+            let observed = self.observed(a, now).unwrap_or(1.0);
             match mv.attainment {
-                Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current),
+                Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current).min(observed),
                 None => {
                     let (to, cur) = (s.evaluate(&mv.to.target), s.evaluate(&a.current));
                     to.ratio <= cur.ratio || !cur.ratio.is_finite()

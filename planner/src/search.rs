@@ -547,7 +547,10 @@ impl<'a, 'm> Search<'a, 'm> {
         // clearly more than staying; where nothing keeps a share worth the name, the one
         // nearest the targets, if clearly nearer.
         if let Some((to, a_to)) = self.most_attaining(all) {
-            let a_cur = self.attainment(&current.target);
+            // The current configuration at the lower of its predicted and observed share, as in
+            // the hedge: where clients see it miss while its corrected prediction says it keeps
+            // most requests, the clients are right.
+            let a_cur = self.attainment(&current.target).min(policy.observed.unwrap_or(1.0));
             if a_to.max(a_cur) >= MIN_ATTAINMENT {
                 let gain = a_to >= a_cur + ATTAIN_GAIN;
                 return (gain && to.target != current.target).then_some(Move {
