@@ -104,8 +104,11 @@
 //!
 //! **Correction from observation.** Clients' percentiles come from log-bucketed histograms kept in
 //! step with the window (1% resolution, O(1) per completion). Once the window holds 10 successful
-//! completions that started under the current configuration, `observed quantile / mean raw
-//! prediction made for it over the window` (clamped to [0.5, 4]) feeds an EWMA (time constant
+//! completions that started under the current configuration (and after the last first token of a
+//! request that started before it: those that arrived while the old configuration's queue drained
+//! waited behind it), `observed quantile / mean raw prediction made for it over the window`, the
+//! predictions counted from a whole window of demand on, and only while the model gave a bounded
+//! figure for at least three quarters of the window (clamped to [0.5, 4]), feeds an EWMA (time constant
 //! window / 3) per metric (for TPOT, of what the prediction adds above a lone decode step:
 //! `(observed - lone) / (predicted - lone)`, applied as `lone + factor (predicted - lone)`; the
 //! step's own speed is what the cost calibration follows, and a factor learnt at the tail applied
@@ -113,7 +116,9 @@
 //! (disaggregated pools, colocated nodes: different formulas with different errors; a mixed
 //! configuration corrects neither); every candidate's TTFT and TPOT are multiplied by its family's
 //! factors, recorded in each decision. A family that clients have not corrected within ten windows
-//! is predicted with the current family's factors where those exceed 1, else uncorrected: a factor
+//! is predicted with the current family's TTFT factor where that exceeds 1, else uncorrected (the
+//! TPOT formulas of the two families differ in kind, and a split's factor learnt a few
+//! milliseconds above a lone step made paced colocated nodes look four times slower): a factor
 //! learnt hours ago under another workload, or the other family's, misled more than it helped (a
 //! colocated factor at its 0.5 floor from a start-up storm made colocation look twice as good at
 //! 07:00 of a simulated day; colocated pessimism carried over to a 1p1d split made it look better

@@ -33,6 +33,9 @@ pub const MIN_CORRECTION_SAMPLES: u32 = 10;
 pub const MIN_OUTPUT_SAMPLES: u32 = 10;
 /// Step timings the cost model is calibrated to: those of the nodes over this long.
 pub const CALIBRATION_WINDOW: Duration = Duration::from_secs(60);
+/// Share of the window's predictions for the current configuration that must be bounded (not
+/// overloaded) for the correction factors to learn (see [`Planner::update_correction`]).
+pub const MIN_FINITE_SHARE: f64 = 0.75;
 /// Bounds of the observed/predicted correction factors.
 pub const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
 
@@ -70,7 +73,8 @@ pub struct Planner {
     factors: FamilyFactors,
     /// When each family's factors last moved (indexed by `Family as usize`).
     factors_at: [Option<Duration>; 2],
-    /// (tick time, raw TTFT s, raw TPOT s, TPOT floor s) predicted for the current configuration.
+    /// (tick time, raw TTFT s, raw TPOT s, TPOT floor s) predicted for the current configuration
+    /// (infinite where the model called it overloaded).
     history: VecDeque<(Duration, f64, f64, f64)>,
     /// What clients experienced under recent configurations: the worst ratio to target of each,
     /// judged once enough requests were served under it, and when (see [`Planner::tick`]).
@@ -317,7 +321,7 @@ impl Planner {
     /// observed = the quantile over successful completions that started under it, once the old
     /// configuration's queue had cleared (at least
     /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
-    /// same window. An EWMA with time constant window / 3, ratios clamped to
+    /// same window, where at least [`MIN_FINITE_SHARE`] of those were bounded. An EWMA with time constant window / 3, ratios clamped to
     /// [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
     /// (the model's bias is a property of the formula and the workload, not of the pool
     /// sizes), and each family keeps its own ([`FamilyFactors`]); a mixed configuration
@@ -336,16 +340,24 @@ impl Planner {
         // them sat at 0.58 for a minute afterwards, making one prefill node look fit for a load
         // that kept its p90 TTFT at 5 s.
         let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= self.cfg.window);
-        if warm && raw.ttft.is_finite() && raw.tpot.is_finite() {
+        if warm {
             self.history.push_back((now, raw.ttft, raw.tpot, raw.tpot_floor));
         }
-        if self.history.is_empty() {
+        // Only where the model could say what the window's clients would see: if it called the
+        // configuration overloaded for more than a share of the window, the clients lived
+        // through what it has no figure for, and comparing them with the figures of the calmer
+        // readings alone learnt the overload as a bias (a colocated TTFT factor of 2-3.5 from a
+        // decode-heavy phase past capacity, where admission's seat waits are part of TTFT, then
+        // predicted 7 s for the next phase's prompts and sent the cluster back to a split).
+        let finite = || self.history.iter().filter(|h| h.1.is_finite() && h.2.is_finite());
+        let n = finite().count();
+        if n == 0 || (n as f64) < MIN_FINITE_SHARE * self.history.len() as f64 {
             return;
         }
-        let n = self.history.len() as f64;
-        let pred_ttft = self.history.iter().map(|h| h.1).sum::<f64>() / n;
-        let pred_tpot = self.history.iter().map(|h| h.2).sum::<f64>() / n;
-        let floor = self.history.iter().map(|h| h.3).sum::<f64>() / n;
+        let n = n as f64;
+        let pred_ttft = finite().map(|h| h.1).sum::<f64>() / n;
+        let pred_tpot = finite().map(|h| h.2).sum::<f64>() / n;
+        let floor = finite().map(|h| h.3).sum::<f64>() / n;
         let Some(family) = Family::of(current) else { return };
         let slot = family as usize;
         let window = self.cfg.window.as_secs_f64();
@@ -534,6 +546,14 @@ impl Planner {
         Some(decision)
     }
 
+    /// What clients saw of the current configuration: the window's attainment, once the whole
+    /// window ran under it and enough requests finished to tell.
+    fn observed(&self, a: &Assessment, now: Duration) -> Option<f64> {
+        a.stats.attainment.filter(|_| {
+            a.stats.count >= MIN_CORRECTION_SAMPLES && now.saturating_sub(self.config_since) >= self.cfg.window
+        })
+    }
+
     /// Whether a re-split is still no worse than staying when the arrival rate is one standard
     /// error away from its reading, on either side.
     ///
@@ -550,14 +570,6 @@ impl Planner {
     /// scale-downs (they must already be wanted for a whole window). An earlier
     /// try averaged attainment over the same three rates instead, which gave a failing shape
     /// partial credit for the low reading and kept it (rejected, same chapter).
-    /// What clients saw of the current configuration: the window's attainment, once the whole
-    /// window ran under it and enough requests finished to tell.
-    fn observed(&self, a: &Assessment, now: Duration) -> Option<f64> {
-        a.stats.attainment.filter(|_| {
-            a.stats.count >= MIN_CORRECTION_SAMPLES && now.saturating_sub(self.config_since) >= self.cfg.window
-        })
-    }
-
     fn holds_across_rate_noise(&self, a: &Assessment, mv: &Move, now: Duration) -> bool {
         let n = a.inputs.arrival_rate * a.inputs.demand_span_s;
         if n < 1.0 {

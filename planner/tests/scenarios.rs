@@ -546,3 +546,32 @@ fn a_split_s_tpot_factor_does_not_keep_it_from_paced_colocation() {
     let e = sim.planner.estimate(&sim.snapshot());
     assert_eq!(e.current.colocated, 2, "{e:?}");
 }
+
+/// (14) Past capacity, admission holds requests at the edge for a seat, and clients' TTFT is
+/// mostly that wait: a second where the model has no bounded figure at all (it calls the
+/// configuration overloaded). Compared with the few calmer readings' figures alone, that TTFT
+/// read as a colocated TTFT factor of 2-3.5 (measured, in a decode-heavy phase at 1.3 req/s),
+/// which then predicted 7 s for the next phase's prompts and sent the cluster to a split that
+/// held 46% of that phase. Where the model called the configuration overloaded for most of the
+/// window, the factors do not learn.
+#[test]
+fn an_overload_the_model_has_no_figure_for_teaches_no_factor() {
+    let run = |rates: [f64; 2]| {
+        let cfg = config(Mode::Advise, 3000.0, 150.0, limits(2, 2, 2, 2), false);
+        let mut sim = Sim::new(cfg, &[Role::Both, Role::Both]);
+        for step in 0..160u32 {
+            // Short prompts, long replies, the rate swinging every 20 s.
+            let n = sim.arrive(rates[(step / 20 % 2) as usize], TICK, 32, 256);
+            // What clients see: a seat wait of a second, then 140 ms a token.
+            sim.complete(n.min(3), secs(1.2), Duration::from_millis(140), 256);
+            sim.tick();
+        }
+        sim.planner.estimate(&sim.snapshot())
+    };
+    // Mostly overloaded: the factor stays where it was.
+    let e = run([2.0, 10.0]);
+    assert!(e.ttft_correction < 1.05, "learnt {} from an overload", e.ttft_correction);
+    // The same clients under a load the model has figures for all along do correct it.
+    let calm = run([2.0, 2.0]);
+    assert!(calm.ttft_correction > 1.5, "{calm:?}");
+}
