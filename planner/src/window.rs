@@ -351,8 +351,7 @@ impl CompletionWindow {
         }
         if changed != self.changed {
             self.changed = changed;
-            self.settle_to =
-                self.q.iter().filter(|d| d.started < changed).map(first_token).max().unwrap_or_default();
+            self.settle_to = self.q.iter().filter(|d| d.started < changed).map(first_token).max().unwrap_or_default();
             self.recount(changed.max(self.settle_to));
         }
     }

@@ -498,6 +498,7 @@ fn requests_queued_behind_the_old_split_do_not_judge_colocation() {
                 }
             }
         }
+        assert_eq!(sim.now - tc, TICK * 45);
         let e = sim.planner.estimate(&sim.snapshot());
         (e, late_split)
     };
