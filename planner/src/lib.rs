@@ -108,8 +108,8 @@
 //! request that started before it: those that arrived while the old configuration's queue drained
 //! waited behind it), `observed quantile / mean raw prediction made for it over the window`, the
 //! predictions counted from a whole window of demand on, and only while the model gave a bounded
-//! figure for at least three quarters of the window (clamped to [0.5, 4]), feeds an EWMA (time constant
-//! window / 3) per metric (for TPOT, of what the prediction adds above a lone decode step:
+//! figure for at least three quarters of the window (clamped to [0.5, 4]), feeds an EWMA (time
+//! constant window / 3) per metric (for TPOT, of what the prediction adds above a lone decode step:
 //! `(observed - lone) / (predicted - lone)`, applied as `lone + factor (predicted - lone)`; the
 //! step's own speed is what the cost calibration follows, and a factor learnt at the tail applied
 //! to the floor too made a lone request look past a target set near its step), one pair per family

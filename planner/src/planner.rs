@@ -321,8 +321,8 @@ impl Planner {
     /// observed = the quantile over successful completions that started under it, once the old
     /// configuration's queue had cleared (at least
     /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
-    /// same window, where at least [`MIN_FINITE_SHARE`] of those were bounded. An EWMA with time constant window / 3, ratios clamped to
-    /// [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
+    /// same window, where at least [`MIN_FINITE_SHARE`] of those were bounded. An EWMA with
+    /// time constant window / 3, ratios clamped to [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
     /// (the model's bias is a property of the formula and the workload, not of the pool
     /// sizes), and each family keeps its own ([`FamilyFactors`]); a mixed configuration
     /// corrects neither.
@@ -339,8 +339,7 @@ impl Planner {
         // ran at 0.6), its queueing predictions run to many seconds, and a factor learnt from
         // them sat at 0.58 for a minute afterwards, making one prefill node look fit for a load
         // that kept its p90 TTFT at 5 s.
-        let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= self.cfg.window);
-        if warm {
+        if self.warm(now) {
             self.history.push_back((now, raw.ttft, raw.tpot, raw.tpot_floor));
         }
         // Only where the model could say what the window's clients would see: if it called the
@@ -450,7 +449,7 @@ impl Planner {
 
         let mut search = Search::new(&model, search_input(&cfg, &a, self.live_factors(now)));
         let current = search.evaluate(&a.current);
-        let warm = self.first_seen.is_some_and(|f| now.saturating_sub(f) >= cfg.window);
+        let warm = self.warm(now);
         let clients_ok = a.stats.attainment.is_none_or(|x| a.stats.count < MIN_CORRECTION_SAMPLES || x >= t.attainment);
         let policy = Policy {
             scale_up_margin: cfg.scale_up_margin,
@@ -546,6 +545,11 @@ impl Planner {
         Some(decision)
     }
 
+    /// Whether a whole window of demand has been seen.
+    fn warm(&self, now: Duration) -> bool {
+        self.first_seen.is_some_and(|f| now.saturating_sub(f) >= self.cfg.window)
+    }
+
     /// What clients saw of the current configuration: the window's attainment, once the whole
     /// window ran under it and enough requests finished to tell.
     fn observed(&self, a: &Assessment, now: Duration) -> Option<f64> {
@@ -579,6 +583,8 @@ impl Planner {
         let largest = cfg.limits.largest_step_budget();
         let factors = self.live_factors(now);
         let spread = RATE_NOISE_Z / n.sqrt();
+        // The current configuration as the choice judged it (what clients saw bounds it).
+        let observed = self.observed(a, now);
         [1.0 - spread, 1.0 + spread].into_iter().filter(|f| *f > 0.0).all(|f| {
             let load = Load { lambda: a.load.lambda * f, ..a.load };
             let model = Model::new(&*self.costs, load, cfg.targets.quantile, largest).paced(self.paced_s(a));
@@ -586,10 +592,8 @@ impl Planner {
             if mv.kind == MoveKind::Hedge {
                 return s.attainment(&mv.to.target) >= cfg.targets.attainment;
             }
-            // The current configuration no better than its clients saw it (as in the choice).
-            let observed = self.observed(a, now).unwrap_or(1.0);
             match mv.attainment {
-                Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.attainment(&a.current).min(observed),
+                Some(_) => s.attainment(&mv.to.target) + 1e-9 >= s.judged(&a.current, observed),
                 None => {
                     let (to, cur) = (s.evaluate(&mv.to.target), s.evaluate(&a.current));
                     to.ratio <= cur.ratio || !cur.ratio.is_finite()

@@ -428,6 +428,15 @@ impl<'a, 'm> Search<'a, 'm> {
         }
     }
 
+    /// The current configuration's share as a move away from it is judged: the lower of its
+    /// predicted and `observed` share. Where clients see it miss while its corrected prediction
+    /// says it keeps most requests, the clients are right (measured: a 1p1d predicted at 94-98%
+    /// while clients saw 80-89% kept the planner off colocated nodes that held 74-83%;
+    /// BENCHMARKS.md, "SLO admission").
+    pub fn judged(&mut self, current: &PoolTarget, observed: Option<f64>) -> f64 {
+        self.attainment(current).min(observed.unwrap_or(1.0))
+    }
+
     /// Predicted share of requests within both targets under `t` (memoized).
     pub fn attainment(&mut self, t: &PoolTarget) -> f64 {
         if let Some(a) = self.attained.get(t) {
@@ -479,11 +488,7 @@ impl<'a, 'm> Search<'a, 'm> {
     /// margin of the target by construction, so its ratio sits at the edge of "meets" while
     /// nearly every request is within both targets.
     ///
-    /// The current configuration counts at the lower of its predicted and `observed` share:
-    /// where clients see it miss the targets while its corrected prediction says it meets them,
-    /// the clients are right (measured: a 1p1d predicted at 94-98% while clients saw 80-89% for
-    /// 16 s of a run, its TTFT correction stuck low from a start-up burst, kept the planner off the
-    /// colocated nodes that held 74-83%; BENCHMARKS.md, "SLO admission").
+    /// The current configuration counts as [`Search::judged`].
     fn hedge(&mut self, current: &Candidate, attainment: f64, observed: Option<f64>) -> Option<Candidate> {
         let t = current.target;
         let n = t.nodes();
@@ -508,7 +513,7 @@ impl<'a, 'm> Search<'a, 'm> {
         let (c, a) = best?;
         // Entering needs a band above what staying needs (hysteresis against the relief).
         let enter = (attainment + HEDGE_BAND).min(1.0);
-        let here = self.attainment(&t).min(observed.unwrap_or(1.0));
+        let here = self.judged(&t, observed);
         (a + 1e-9 >= enter && a + 1e-9 >= here).then_some(c)
     }
 
@@ -547,10 +552,7 @@ impl<'a, 'm> Search<'a, 'm> {
         // clearly more than staying; where nothing keeps a share worth the name, the one
         // nearest the targets, if clearly nearer.
         if let Some((to, a_to)) = self.most_attaining(all) {
-            // The current configuration at the lower of its predicted and observed share, as in
-            // the hedge: where clients see it miss while its corrected prediction says it keeps
-            // most requests, the clients are right.
-            let a_cur = self.attainment(&current.target).min(policy.observed.unwrap_or(1.0));
+            let a_cur = self.judged(&current.target, policy.observed);
             if a_to.max(a_cur) >= MIN_ATTAINMENT {
                 let gain = a_to >= a_cur + ATTAIN_GAIN;
                 return (gain && to.target != current.target).then_some(Move {
