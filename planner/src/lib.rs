@@ -82,22 +82,29 @@
 //! is `2B/3` for a population whose members stay one life). The first decode step `t(1 + B)` is
 //! part of TTFT.
 //!
-//! **`k` colocated nodes, step budget `T`.** Each node takes `lambda / k`. A step holds its
-//! `1 + B` decodes and `c = T - (1 + B)` prefill tokens; a prompt needs `ceil(P / x)` chunks
-//! of `x = min(c, P)` tokens, each a mixed step `t_m = mixed_step_time(x, 1 + B, ..)`; other
-//! steps are decode steps `t_d`. Mixed steps take a share `u = (lambda/k) ceil(P/x) t_m` of
-//! the node (`u >= 1`: unbounded); a decoding sequence sees `u / t_m + (1 - u) / t_d` steps per
-//! second, `TPOT_mean` its inverse, and `B = (lambda/k) O TPOT_mean`. TTFT = max(M/G/1 wait
-//! at `q` with utilisation `u` and service `ceil(P/x) t_m`, the backlog wait as above at the
-//! nodes' full-chunk rate) + the chunks of a prompt at `P + z sigma` + half a decode step. TPOT at `q`: of a
-//! sequence's `O` steps, `min(O, n_q ceil(P/x))` are mixed, with `n_q` the quantile of the
-//! Poisson count (mean `lambda/k (O TPOT_mean + ceil(P/x) t_m)`) of prompts whose prefill
-//! overlaps its life, its inverse CDF interpolated between the integers (at the small means
-//! that matter most sequences see no prompt at all, which a normal approximation cannot say);
-//! the rest are decode steps, both at the quantile batch `B_q`. So a small budget
-//! costs TTFT (more chunks) and a large one TPOT (long mixed
-//! steps), and loose TPOT targets with short prompts favour colocation (fewer nodes: no
-//! separate prefill node), tight ones disaggregation.
+//! **`k` colocated nodes, step budget `T`.** Each node takes `lambda / k`, and a decoding
+//! sequence shares its node with `B` others on average. A prompt finds the node decoding with
+//! probability `w = 1 - e^-B` (the decoders are a Poisson population) and is then prefilled
+//! beside them in mixed steps of `c` tokens: what `T - (1 + B)` leaves, cut further where the
+//! nodes pace to the TPOT target (the step a paced node allows its freshest sequence, see
+//! `Model::paced_limit`); else in prefill-only steps of up to `T` tokens. Its service `S` blends
+//! the two *times* (`S = (1 - w) S_alone + w S_paced`, whole chunks then the remainder's step),
+//! and the node prefills `u = (lambda/k) S` of the time (`u >= 1`: unbounded). A decoding
+//! sequence meets only the paced steps, a share `v = (lambda/k) S_paced` of its life: it sees
+//! `v / t_m + (1 - v) / t_d` steps per second, `TPOT_mean` the inverse, and `B = (lambda/k) O
+//! TPOT_mean`. TTFT = max(M/G/1 wait `W` at `q` with utilisation `u` and service `S`, plus the
+//! prompts that arrive during `W` and join its step where `T` holds more than one prompt,
+//! `(1 - w) min(lambda/k W, floor(T/P) - 1) S_alone`; the backlog wait as above at `P / S`
+//! prompt tokens per second) + the service of a prompt of `P + z sigma` tokens + half a decode
+//! step. TPOT at `q`: of a sequence's `O` steps, `min(O, n_q ceil(P/c))` are mixed, with `n_q`
+//! the quantile of the Poisson count (mean `lambda/k (O TPOT_mean + S_paced)`) of prompts whose
+//! prefill overlaps its life, its inverse CDF interpolated between the integers (at the small
+//! means that matter most sequences see no prompt at all, which a normal approximation cannot
+//! say); the rest are decode steps, both at the quantile batch `B_q`; where nodes pace, no more
+//! than the paced step. So a small budget costs TTFT (more, dearer chunks), a large one TTFT
+//! too once prompts queue (they share one long step), and unpaced a large one costs TPOT
+//! (long mixed steps); loose TPOT targets with short prompts favour colocation (fewer nodes:
+//! no separate prefill node), tight ones disaggregation.
 //!
 //! Mixed configurations (only ever the current one) share demand between their parts in
 //! proportion to node counts and report the worse part.

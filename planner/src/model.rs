@@ -258,6 +258,23 @@ pub(crate) struct DecodePart {
     pub stress: f64,
 }
 
+/// What a colocated node's steps come to at one mean batch ([`Model::colocated_steps`]).
+#[derive(Debug, Clone, Copy)]
+struct ColocatedSteps {
+    /// Mean prefill of a prompt, seconds: the blend of [`Self::paced`] and an unpaced prefill.
+    service: f64,
+    /// Prefill of a prompt beside the decodes, in paced mixed steps.
+    paced: f64,
+    /// Share of prompts prefilled beside decodes: the chance the node is decoding.
+    overlap: f64,
+    /// Share of the node's time spent prefilling.
+    u: f64,
+    /// A decode-only step.
+    t_d: f64,
+    /// A decoding sequence's mean time per token.
+    tpot_mean: f64,
+}
+
 /// Per-prompt prefill service on a dedicated node, from the prompt-length distribution.
 #[derive(Debug, Clone, Copy)]
 struct PrefillService {
@@ -294,6 +311,17 @@ pub const MIN_PACED_CHUNK: f64 = 4.0;
 
 fn tokens(x: f64) -> usize {
     x.round().max(0.0) as usize
+}
+
+/// Time to run `n` tokens in chunks of at most `chunk`, a step of `step(c)` for `c` tokens:
+/// the whole chunks, then the remainder's step (a 384-token prompt at budget 256 is a 256-token
+/// and a 128-token step, not two of 256).
+fn chunked(n: f64, chunk: f64, step: impl Fn(f64) -> f64) -> f64 {
+    let chunk = chunk.max(1.0);
+    let whole = (n / chunk).floor();
+    let rest = n - whole * chunk;
+    let rest = if rest >= 0.5 { step(rest) } else { 0.0 };
+    whole * step(chunk) + rest
 }
 
 /// `f` at a real argument `x >= 0`, linearly interpolated between the integers around it.
@@ -508,23 +536,13 @@ impl<'a> Model<'a> {
         }
     }
 
-    /// `k` colocated nodes with step budget `budget`, each taking `lambda / k` of the demand.
-    ///
-    /// A node's step holds its `1 + B` decodes and up to `c = budget - (1 + B)` prefill tokens;
-    /// a prompt goes in `ceil(P / x)` chunks of `x = min(c, P)` tokens, each a mixed step
-    /// `t_m`; other steps are decode steps `t_d`. Mixed steps take a share `u = (lambda/k) *
-    /// ceil(P/x) * t_m` of the node's time (`u >= 1`: unstable). A decoding sequence then sees
-    /// `u / t_m + (1 - u) / t_d` steps per second (mean TPOT its inverse), and `B` solves
-    /// `B = (lambda/k) * O * TPOT_mean`.
-    ///
-    /// - TTFT = max(M/G/1 queue wait at the quantile with utilisation `u` and service
-    ///   `ceil(P/x) t_m`, backlog / the node's full-chunk prefill rate) + the chunks of a prompt
-    ///   at the quantile of prompt length + half a decode step (the step in progress).
-    /// - TPOT at the quantile: during its `O` steps a sequence shares the node with the
-    ///   prompts whose prefill overlaps its life (arriving during it or one prefill
-    ///   `ceil(P/x) t_m` before), `poisson_upper(lambda/k (O TPOT_mean + ceil(P/x) t_m))` of them
-    ///   at the quantile, each `ceil(P/x)` mixed steps; TPOT = the mean of those mixed steps and
-    ///   decode steps over `O` steps, at the quantile batch.
+    /// `k` colocated nodes with step budget `budget`, each taking `lambda / k` of the demand;
+    /// `B` others decode beside a decoding sequence, solving `B = (lambda/k) O TPOT_mean`
+    /// (steps from [`Self::colocated_steps`]). The formulas are in the crate docs ("`k`
+    /// colocated nodes"): TTFT is an M/G/1 wait on the blended prefill service, plus the
+    /// prompts that join a waiting prompt's step where the budget holds more than one, plus its
+    /// own service; TPOT counts the paced mixed steps of the prompts that overlap a sequence's
+    /// life at the quantile.
     pub fn colocated(&self, k: u32, budget: u32, lambda: f64, backlog: f64, inflight: f64) -> Raw {
         if k == 0 {
             return Raw::UNSERVABLE;
@@ -532,60 +550,41 @@ impl<'a> Model<'a> {
         let lam = lambda / f64::from(k);
         let (p, o) = (self.load.prompt, self.load.output);
         let budget = f64::from(budget);
-        // Per batch of others `b`: (chunk, chunks per prompt, t_m, t_d, u, mean TPOT).
-        // Per batch of others `b`: (room, chunk, chunks per prompt, t_m, t_d, u, mean TPOT). A
-        // paced node cuts chunks only while decodes run, and a prompt's prefill overlaps
-        // decodes about `min(1, b)` of the time: its room blends the paced and the full one.
-        let steps = |b: f64| {
-            let x = 1.0 + b;
-            let full = (budget - x).floor();
-            if full < 1.0 {
-                return None;
-            }
-            let paced = self.paced_room(full, x, lam);
-            let room = (full - b.min(1.0) * (full - paced)).floor().max(1.0);
-            let chunk = room.min(p);
-            let chunks = (p / chunk).ceil();
-            let t_m = self.mixed_step(chunk, x);
-            let t_d = self.decode_step(x);
-            let u = lam * chunks * t_m;
-            if u >= 1.0 {
-                return None;
-            }
-            let tpot = 1.0 / (u / t_m + (1.0 - u) / t_d);
-            Some((room, chunk, chunks, t_m, t_d, u, tpot))
-        };
+        let steps = |b: f64| self.colocated_steps(budget, b, lam);
         let limit = self.kv_limit();
         // Prefill share with no other sequence, and the decode side's KV pressure.
         let stress = {
-            let room = (budget - 1.0).floor();
-            let prefill = if room < 1.0 {
-                f64::INFINITY
-            } else {
-                lam * (p / room.min(p)).ceil() * self.mixed_step(room.min(p), 1.0)
-            };
+            let prefill = lam * self.alone_service(p, budget);
             prefill.max(self.decode_stress(lam, limit))
         };
-        let fixed = least_fixed_point(|b| steps(b).map_or(f64::INFINITY, |s| lam * o * s.6), limit);
+        let fixed = least_fixed_point(|b| steps(b).map_or(f64::INFINITY, |s| lam * o * s.tpot_mean), limit);
         let Some(b) = fixed.map(|b| b.max(inflight / f64::from(k))).filter(|b| 1.0 + b <= limit) else {
             return Raw::unbounded(stress);
         };
-        let Some((room, _, chunks, t_m, t_d, u, tpot_mean)) = steps(b) else {
+        let Some(s) = steps(b) else {
             return Raw::unbounded(stress);
         };
         let cs2 = self.prefill.cs2;
-        let wait = wait_quantile(1, u, u, chunks * t_m, cs2, self.q);
-        let capacity = f64::from(k) * room / self.mixed_step(room, 1.0 + b);
+        let wait = wait_quantile(1, s.u, s.u, s.service, cs2, self.q);
+        // Prompts that arrive while one waits for a node with no decodes join its step, as many
+        // as the budget holds beside it (the scheduler admits FCFS while budget remains): its
+        // first token then comes after theirs too. A large budget's whole-prompt steps cost
+        // less per token but batch the queue, and this is where that shows (phase 3 of the
+        // shifting load at budget 2048: p50 TTFT 1.4-1.6 s against 1.9 at 128, p90 3.7-4.0 s
+        // against 3.4).
+        let joiners = (lam * wait).min(((budget / p).floor() - 1.0).max(0.0));
+        let batched = (1.0 - s.overlap) * joiners * self.alone_service(p, budget);
+        let capacity = f64::from(k) * p / s.service;
         let drain = backlog_wait(backlog, capacity, lambda * p, self.load.horizon_s, self.q);
         let p_tail = (p + self.z * self.load.prompt_sd.max(0.0)).max(1.0);
-        let chunk_tail = room.min(p_tail);
-        let own = (p_tail / chunk_tail).ceil() * self.mixed_step(chunk_tail, 1.0 + b);
-        let settle = own + t_d / 2.0;
+        let own = (1.0 - s.overlap) * self.alone_service(p_tail, budget)
+            + s.overlap * self.paced_service(p_tail, budget, 1.0 + b, lam);
+        let settle = own + s.t_d / 2.0;
 
         let x_q = 1.0 + self.life_batch_upper(b);
         // Prompts whose prefill overlaps the sequence's decoding: those arriving during its
         // life or up to one prompt's prefill before it.
-        let overlapping = poisson_quantile(lam * (o * tpot_mean + chunks * t_m), self.q);
+        let overlapping = poisson_quantile(lam * (o * s.tpot_mean + s.paced), self.q);
         // The steps it shares with a prompt carry decodes: paced ones, where nodes pace.
         let full = (budget - x_q).floor().max(1.0);
         let chunk_q = self.paced_room(full, x_q, lam).min(p);
@@ -598,14 +597,61 @@ impl<'a> Model<'a> {
             None => tpot,
         };
         Raw {
-            ttft: wait.max(drain) + settle,
+            ttft: (wait + batched).max(drain) + settle,
             ttft_floor: drain + settle,
             tpot,
             tpot_floor: self.decode_step(1.0),
-            utilisation: u,
+            utilisation: s.u,
             batch: b,
-            stress: stress.max(u),
+            stress: stress.max(s.u),
         }
+    }
+
+    /// Prefill of an `n`-token prompt on a colocated node with no decodes running: chunks of
+    /// up to the whole budget, each a prefill-only step.
+    fn alone_service(&self, n: f64, budget: f64) -> f64 {
+        chunked(n, budget, |c| self.costs.prefill_time(tokens(c)))
+    }
+
+    /// Prefill of an `n`-token prompt beside `x` decodes: chunks of what the budget leaves
+    /// them, cut further where the node paces, each a mixed step.
+    fn paced_service(&self, n: f64, budget: f64, x: f64, lam: f64) -> f64 {
+        let full = (budget - x).floor().max(1.0);
+        chunked(n, self.paced_room(full, x, lam), |c| self.mixed_step(c, x))
+    }
+
+    /// A colocated node's steps when a decoding sequence shares it with `b` others on average
+    /// (a Poisson population of mean `b`), prompts arriving at `lam`; None where prompts
+    /// arrive faster than the node serves them.
+    ///
+    /// A prompt finds the node decoding with probability `1 - e^-b` and is then prefilled in
+    /// mixed (paced) steps; otherwise in prefill-only steps of up to the whole budget. Its
+    /// service is the blend of the two *times*: blending the chunk sizes instead (as first
+    /// written) gave a 2048-token budget a one-step prefill whenever decodes ran less than
+    /// all of the time, and the planner moved to 2048 in every burst. A decoding sequence
+    /// itself only meets the paced steps: prompts that arrive during its life are prefilled
+    /// beside it.
+    fn colocated_steps(&self, budget: f64, b: f64, lam: f64) -> Option<ColocatedSteps> {
+        let p = self.load.prompt;
+        let x = 1.0 + b;
+        if (budget - x).floor() < 1.0 {
+            return None;
+        }
+        let overlap = 1.0 - (-b).exp();
+        let paced = self.paced_service(p, budget, x, lam);
+        let service = (1.0 - overlap) * self.alone_service(p, budget) + overlap * paced;
+        let u = lam * service;
+        // A decoding sequence's share of mixed steps: the paced prefill of the prompts that
+        // arrive during its life.
+        let mixed_share = lam * paced;
+        if u >= 1.0 || mixed_share >= 1.0 {
+            return None;
+        }
+        let full = (budget - x).floor();
+        let t_m = self.mixed_step(self.paced_room(full, x, lam).min(p), x);
+        let t_d = self.decode_step(x);
+        let tpot_mean = 1.0 / (mixed_share / t_m + (1.0 - mixed_share) / t_d);
+        Some(ColocatedSteps { service, paced, overlap, u, t_d, tpot_mean })
     }
 
     /// Predicted share of requests that meet both targets: `P(TTFT <= ttft_s) * P(TPOT <=
@@ -776,6 +822,27 @@ mod tests {
         let large = m.colocated(1, 2048, 0.1, 0.0, 0.0);
         assert!(small.tpot < large.tpot, "{} vs {}", small.tpot, large.tpot);
         assert!(small.ttft > large.ttft, "{} vs {}", small.ttft, large.ttft);
+    }
+
+    #[test]
+    fn a_whole_prompt_budget_batches_the_queue_and_a_remainder_is_one_short_step() {
+        let c = costs();
+        // 384-token prompts, short replies: a node mostly prefills with no decodes running.
+        let mut l = load(0.5);
+        l.prompt = 384.0;
+        l.output = 8.0;
+        let m = Model::new(&c, l, 0.9, 2048).paced(Some(0.1));
+        let at = |budget| m.colocated(1, budget, 0.5, 0.0, 0.0);
+        let (b128, b256, b512, b2048) = (at(128), at(256), at(512), at(2048));
+        // One prompt a step at 512; at 2048 the prompts that queue meanwhile join its step.
+        assert!(b2048.ttft > b512.ttft + 0.1, "{b2048:?} vs {b512:?}");
+        assert!((b2048.utilisation - b512.utilisation).abs() < 1e-9, "the same steps' time");
+        // 384 at 256 is a 256- and a 128-token step: the time of 384 tokens and one more
+        // step's fixed cost, as three chunks of 128 less one.
+        assert!(b256.utilisation < b128.utilisation && b256.utilisation > b512.utilisation);
+        let one = |n: usize| c.prefill_time(n);
+        assert!((m.alone_service(384.0, 256.0) - (one(256) + one(128))).abs() < 1e-12);
+        assert!((m.alone_service(384.0, 128.0) - 3.0 * one(128)).abs() < 1e-12);
     }
 
     #[test]
