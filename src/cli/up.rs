@@ -43,6 +43,10 @@ pub struct UpArgs {
     #[arg(long, conflicts_with = "colocated")]
     pub decode: Option<usize>,
     /// Colocated nodes that prefill and decode their own requests (a conventional engine each).
+    ///
+    /// With no --prefill, --decode or --colocated: 1 prefill + 1 decode node, except with
+    /// `--planner auto --pacing`, which starts 2 colocated nodes at a 256-token step budget
+    /// (unless --node-arg sets one) and leaves the split to the planner.
     #[arg(long)]
     pub colocated: Option<usize>,
     /// KV cache per node (suffixes k, m, g).
@@ -214,12 +218,43 @@ pub fn default_model() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-async fn up(args: UpArgs) -> anyhow::Result<()> {
+/// Step budget of the colocated nodes `cleave up --planner auto --pacing` starts with.
+const PLANNER_START_BUDGET: usize = 256;
+
+/// The nodes `cleave up` starts, and the step budget it gives its colocated nodes (None: the
+/// node's default or what --node-arg says).
+#[derive(Debug, PartialEq, Eq)]
+struct Shape {
+    prefill: usize,
+    decode: usize,
+    colocated: usize,
+    start_budget: Option<usize>,
+}
+
+/// The shape the flags ask for. With none given: 1 prefill + 1 decode node, except that the
+/// planner in auto mode with paced nodes starts from 2 colocated nodes: they serve any mix
+/// while the planner has no demand to go on, where a split's lone prefill core queues a
+/// prompt-heavy start for the planner's whole first window (BENCHMARKS.md, "Starting shape").
+/// Their budget, [`PLANNER_START_BUDGET`], is the middle of the planner's step budgets: a short
+/// prompt in one step, a long one in a few chunks, without whole-prompt steps that batch a
+/// queue; the planner moves it from there.
+fn start_shape(args: &UpArgs) -> Shape {
+    let planner_start = args.planner == super::serve::PlannerModeArg::Auto
+        && args.pacing
+        && (args.prefill, args.decode, args.colocated) == (None, None, None);
     let (prefill, decode, colocated) = match (args.prefill, args.decode, args.colocated) {
         (_, _, Some(k)) => (0, 0, k),
+        (None, None, None) if planner_start => (0, 0, 2),
         (None, None, None) => (1, 1, 0),
         (p, d, None) => (p.unwrap_or(1), d.unwrap_or(1), 0),
     };
+    let budget_given = args.node_args.iter().any(|a| a.starts_with("--max-num-batched-tokens"));
+    let start_budget = (planner_start && !budget_given).then_some(PLANNER_START_BUDGET);
+    Shape { prefill, decode, colocated, start_budget }
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<()> {
+    let Shape { prefill, decode, colocated, start_budget } = start_shape(&args);
     anyhow::ensure!(prefill + decode + colocated > 0, "no node to start");
     anyhow::ensure!(decode + colocated > 0, "at least one decode or colocated node is needed to generate tokens");
     let model = match &args.model {
@@ -381,6 +416,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 nargs.push("--dequantize-weights".into());
             }
             nargs.extend(common(name));
+            if let (Some(b), "both") = (start_budget, role) {
+                nargs.extend(["--max-num-batched-tokens".to_string(), b.to_string()]);
+            }
             nargs.extend(args.node_args.iter().cloned());
             nargs
         };
@@ -610,5 +648,36 @@ fn remove_stale_cert_dirs() {
         if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir_all(e.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    fn shape(flags: &[&str]) -> Shape {
+        let args = Cli::try_parse_from(std::iter::once("up").chain(flags.iter().copied())).unwrap().up;
+        start_shape(&args)
+    }
+
+    #[test]
+    fn the_planner_with_paced_nodes_starts_colocated_and_explicit_shapes_win() {
+        let split = Shape { prefill: 1, decode: 1, colocated: 0, start_budget: None };
+        assert_eq!(shape(&[]), split);
+        assert_eq!(shape(&["--planner", "auto"]), split, "unpaced colocation stalls decodes");
+        assert_eq!(shape(&["--planner", "advise", "--pacing"]), split, "advise acts on nothing");
+        let start = Shape { prefill: 0, decode: 0, colocated: 2, start_budget: Some(256) };
+        assert_eq!(shape(&["--planner", "auto", "--pacing"]), start);
+        let given = shape(&["--planner", "auto", "--pacing", "--node-arg=--max-num-batched-tokens=128"]);
+        assert_eq!(given, Shape { start_budget: None, ..start });
+        assert_eq!(shape(&["--planner", "auto", "--pacing", "--prefill", "2"]).prefill, 2);
+        assert_eq!(shape(&["--planner", "auto", "--pacing", "--colocated", "3"]).start_budget, None);
     }
 }
