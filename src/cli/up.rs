@@ -234,7 +234,7 @@ struct Shape {
 /// The shape the flags ask for. With none given: 1 prefill + 1 decode node, except that the
 /// planner in auto mode with paced nodes starts from 2 colocated nodes: they serve any mix
 /// while the planner has no demand to go on, where a split's lone prefill core queues a
-/// prompt-heavy start for the planner's whole first window (BENCHMARKS.md, "Starting shape").
+/// prompt-heavy start for the planner's whole first window (BENCHMARKS.md, "Step budgets by time").
 /// Their budget, [`PLANNER_START_BUDGET`], is the middle of the planner's step budgets: a short
 /// prompt in one step, a long one in a few chunks, without whole-prompt steps that batch a
 /// queue; the planner moves it from there.
