@@ -764,6 +764,11 @@ mod tests {
         }
     }
 
+    /// [`load`] with other mean prompt and output lengths.
+    fn shaped(lambda: f64, prompt: f64, output: f64) -> Load {
+        Load { prompt, output, ..load(lambda) }
+    }
+
     fn disagg(p: u32, d: u32) -> PoolTarget {
         PoolTarget { prefill: p, decode: d, colocated: 0, step_budget: None }
     }
@@ -814,10 +819,7 @@ mod tests {
     fn colocated_tpot_rises_with_the_step_budget_for_long_prompts() {
         let c = costs();
         // Long prompts, short outputs: one 2000-token step stalls a whole 10-token reply.
-        let mut l = load(0.1);
-        l.prompt = 2000.0;
-        l.output = 10.0;
-        let m = Model::new(&c, l, 0.9, 2048);
+        let m = Model::new(&c, shaped(0.1, 2000.0, 10.0), 0.9, 2048);
         let small = m.colocated(1, 64, 0.1, 0.0, 0.0);
         let large = m.colocated(1, 2048, 0.1, 0.0, 0.0);
         assert!(small.tpot < large.tpot, "{} vs {}", small.tpot, large.tpot);
@@ -828,10 +830,7 @@ mod tests {
     fn a_whole_prompt_budget_batches_the_queue_and_a_remainder_is_one_short_step() {
         let c = costs();
         // 384-token prompts, short replies: a node mostly prefills with no decodes running.
-        let mut l = load(0.5);
-        l.prompt = 384.0;
-        l.output = 8.0;
-        let m = Model::new(&c, l, 0.9, 2048).paced(Some(0.1));
+        let m = Model::new(&c, shaped(0.5, 384.0, 8.0), 0.9, 2048).paced(Some(0.1));
         let at = |budget| m.colocated(1, budget, 0.5, 0.0, 0.0);
         let (b128, b256, b512, b2048) = (at(128), at(256), at(512), at(2048));
         // One prompt a step at 512; at 2048 the prompts that queue meanwhile join its step.
