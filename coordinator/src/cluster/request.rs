@@ -8,8 +8,8 @@
 //! machine's deadline. A cancellation that fires while an answer is awaited is told before that
 //! answer. The request's span is attached with `.instrument`, never entered across an `.await`.
 //!
-//! Streams are read through a message stream each, so a read interrupted by another event loses
-//! nothing. Dropping a node stream ([`Action::CloseStreams`]) makes the node cancel the request
+//! Streams are read through a [`MsgReader`] each, which is cancel-safe, so a read interrupted
+//! by another event loses nothing. Dropping a node stream ([`Action::CloseStreams`]) makes the node cancel the request
 //! and free its KV (see the node crates).
 
 use std::collections::VecDeque;
@@ -17,9 +17,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cleave_net::{Connector, DuplexStream};
-use cleave_protocol::control::{read_msg, write_msg, ControlMsg, HandoffDone, WireError, Work};
-use futures::stream::{BoxStream, StreamExt};
+use cleave_net::{Connector, DuplexStream, RecvHalf};
+use cleave_protocol::control::{write_msg, ControlMsg, HandoffDone, MsgReader, WireError, Work};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -43,22 +42,24 @@ pub(super) async fn run(d: Dispatch, cluster: ClusterHandle, connector: Arc<Conn
 /// One open node stream: its writer, and its messages as they are read.
 struct NodeStream {
     send: Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-    messages: BoxStream<'static, Result<ControlMsg, WireError>>,
+    /// None once the stream ended or failed: after an error it is out of step, and reads as
+    /// ended from then on.
+    reader: Option<MsgReader<RecvHalf>>,
 }
 
 impl NodeStream {
     fn new(s: DuplexStream) -> Self {
-        // The read in progress lives in the stream, not in a `select!` branch that another
-        // event would drop halfway through a frame.
-        let messages = futures::stream::unfold(Some(s.recv), |recv| async move {
-            let mut recv = recv?;
-            match read_msg(&mut recv).await {
-                Ok(Some(m)) => Some((Ok(m), Some(recv))),
-                Ok(None) => None,
-                Err(e) => Some((Err(e), None)),
-            }
-        });
-        Self { send: Box::pin(s.send), messages: messages.boxed() }
+        Self { send: Box::pin(s.send), reader: Some(MsgReader::new(s.recv)) }
+    }
+
+    /// The next message; None at the end of the stream. Cancel-safe ([`MsgReader`] keeps a
+    /// frame read halfway), so it may be raced in a `select!` against other events.
+    async fn next(&mut self) -> Option<Result<ControlMsg, WireError>> {
+        let r = self.reader.as_mut()?.next().await;
+        if !matches!(r, Ok(Some(_))) {
+            self.reader = None;
+        }
+        r.transpose()
     }
 }
 
@@ -216,7 +217,7 @@ async fn open(connector: &Connector, node: &NodeRef, msg: &ControlMsg) -> Result
 
 async fn read(s: Option<&mut NodeStream>) -> Option<Result<ControlMsg, WireError>> {
     match s {
-        Some(s) => s.messages.next().await,
+        Some(s) => s.next().await,
         None => std::future::pending().await,
     }
 }
@@ -279,7 +280,7 @@ const REPORT_WAIT: Duration = Duration::from_secs(5);
 fn report_later(mut ps: NodeStream, pnode: NodeRef, dispatched: Duration, cluster: ClusterHandle) {
     tokio::spawn(
         async move {
-            while let Ok(Some(Ok(msg))) = tokio::time::timeout(REPORT_WAIT, ps.messages.next()).await {
+            while let Ok(Some(Ok(msg))) = tokio::time::timeout(REPORT_WAIT, ps.next()).await {
                 if let ControlMsg::HandoffDone(h) = msg {
                     return record_handoff(&h, &pnode, dispatched, &cluster);
                 }
