@@ -261,10 +261,15 @@ pub(crate) struct DecodePart {
 /// What a colocated node's steps come to at one mean batch ([`Model::colocated_steps`]).
 #[derive(Debug, Clone, Copy)]
 struct ColocatedSteps {
-    /// Mean prefill of a prompt, seconds: the blend of [`Self::paced`] and an unpaced prefill.
+    /// Mean prefill of a prompt, seconds: [`Self::alone`] and [`Self::paced`] blended by
+    /// [`Self::overlap`].
     service: f64,
+    /// Prefill of a prompt with no decodes running, in prefill-only steps of up to the budget.
+    alone: f64,
     /// Prefill of a prompt beside the decodes, in paced mixed steps.
     paced: f64,
+    /// Most prompt tokens a paced mixed step carries.
+    chunk: f64,
     /// Share of prompts prefilled beside decodes: the chance the node is decoding.
     overlap: f64,
     /// Share of the node's time spent prefilling.
@@ -570,15 +575,15 @@ impl<'a> Model<'a> {
         // as the budget holds beside it (the scheduler admits FCFS while budget remains): its
         // first token then comes after theirs too. A large budget's whole-prompt steps cost
         // less per token but batch the queue, and this is where that shows (phase 3 of the
-        // shifting load at budget 2048: p50 TTFT 1.4-1.6 s against 1.9 at 128, p90 3.7-4.0 s
-        // against 3.4).
+        // shifting load at TPOT 100, three runs at budget 2048 and two at 128: p50 TTFT 1.4-1.6
+        // s against 1.5-1.9, p90 3.7-4.0 s against 3.1-3.4).
         let joiners = (lam * wait).min(((budget / p).floor() - 1.0).max(0.0));
-        let batched = (1.0 - s.overlap) * joiners * self.alone_service(p, budget);
+        let batched = (1.0 - s.overlap) * joiners * s.alone;
         let capacity = f64::from(k) * p / s.service;
         let drain = backlog_wait(backlog, capacity, lambda * p, self.load.horizon_s, self.q);
         let p_tail = (p + self.z * self.load.prompt_sd.max(0.0)).max(1.0);
         let own = (1.0 - s.overlap) * self.alone_service(p_tail, budget)
-            + s.overlap * self.paced_service(p_tail, budget, 1.0 + b, lam);
+            + s.overlap * self.paced_service(p_tail, s.chunk, 1.0 + b);
         let settle = own + s.t_d / 2.0;
 
         let x_q = 1.0 + self.life_batch_upper(b);
@@ -586,8 +591,7 @@ impl<'a> Model<'a> {
         // life or up to one prompt's prefill before it.
         let overlapping = poisson_quantile(lam * (o * s.tpot_mean + s.paced), self.q);
         // The steps it shares with a prompt carry decodes: paced ones, where nodes pace.
-        let full = (budget - x_q).floor().max(1.0);
-        let chunk_q = self.paced_room(full, x_q, lam).min(p);
+        let chunk_q = self.paced_chunk(budget, x_q, lam).min(p);
         let mixed = (overlapping * (p / chunk_q).ceil()).min(o);
         let tpot = (mixed * self.mixed_step(chunk_q, x_q) + (o - mixed) * self.decode_step(x_q)) / o;
         // What pacing holds: every sequence's mean within the paced step, unless a decode
@@ -613,11 +617,16 @@ impl<'a> Model<'a> {
         chunked(n, budget, |c| self.costs.prefill_time(tokens(c)))
     }
 
-    /// Prefill of an `n`-token prompt beside `x` decodes: chunks of what the budget leaves
-    /// them, cut further where the node paces, each a mixed step.
-    fn paced_service(&self, n: f64, budget: f64, x: f64, lam: f64) -> f64 {
-        let full = (budget - x).floor().max(1.0);
-        chunked(n, self.paced_room(full, x, lam), |c| self.mixed_step(c, x))
+    /// Most prompt tokens a step beside `x` decodes carries: what the budget leaves them (at
+    /// least one), cut further where the node paces.
+    fn paced_chunk(&self, budget: f64, x: f64, lam: f64) -> f64 {
+        self.paced_room((budget - x).floor().max(1.0), x, lam)
+    }
+
+    /// Prefill of an `n`-token prompt beside `x` decodes in chunks of `chunk` (from
+    /// [`Self::paced_chunk`]), each a mixed step.
+    fn paced_service(&self, n: f64, chunk: f64, x: f64) -> f64 {
+        chunked(n, chunk, |c| self.mixed_step(c, x))
     }
 
     /// A colocated node's steps when a decoding sequence shares it with `b` others on average
@@ -638,8 +647,10 @@ impl<'a> Model<'a> {
             return None;
         }
         let overlap = 1.0 - (-b).exp();
-        let paced = self.paced_service(p, budget, x, lam);
-        let service = (1.0 - overlap) * self.alone_service(p, budget) + overlap * paced;
+        let chunk = self.paced_chunk(budget, x, lam);
+        let paced = self.paced_service(p, chunk, x);
+        let alone = self.alone_service(p, budget);
+        let service = (1.0 - overlap) * alone + overlap * paced;
         let u = lam * service;
         // A decoding sequence's share of mixed steps: the paced prefill of the prompts that
         // arrive during its life.
@@ -647,11 +658,10 @@ impl<'a> Model<'a> {
         if u >= 1.0 || mixed_share >= 1.0 {
             return None;
         }
-        let full = (budget - x).floor();
-        let t_m = self.mixed_step(self.paced_room(full, x, lam).min(p), x);
+        let t_m = self.mixed_step(chunk.min(p), x);
         let t_d = self.decode_step(x);
         let tpot_mean = 1.0 / (mixed_share / t_m + (1.0 - mixed_share) / t_d);
-        Some(ColocatedSteps { service, paced, overlap, u, t_d, tpot_mean })
+        Some(ColocatedSteps { service, alone, paced, chunk, overlap, u, t_d, tpot_mean })
     }
 
     /// Predicted share of requests that meet both targets: `P(TTFT <= ttft_s) * P(TPOT <=
@@ -842,6 +852,28 @@ mod tests {
         let one = |n: usize| c.prefill_time(n);
         assert!((m.alone_service(384.0, 256.0) - (one(256) + one(128))).abs() < 1e-12);
         assert!((m.alone_service(384.0, 128.0) - 3.0 * one(128)).abs() < 1e-12);
+    }
+
+    /// The budgets' ranking on the profile measured on the benchmark machine (BENCHMARKS.md,
+    /// "Step budgets by time"), at the shifting load's prefill-heavy phase: 0.6 req/s of
+    /// 384-token prompts with 8-token replies on 2 paced colocated nodes, TPOT target 100 ms.
+    /// Run with `--nocapture` to see the figures BENCHMARKS.md quotes.
+    #[test]
+    fn on_the_measured_profile_a_whole_prompt_budget_is_rated_below_chunked_ones() {
+        use crate::profiled::{CostModel, HandoffCost};
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profiles/smollm2-q4_1-quantized-1thread-amd.json");
+        let profile: crate::profile::Profile = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let c = CostModel::from_profile(&profile, HandoffCost::default()).unwrap();
+        let m = Model::new(&c, Load { horizon_s: 20.0, ..shaped(0.6, 384.0, 8.0) }, 0.9, 2048).paced(Some(0.1));
+        let ttft = |budget| {
+            let t = m.colocated(2, budget, 0.6, 0.0, 0.0).ttft;
+            println!("budget {budget}: p90 TTFT {t:.2} s");
+            t
+        };
+        let (b128, b256, b512, b2048) = (ttft(128), ttft(256), ttft(512), ttft(2048));
+        assert!(b2048 > b128 && b128 > b256.max(b512), "{b128} {b256} {b512} {b2048}");
+        // 128 pays a few more steps' fixed costs than 256, not a whole extra chunk.
+        assert!(b128 - b256 < 0.5, "{b128} vs {b256}");
     }
 
     #[test]

@@ -322,10 +322,10 @@ impl Planner {
     /// configuration's queue had cleared (at least
     /// [`MIN_CORRECTION_SAMPLES`]), predicted = the mean raw prediction made for it over the
     /// same window, where at least [`MIN_FINITE_SHARE`] of those were bounded. An EWMA with
-    /// time constant window / 3, ratios clamped to [`CORRECTION_RANGE`]. Factors persist across configuration changes within a family
-    /// (the model's bias is a property of the formula and the workload, not of the pool
-    /// sizes), and each family keeps its own ([`FamilyFactors`]); a mixed configuration
-    /// corrects neither.
+    /// time constant window / 3, ratios clamped to [`CORRECTION_RANGE`]. Factors persist
+    /// across configuration changes within a family (the model's bias is a property of the
+    /// formula and the workload, not of the pool sizes), and each family keeps its own
+    /// ([`FamilyFactors`]); a mixed configuration corrects neither.
     fn update_correction(&mut self, now: Duration, current: &PoolTarget, stats: &CompletionStats, raw: &Raw) {
         let cutoff = now.checked_sub(self.cfg.window);
         // Predictions made while the old configuration's queue still held requests back are
