@@ -23,6 +23,7 @@
 //! A weight matrix `[n, k]` (Hugging Face layout) is stored as ggml stores it: `n` rows, each
 //! `k / block_values` consecutive blocks ([`QuantMatrix`]).
 
+use bytes::Bytes;
 use half::f16;
 
 use crate::{check, Result};
@@ -147,13 +148,18 @@ pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) -> Result<
 ///
 /// Invariant: `k` is a multiple of the format's block size and `data` holds exactly
 /// `n * k / block_values * block_bytes` bytes (checked by [`QuantMatrix::new`]).
+///
+/// The blocks are a [`Bytes`]: either owned, or a slice of a memory-mapped model file that the
+/// matrix keeps mapped. A GGUF weight whose layout needs no change is multiplied where it lies in
+/// the map, so its bytes are the page cache's (shared by every process that maps the file, and
+/// never copied through the heap).
 #[derive(Clone)]
 pub struct QuantMatrix {
     format: QuantFormat,
     n: usize,
     k: usize,
     row_bytes: usize,
-    data: Vec<u8>,
+    data: Bytes,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -165,7 +171,8 @@ impl std::fmt::Debug for QuantMatrix {
 impl QuantMatrix {
     /// Wraps the blocks of an `[n, k]` weight, refusing a `k` that is not a whole number of
     /// blocks and data that is not exactly `n` rows of them (a truncated tensor).
-    pub fn new(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<Self> {
+    pub fn new(format: QuantFormat, n: usize, k: usize, data: impl Into<Bytes>) -> Result<Self> {
+        let data = data.into();
         const OP: &str = "prepare_linear_quantized";
         let row_bytes = format.row_bytes(OP, k)?;
         let need = check::mul(OP, n, row_bytes)?;

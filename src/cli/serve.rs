@@ -434,6 +434,19 @@ fn fingerprint_of(path: &Path) -> anyhow::Result<u64> {
     files.identity().with_context(|| format!("reading the identity of model {}", path.display()))
 }
 
+/// Hands the heap pages freed while loading back to the kernel. glibc keeps what a thread frees
+/// in that thread's arena, and the load's temporaries (the GGUF metadata's strings, the
+/// tokenizer's build tables, q/k rows before they are un-permuted) leave whole pages free in the
+/// middle of it: on SmolLM2-135M 22 MB of a node's resident memory until `malloc_trim` returns
+/// them.
+fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own free lists; it is safe at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let default_name = match role {
         RoleArg::Prefill => "prefill",
@@ -444,8 +457,10 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let files = ModelFiles::open(&cmd.model).with_context(|| format!("opening model {}", cmd.model.display()))?;
     let cfg = cmd.engine.to_config();
     let threads = cmd.engine.threads;
-    let engine = EngineThread::spawn(move || EngineCore::load(CpuBackend::new(threads)?, files, &cfg))
-        .context("starting the engine")?;
+    let engine = EngineThread::spawn(move || {
+        EngineCore::load(CpuBackend::new(threads)?, files, &cfg).inspect(|_| release_freed_heap())
+    })
+    .context("starting the engine")?;
     let model_name = model_name(&cmd.model, cmd.served_model_name.as_ref());
     let rt = runtime()?;
     let handle = engine.handle();

@@ -458,7 +458,14 @@ impl GgufModel {
         let (Some(format), &[n, k]) = (info.ggml_type.quant_format(), &shape[..]) else {
             return Ok(None);
         };
-        let data = self.unpermuted(hf_name, info, &shape, self.file.tensor_bytes(info).to_vec())?;
+        // Rows llama.cpp permuted are copied back into Hugging Face order; every other weight
+        // is multiplied where it lies in the file's map.
+        let data = match self.permuted_heads(hf_name) {
+            Some(_) => {
+                bytes::Bytes::from(self.unpermuted(hf_name, info, &shape, self.file.tensor_bytes(info).to_vec())?)
+            }
+            None => self.file.tensor_shared(info),
+        };
         QuantMatrix::new(format, n, k, data).map(Some).map_err(|e| GgufError::BadShape {
             name: info.name.clone(),
             dims: info.dims.clone(),

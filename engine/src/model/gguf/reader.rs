@@ -126,23 +126,13 @@ impl TensorInfo {
     }
 }
 
-enum Bytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl Bytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            Bytes::Mapped(m) => m,
-            Bytes::Owned(v) => v,
-        }
-    }
-}
-
 /// A parsed GGUF file whose tensor data stays memory-mapped until dequantized.
+///
+/// The image is a [`bytes::Bytes`] (the map, or the bytes handed to [`GgufFile::from_bytes`]),
+/// so that a tensor used as it lies ([`GgufFile::tensor_shared`]) keeps the map alive after this
+/// file is dropped, without copying.
 pub struct GgufFile {
-    bytes: Bytes,
+    bytes: bytes::Bytes,
     version: u32,
     alignment: u64,
     data_start: u64,
@@ -156,7 +146,7 @@ impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufFile")
             .field("version", &self.version)
-            .field("bytes", &self.bytes.as_slice().len())
+            .field("bytes", &self.bytes.len())
             .field("metadata", &self.metadata.len())
             .field("tensors", &self.tensors.len())
             .finish()
@@ -265,20 +255,21 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let io = |source| GgufError::Io { path: path.to_path_buf(), source };
         let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only and private to this process. Like every mmap-based model
-        // loader we assume the file is not truncated or rewritten while it is mapped; every
-        // offset is validated against the mapped length before use.
+        // SAFETY: the map is read-only. Like every mmap-based model loader (llama.cpp's
+        // included) we assume the file is not truncated or rewritten while it is mapped, which
+        // is for the life of the weights that use it in place ([`GgufFile::tensor_shared`]);
+        // every offset is validated against the mapped length before use.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Self::parse(Bytes::Mapped(map))
+        Self::parse(bytes::Bytes::from_owner(map))
     }
 
     /// Parses a GGUF image held in memory.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
-        Self::parse(Bytes::Owned(bytes))
+        Self::parse(bytes::Bytes::from(bytes))
     }
 
-    fn parse(bytes: Bytes) -> Result<Self> {
-        let buf = bytes.as_slice();
+    fn parse(bytes: bytes::Bytes) -> Result<Self> {
+        let buf = &bytes[..];
         let len = buf.len() as u64;
         let mut c = Cursor { buf, pos: 0 };
         let magic: [u8; 4] = c.array(&|| "magic".into())?;
@@ -392,7 +383,14 @@ impl GgufFile {
     /// The raw bytes of a tensor of this file (in bounds by construction).
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         let start = (self.data_start + info.offset) as usize;
-        &self.bytes.as_slice()[start..start + info.n_bytes as usize]
+        &self.bytes[start..start + info.n_bytes as usize]
+    }
+
+    /// [`GgufFile::tensor_bytes`] without a copy: a handle on the same bytes that keeps the file
+    /// mapped for as long as it lives.
+    pub fn tensor_shared(&self, info: &TensorInfo) -> bytes::Bytes {
+        let start = (self.data_start + info.offset) as usize;
+        self.bytes.slice(start..start + info.n_bytes as usize)
     }
 
     /// Tensor `name` (GGUF naming) dequantized to f32, in ggml order (row-major over the
