@@ -709,8 +709,21 @@ mod avx2 {
     use super::{MR, NR};
     use std::arch::x86_64::*;
 
-    /// Four strips of 16 columns (two vectors each): `R × 2` accumulators + 2 weight vectors + one
-    /// broadcast fit AVX2's 16 registers.
+    /// Panel element kinds of [`strips`].
+    const F32: u8 = 0;
+    const F16: u8 = 1;
+    const BF16: u8 = 2;
+
+    /// Panel rows per `kk` block of [`strips`]: 64 rows of 256 bytes (f32; 16 KB) stay in L1
+    /// while the strips of a tile pass over them.
+    const KB: usize = 64;
+
+    /// The `R × NR` tile in strips of `8 * W` columns, `W` vectors wide, so that `R × W`
+    /// accumulators + `W` weight vectors + one broadcast fit AVX2's 16 registers: one row takes
+    /// the whole panel row (`W = 8`) and two rows half of it (`W = 4`), so a decode step streams
+    /// each panel once, front to back, with eight (four per row) independent FMA chains; more
+    /// rows take strips of 16 columns (`W = 2`). Every output column sums its products in `kk`
+    /// order whatever the strip width, so the result does not depend on `R`.
     ///
     /// # Safety
     /// AVX2 and FMA available; `x` valid for `R * k` reads, `panel` for `k * NR`.
@@ -722,47 +735,19 @@ mod avx2 {
         pf: (*const f32, usize, usize),
         acc: &mut [[f32; NR]; MR],
     ) {
-        // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 < NR`: inside the caller's ranges.
-        unsafe {
-            for s in (0..NR).step_by(16) {
-                let mut a = [[_mm256_setzero_ps(); 2]; R];
-                for kk in 0..k {
-                    if s == 0 {
-                        super::prefetch(pf, kk);
-                    }
-                    let p = panel.add(kk * NR + s);
-                    let w = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
-                    for r in 0..R {
-                        let xv = _mm256_set1_ps(*x.add(r * k + kk));
-                        a[r][0] = _mm256_fmadd_ps(xv, w[0], a[r][0]);
-                        a[r][1] = _mm256_fmadd_ps(xv, w[1], a[r][1]);
-                    }
-                }
-                for r in 0..R {
-                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s), a[r][0]);
-                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s + 8), a[r][1]);
-                }
-            }
-        }
-    }
-
-    /// Eight 16-bit elements at `p`, widened to f32.
-    ///
-    /// # Safety
-    /// AVX2 and F16C available; `p` valid for 8 reads.
-    #[inline(always)]
-    unsafe fn widen8<const BF: bool>(p: *const u16) -> __m256 {
+        let panel = panel as *const u8;
         // SAFETY: the caller's contract.
         unsafe {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            match BF {
-                true => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))),
-                false => _mm256_cvtph_ps(h),
+            match R {
+                1 => strips::<R, 8, F32>(x, panel, k, pf, acc),
+                2 => strips::<R, 4, F32>(x, panel, k, pf, acc),
+                _ => strips::<R, 2, F32>(x, panel, k, pf, acc),
             }
         }
     }
 
-    /// [`tile`] over a 16-bit panel (`BF`: bf16, else f16).
+    /// [`tile`] over a 16-bit panel (`BF`: bf16, else f16), each weight widened to f32 in
+    /// registers as it is loaded.
     ///
     /// # Safety
     /// AVX2, FMA and F16C available; `x` valid for `R * k` reads, `panel` for `k * NR`.
@@ -773,23 +758,119 @@ mod avx2 {
         k: usize,
         acc: &mut [[f32; NR]; MR],
     ) {
-        // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 < NR`: inside the caller's ranges.
+        let (panel, none) = (panel as *const u8, (std::ptr::null(), 0, 1));
+        // SAFETY: the caller's contract.
         unsafe {
-            for s in (0..NR).step_by(16) {
-                let mut a = [[_mm256_setzero_ps(); 2]; R];
-                for kk in 0..k {
-                    let p = panel.add(kk * NR + s);
-                    let w = [widen8::<BF>(p), widen8::<BF>(p.add(8))];
-                    for r in 0..R {
-                        let xv = _mm256_set1_ps(*x.add(r * k + kk));
-                        a[r][0] = _mm256_fmadd_ps(xv, w[0], a[r][0]);
-                        a[r][1] = _mm256_fmadd_ps(xv, w[1], a[r][1]);
+            match (R, BF) {
+                (1, false) => strips::<R, 8, F16>(x, panel, k, none, acc),
+                (1, true) => strips::<R, 8, BF16>(x, panel, k, none, acc),
+                (2, false) => strips::<R, 4, F16>(x, panel, k, none, acc),
+                (2, true) => strips::<R, 4, BF16>(x, panel, k, none, acc),
+                (_, false) => strips::<R, 2, F16>(x, panel, k, none, acc),
+                (_, true) => strips::<R, 2, BF16>(x, panel, k, none, acc),
+            }
+        }
+    }
+
+    /// Eight panel elements from element `i` on, as f32.
+    ///
+    /// # Safety
+    /// F16C available for 16-bit kinds; `panel` valid for elements `i..i + 8`.
+    #[inline(always)]
+    unsafe fn load8<const KIND: u8>(panel: *const u8, i: usize) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match KIND {
+                F32 => _mm256_loadu_ps((panel as *const f32).add(i)),
+                _ => {
+                    let h = _mm_loadu_si128((panel as *const u16).add(i) as *const __m128i);
+                    match KIND {
+                        BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))),
+                        _ => _mm256_cvtph_ps(h),
                     }
                 }
-                for r in 0..R {
-                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s), a[r][0]);
-                    _mm256_storeu_ps(acc[r].as_mut_ptr().add(s + 8), a[r][1]);
+            }
+        }
+    }
+
+    /// [`tile`] with strips of `W` vectors over a panel of `KIND` elements. With more than one
+    /// strip, `kk` goes in blocks of [`KB`] panel rows and every strip passes over a block
+    /// before the next is read, while its steps prefetch the next block into L1, in address
+    /// order. Without that, each strip read one cache line of each 256-byte panel
+    /// row, at a stride the hardware prefetcher followed badly: decode at 4-8 rows ran at a
+    /// third of the FMA rate (`examples/decode_shapes.rs`). The accumulators wait in `acc`
+    /// between blocks (a store and a load: each column still sums its products in `kk` order).
+    ///
+    /// # Safety
+    /// As [`tile`]; `8 * W` divides `NR`; F16C available for 16-bit kinds.
+    // Register arrays are indexed in fully unrolled loops.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn strips<const R: usize, const W: usize, const KIND: u8>(
+        x: *const f32,
+        panel: *const u8,
+        k: usize,
+        pf: (*const f32, usize, usize),
+        acc: &mut [[f32; NR]; MR],
+    ) {
+        let es = if KIND == F32 { 4 } else { 2 };
+        let block = if 8 * W == NR { k.max(1) } else { KB };
+        // A block holds `block * es` cache lines (rows of NR = 64 elements) and takes
+        // `8 * block / W` steps (strips × rows): `es * W / 8` lines a step.
+        const { assert!(NR == 64) };
+        // SAFETY (all loads): `kk < k`, `r < R`, `s + 8 * v < NR`: inside the caller's ranges.
+        // Prefetches never fault, and `wrapping_add` keeps their addresses defined.
+        unsafe {
+            let mut kb = 0;
+            while kb < k || (kb == 0 && k == 0) {
+                let kend = (kb + block).min(k);
+                for s in (0..NR).step_by(8 * W) {
+                    let mut a = [[_mm256_setzero_ps(); W]; R];
+                    if kb > 0 {
+                        for r in 0..R {
+                            for v in 0..W {
+                                a[r][v] = _mm256_loadu_ps(acc[r].as_ptr().add(s + 8 * v));
+                            }
+                        }
+                    }
+                    for kk in kb..kend {
+                        if s == 0 {
+                            super::prefetch(pf, kk);
+                        }
+                        let i = kk * NR + s;
+                        if 8 * W < NR && kend < k {
+                            // This step's share of the next block's lines, in address order.
+                            let step = (s / (8 * W)) * block + (kk - kb);
+                            let next = panel.wrapping_add(kend * NR * es);
+                            // Lines per two steps: 2 (16-bit, W = 2) to 8 (f32, W = 4).
+                            let pair = es * W / 4;
+                            if pair >= 2 {
+                                for l in 0..pair / 2 {
+                                    let at = next.wrapping_add(64 * (step * (pair / 2) + l));
+                                    _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                                }
+                            } else if step % 2 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * (step / 2)) as *const i8);
+                            }
+                        }
+                        let mut w = [_mm256_setzero_ps(); W];
+                        for v in 0..W {
+                            w[v] = load8::<KIND>(panel, i + 8 * v);
+                        }
+                        for r in 0..R {
+                            let xv = _mm256_set1_ps(*x.add(r * k + kk));
+                            for v in 0..W {
+                                a[r][v] = _mm256_fmadd_ps(xv, w[v], a[r][v]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        for v in 0..W {
+                            _mm256_storeu_ps(acc[r].as_mut_ptr().add(s + 8 * v), a[r][v]);
+                        }
+                    }
                 }
+                kb = kend.max(kb + 1);
             }
         }
     }
