@@ -849,7 +849,7 @@ mod avx2 {
                                     let at = next.wrapping_add(64 * (step * (pair / 2) + l));
                                     _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
                                 }
-                            } else if step % 2 == 0 {
+                            } else if step.is_multiple_of(2) {
                                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * (step / 2)) as *const i8);
                             }
                         }
