@@ -153,6 +153,9 @@ pub fn dot_keys(isa: Isa, q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
         // SAFETY: as in `dot`; every key holds `d` elements (asserted).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::dot_keys(q, keys, out) },
+        // SAFETY: as in `dot`; every key holds `d` elements (asserted).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::dot_keys(q, keys, out) },
         _ => out.iter_mut().zip(keys).for_each(|(o, k)| *o = dot(isa, k, q)),
     }
 }
@@ -163,17 +166,23 @@ pub fn max(isa: Isa, x: &[f32]) -> f32 {
         // SAFETY: as in `dot`.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::max(x) },
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::max(x) },
         _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
     }
 }
 
 /// `row[i] = exp(row[i] - max)`; returns `Σ row[i]` (a softmax numerator and its denominator).
-/// The AVX-512 exponential is a degree-6 polynomial (Cephes `expf`, within 2 ulp).
+/// The AVX-512 and AVX2 exponentials are a degree-6 polynomial (Cephes `expf`, within 2 ulp).
 pub fn exp_shifted(isa: Isa, row: &mut [f32], max: f32) -> f32 {
     match isa {
         // SAFETY: as in `dot`.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::exp_shifted(row, max) },
+        // SAFETY: as in `dot`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::exp_shifted(row, max) },
         _ => {
             let mut sum = 0f64;
             for v in row.iter_mut() {
@@ -199,6 +208,9 @@ pub fn accumulate_rows(isa: Isa, p: &[f32], p_stride: usize, rows: usize, vals: 
         // SAFETY: as in `dot`; sizes asserted above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::accumulate_rows(p, p_stride, rows, vals, out, d) },
+        // SAFETY: as in `dot`; sizes asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::accumulate_rows(p, p_stride, rows, vals, out, d) },
         _ => {
             for r in 0..rows {
                 for (j, v) in vals.iter().enumerate() {
@@ -750,6 +762,214 @@ mod avx2 {
         }
         for j in i..n {
             y[j] += a * x[j];
+        }
+    }
+
+    /// `n <= 8` floats at `p`, the rest of the vector zero.
+    ///
+    /// # Safety
+    /// AVX available; `p` valid for `n` reads.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load_part(p: *const f32, n: usize) -> __m256 {
+        let mut buf = [0f32; 8];
+        // SAFETY: the caller vouches for `n <= 8` readable floats.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n);
+            _mm256_loadu_ps(buf.as_ptr())
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; every key holds `q.len()` elements; `out.len() == keys.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_keys(q: &[f32], keys: &[&[f32]], out: &mut [f32]) {
+        let d = q.len();
+        // SAFETY (all accesses): offsets below `d` (or copied up to it) in `q` and each key.
+        unsafe {
+            // Four keys at a time share each query load and keep four chains in flight.
+            for (c, chunk) in keys.chunks(4).enumerate() {
+                let kp: [*const f32; 4] = std::array::from_fn(|j| chunk[j.min(chunk.len() - 1)].as_ptr());
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut i = 0;
+                while i + 8 <= d {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                    for j in 0..4 {
+                        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j].add(i)), acc[j]);
+                    }
+                    i += 8;
+                }
+                if i < d {
+                    let qv = load_part(q.as_ptr().add(i), d - i);
+                    for j in 0..4 {
+                        acc[j] = _mm256_fmadd_ps(qv, load_part(kp[j].add(i), d - i), acc[j]);
+                    }
+                }
+                for (j, o) in out[4 * c..4 * c + chunk.len()].iter_mut().enumerate() {
+                    *o = hsum(acc[j]);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn max(x: &[f32]) -> f32 {
+        let n = x.len();
+        let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        // SAFETY (all loads): offsets below `n`.
+        unsafe {
+            while i + 8 <= n {
+                // `max_ps(a, b)` returns `b` when either is NaN: NaN keys do not propagate.
+                acc = _mm256_max_ps(_mm256_loadu_ps(x.as_ptr().add(i)), acc);
+                i += 8;
+            }
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: a store of 8 floats into an array of 8.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.into_iter().chain(x[i..].iter().copied()).fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `exp(x)` for 8 lanes: the AVX-512 `exp16`'s polynomial, with `2^n` built in the exponent
+    /// bits. Inputs below -87 (where `2^n` leaves the normal range; `exp` < 1.7e-38 there) give 0.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn exp8(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626)), _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        // n is in [-126, 128]: 2^n for n <= 127 is a normal float (biased exponent n + 127 in
+        // [1, 254]); n = 128 (x near the upper clamp) is taken as 2 · 2^127, the 2 folded into y.
+        let ni = _mm256_cvtps_epi32(n);
+        let hi = _mm256_min_epi32(ni, _mm256_set1_epi32(127));
+        let y = _mm256_mul_ps(
+            y,
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_sub_epi32(ni, hi),
+                _mm256_set1_epi32(127),
+            ))),
+        );
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(hi, _mm256_set1_epi32(127))));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(y, two_n))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
+        let n = row.len();
+        let p = row.as_mut_ptr();
+        let mv = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        // SAFETY (all accesses): offsets below `n`.
+        unsafe {
+            while i + 8 <= n {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+                _mm256_storeu_ps(p.add(i), e);
+                acc = _mm256_add_ps(acc, e);
+                i += 8;
+            }
+            if i < n {
+                let mut buf = [0f32; 8];
+                std::ptr::copy_nonoverlapping(p.add(i), buf.as_mut_ptr(), n - i);
+                _mm256_storeu_ps(buf.as_mut_ptr(), exp8(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv)));
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add(i), n - i);
+                acc = _mm256_add_ps(acc, load_part(buf.as_ptr(), n - i));
+            }
+        }
+        hsum(acc)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; sizes as asserted by the safe wrapper `simd::accumulate_rows`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate_rows(p: &[f32], p_stride: usize, rows: usize, vals: &[&[f32]], out: &mut [f32], d: usize) {
+        // SAFETY: forwarded; every group stays inside the asserted sizes.
+        unsafe {
+            for r0 in (0..rows).step_by(6) {
+                let (pp, op) = (p.as_ptr().add(r0 * p_stride), out.as_mut_ptr().add(r0 * d));
+                match (rows - r0).min(6) {
+                    1 => accumulate_group::<1>(pp, p_stride, vals, op, d),
+                    2 => accumulate_group::<2>(pp, p_stride, vals, op, d),
+                    3 => accumulate_group::<3>(pp, p_stride, vals, op, d),
+                    4 => accumulate_group::<4>(pp, p_stride, vals, op, d),
+                    5 => accumulate_group::<5>(pp, p_stride, vals, op, d),
+                    _ => accumulate_group::<6>(pp, p_stride, vals, op, d),
+                }
+            }
+        }
+    }
+
+    /// `R` rows of [`accumulate_rows`], 16 columns (two vectors) at a time, with the rows'
+    /// `R × 2` accumulators in registers across all values (`R × 2` + two values + one
+    /// broadcast fit AVX2's 16 registers). A last partial strip goes through a zero-padded copy.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; `p` valid for `(R - 1) * p_stride + vals.len()` reads, `out` for
+    /// `R * d` reads and writes, every value for `d` reads.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // register arrays indexed in fully unrolled loops
+    unsafe fn accumulate_group<const R: usize>(
+        p: *const f32,
+        p_stride: usize,
+        vals: &[&[f32]],
+        out: *mut f32,
+        d: usize,
+    ) {
+        // SAFETY (all accesses): columns below `d` (or copied up to it), rows below `R`, values
+        // below `vals.len()`, as the caller vouches.
+        unsafe {
+            let mut i = 0;
+            while i < d {
+                let n = (d - i).min(16);
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                for (j, v) in vals.iter().enumerate() {
+                    let vp = v.as_ptr().add(i);
+                    let vv = if n == 16 {
+                        [_mm256_loadu_ps(vp), _mm256_loadu_ps(vp.add(8))]
+                    } else {
+                        [load_part(vp, n.min(8)), load_part(vp.add(8.min(n)), n.saturating_sub(8))]
+                    };
+                    for r in 0..R {
+                        let pv = _mm256_set1_ps(*p.add(r * p_stride + j));
+                        for c in 0..2 {
+                            acc[r][c] = _mm256_fmadd_ps(pv, vv[c], acc[r][c]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let o = out.add(r * d + i);
+                    if n == 16 {
+                        for c in 0..2 {
+                            let oc = o.add(8 * c);
+                            _mm256_storeu_ps(oc, _mm256_add_ps(_mm256_loadu_ps(oc), acc[r][c]));
+                        }
+                    } else {
+                        let mut buf = [0f32; 16];
+                        std::ptr::copy_nonoverlapping(o, buf.as_mut_ptr(), n);
+                        for c in 0..2 {
+                            let bc = buf.as_mut_ptr().add(8 * c);
+                            _mm256_storeu_ps(bc, _mm256_add_ps(_mm256_loadu_ps(bc), acc[r][c]));
+                        }
+                        std::ptr::copy_nonoverlapping(buf.as_ptr(), o, n);
+                    }
+                }
+                i += 16;
+            }
         }
     }
 }
