@@ -1,4 +1,4 @@
-//! The CPU's KV cache pools ([`KvPool`]: a `Vec` of f32, f16 or bf16) and the element trait
+//! The CPU's KV cache pools ([`KvPool`]: [`Pages`] of f32, f16 or bf16) and the element trait
 //! ([`KvElem`]) through which the attention kernels read any of them: the same kernel code runs
 //! on every element type, with keys and values widened to f32 in registers as they are loaded
 //! ([`super::simd_half`] for the 16-bit types).
@@ -15,14 +15,16 @@ use crate::{check, CacheDtype, KernelError, Result};
 /// One layer's K (or V) cache pool on the CPU.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvPool {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    Bf16(Vec<bf16>),
+    F32(Pages<f32>),
+    F16(Pages<f16>),
+    Bf16(Pages<bf16>),
 }
 
 impl From<Vec<f32>> for KvPool {
     fn from(v: Vec<f32>) -> Self {
-        KvPool::F32(v)
+        let mut pages = Pages::zeroed(v.len()).expect("a pool of the vector's size");
+        pages.copy_from_slice(&v);
+        KvPool::F32(pages)
     }
 }
 
@@ -61,38 +63,97 @@ impl KvPool {
     }
 }
 
-/// A zeroed `Vec` of `len` elements from the allocator's zeroed pages (a cache of gigabytes costs
-/// nothing until it is used).
+/// Element types whose all-zero bits are a valid value (0.0), so that fresh zero pages hold
+/// initialised elements.
 ///
 /// # Safety
-/// All-zero bits must be a valid `T` (true of f32, f16 and bf16: 0.0).
-unsafe fn zeroed_vec<T>(len: usize) -> Result<Vec<T>> {
-    let oom = || KernelError::OutOfMemory { bytes: len.saturating_mul(std::mem::size_of::<T>()) };
-    if len == 0 || std::mem::size_of::<T>() == 0 {
-        return Ok(Vec::new());
+/// Implement only for plain-data types of which every bit pattern, zero included, is valid.
+pub unsafe trait ZeroBits: Copy + 'static {}
+// SAFETY: IEEE floats: every bit pattern is a value, zero is 0.0.
+unsafe impl ZeroBits for f32 {}
+// SAFETY: as f32.
+unsafe impl ZeroBits for f16 {}
+// SAFETY: as f32.
+unsafe impl ZeroBits for bf16 {}
+
+/// `len` elements in an anonymous private mapping of their own: zero pages that the kernel
+/// provides when first touched, so a pool costs resident memory only for the blocks that have
+/// been used (the engine's block pool hands out the lowest fresh blocks first and reuses freed
+/// ones before them; with prefix caching, released blocks stay cached until the pool is full, so
+/// a busy node does end up holding its whole reservation), whatever `--kv-cache-memory`
+/// reserved. A `Vec` from the allocator did not guarantee that: after a
+/// model load freed its temporaries, glibc served the pools from its heap and zeroed them
+/// there, and `cleave generate` on SmolLM2 sat at 1.15 GB resident for a 1 GiB cache it used
+/// a few blocks of.
+pub struct Pages<T: ZeroBits> {
+    /// `None` for an empty pool (a mapping cannot be empty).
+    map: Option<memmap2::MmapMut>,
+    len: usize,
+    _elem: std::marker::PhantomData<T>,
+}
+
+impl<T: ZeroBits> Pages<T> {
+    /// `len` zero elements.
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or(KernelError::OutOfMemory { bytes: usize::MAX })?;
+        let map = match bytes {
+            0 => None,
+            _ => Some(memmap2::MmapMut::map_anon(bytes).map_err(|_| KernelError::OutOfMemory { bytes })?),
+        };
+        Ok(Pages { map, len, _elem: std::marker::PhantomData })
     }
-    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| oom())?;
-    // SAFETY: `layout` has non-zero size; a null return is handled; the caller vouches that zero
-    // bits are a valid `T`, so the `len` elements are initialised; the pointer comes from the
-    // global allocator with exactly this layout, as `Vec::from_raw_parts` requires.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
-        if ptr.is_null() {
-            return Err(oom());
+}
+
+impl<T: ZeroBits> std::ops::Deref for Pages<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        match &self.map {
+            // SAFETY: the map holds `len * size_of::<T>()` bytes, page-aligned (so aligned for
+            // `T`), initialised (zero pages or values written through `deref_mut`), and every
+            // bit pattern is a valid `T` (`ZeroBits`); the borrow ties the slice to `self`.
+            Some(m) => unsafe { std::slice::from_raw_parts(m.as_ptr() as *const T, self.len) },
+            None => &[],
         }
-        Ok(Vec::from_raw_parts(ptr, len, len))
+    }
+}
+
+impl<T: ZeroBits> std::ops::DerefMut for Pages<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match &mut self.map {
+            // SAFETY: as in `deref`, with the unique borrow of `self`.
+            Some(m) => unsafe { std::slice::from_raw_parts_mut(m.as_mut_ptr() as *mut T, self.len) },
+            None => &mut [],
+        }
+    }
+}
+
+impl<T: ZeroBits> Clone for Pages<T> {
+    fn clone(&self) -> Self {
+        let mut copy = Pages::zeroed(self.len).expect("memory for a copy of a KV pool");
+        copy.copy_from_slice(self);
+        copy
+    }
+}
+
+impl<T: ZeroBits + PartialEq> PartialEq for Pages<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: ZeroBits> std::fmt::Debug for Pages<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pages").field("len", &self.len).finish()
     }
 }
 
 pub(super) fn alloc(dtype: CacheDtype, len: usize) -> Result<KvPool> {
-    // SAFETY: zero bits are 0.0 in each of the three types.
-    unsafe {
-        Ok(match dtype {
-            CacheDtype::F32 => KvPool::F32(zeroed_vec(len)?),
-            CacheDtype::F16 => KvPool::F16(zeroed_vec(len)?),
-            CacheDtype::Bf16 => KvPool::Bf16(zeroed_vec(len)?),
-        })
-    }
+    Ok(match dtype {
+        CacheDtype::F32 => KvPool::F32(Pages::zeroed(len)?),
+        CacheDtype::F16 => KvPool::F16(Pages::zeroed(len)?),
+        CacheDtype::Bf16 => KvPool::Bf16(Pages::zeroed(len)?),
+    })
 }
 
 /// An element type of a KV pool, as the kernels see it.
@@ -255,5 +316,44 @@ pub(super) fn write_rows<E: KvElem>(
         let (src, dst) = (t * kv_width..(t + 1) * kv_width, s as usize * kv_width..(s as usize + 1) * kv_width);
         E::encode(isa, &k[src.clone()], &mut k_cache[dst.clone()]);
         E::encode(isa, &v[src], &mut v_cache[dst]);
+    }
+}
+
+#[cfg(test)]
+mod pages_tests {
+    use super::*;
+
+    /// Resident bytes of this process (Linux: `/proc/self/statm`, in pages).
+    #[cfg(target_os = "linux")]
+    fn resident() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * 4096
+    }
+
+    /// A reserved pool is not resident until its elements are written: 768 MiB reserved in
+    /// pools of a layer's size (16 MiB) and one large one costs (far) less than 64 MiB, and
+    /// writing 8 MiB makes those pages resident. Other tests
+    /// of this process allocate at the same time, hence the wide margins; a pool zeroed through
+    /// the heap would add what the heap served of it.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_reserved_pool_costs_nothing_until_used() {
+        // As after a model load: a large buffer freed raises glibc's threshold for serving
+        // allocations from its own heap, where zeroed memory is written.
+        let temp = vec![1u8; 40 << 20];
+        drop(std::hint::black_box(temp));
+        let before = resident();
+        let layers: Vec<KvPool> = (0..16).map(|_| alloc(CacheDtype::F32, 4 << 20).unwrap()).collect();
+        let mut pool = alloc(CacheDtype::F32, 128 << 20).unwrap();
+        let reserved = resident();
+        assert!(reserved < before + (64 << 20), "reserving 768 MiB made {} MiB resident", (reserved - before) >> 20);
+        drop(layers);
+        let KvPool::F32(v) = &mut pool else { panic!("an f32 pool") };
+        assert!(v[..1 << 20].iter().all(|&x| x == 0.0) && v.len() == 128 << 20);
+        v[..2 << 20].fill(1.5);
+        assert!(resident() >= reserved + (6 << 20), "8 MiB written: resident {} MiB", resident() >> 20);
+        assert_eq!(pool.to_f32(0, 3).unwrap(), vec![1.5; 3]);
+        assert_eq!(pool.clone(), pool, "a clone holds the same elements");
+        assert!(alloc(CacheDtype::Bf16, 0).unwrap().is_empty());
     }
 }

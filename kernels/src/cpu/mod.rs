@@ -29,7 +29,7 @@ pub(crate) fn half_narrow<const BF: bool>(x: f32) -> u16 {
 use crate::quant::QuantMatrix;
 use crate::HalfMatrix;
 use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, LinearInfo, Result};
-pub use kv::KvPool;
+pub use kv::{KvPool, Pages, ZeroBits};
 pub use packed::{HalfPacked, PackedLinear, NR as PANEL_COLUMNS};
 pub use quant::QuantIsa;
 use rayon::prelude::*;
