@@ -1,4 +1,4 @@
-//! The CPU backend: f32 `Vec` buffers (KV cache pools: a `Vec` of f32, f16 or bf16, [`KvPool`]),
+//! The CPU backend: f32 `Vec` buffers (KV cache pools: [`Pages`] of f32, f16 or bf16, [`KvPool`]),
 //! a private rayon pool, AVX-512/AVX2 inner loops chosen at runtime.
 //!
 //! Every method validates with the same `check` functions as [`crate::reference`], then runs a
