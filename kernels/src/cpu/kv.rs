@@ -20,6 +20,11 @@ pub enum KvPool {
     Bf16(Pages<bf16>),
 }
 
+/// A pool holding `v` (tests and tools; the engine's pools come from `Backend::alloc_kv`, which
+/// reports a refused mapping as an error).
+///
+/// # Panics
+/// If the OS refuses a mapping of `v`'s size.
 impl From<Vec<f32>> for KvPool {
     fn from(v: Vec<f32>) -> Self {
         let mut pages = Pages::zeroed(v.len()).expect("a pool of the vector's size");
@@ -128,6 +133,8 @@ impl<T: ZeroBits> std::ops::DerefMut for Pages<T> {
     }
 }
 
+/// # Panics
+/// If the OS refuses a mapping for the copy (nothing in the engine clones a pool).
 impl<T: ZeroBits> Clone for Pages<T> {
     fn clone(&self) -> Self {
         let mut copy = Pages::zeroed(self.len).expect("memory for a copy of a KV pool");
