@@ -12,6 +12,26 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+/// `accumulate_rows`' split of its rows into groups of at most six, each handed to the ISA's
+/// `$group::<R>` (R rows' accumulators in registers). Expands to unsafe calls: the caller
+/// vouches for the sizes, as `accumulate_rows` asserts them.
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_row_groups {
+    ($group:ident, $p:expr, $p_stride:expr, $rows:expr, $vals:expr, $out:expr, $d:expr) => {
+        for r0 in (0..$rows).step_by(6) {
+            let (pp, op) = ($p.as_ptr().add(r0 * $p_stride), $out.as_mut_ptr().add(r0 * $d));
+            match ($rows - r0).min(6) {
+                1 => $group::<1>(pp, $p_stride, $vals, op, $d),
+                2 => $group::<2>(pp, $p_stride, $vals, op, $d),
+                3 => $group::<3>(pp, $p_stride, $vals, op, $d),
+                4 => $group::<4>(pp, $p_stride, $vals, op, $d),
+                5 => $group::<5>(pp, $p_stride, $vals, op, $d),
+                _ => $group::<6>(pp, $p_stride, $vals, op, $d),
+            }
+        }
+    };
+}
+
 /// The instruction set the kernels use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -550,19 +570,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn accumulate_rows(p: &[f32], p_stride: usize, rows: usize, vals: &[&[f32]], out: &mut [f32], d: usize) {
         // SAFETY: forwarded; every group stays inside the asserted sizes.
-        unsafe {
-            for r0 in (0..rows).step_by(6) {
-                let (pp, op) = (p.as_ptr().add(r0 * p_stride), out.as_mut_ptr().add(r0 * d));
-                match (rows - r0).min(6) {
-                    1 => accumulate_group::<1>(pp, p_stride, vals, op, d),
-                    2 => accumulate_group::<2>(pp, p_stride, vals, op, d),
-                    3 => accumulate_group::<3>(pp, p_stride, vals, op, d),
-                    4 => accumulate_group::<4>(pp, p_stride, vals, op, d),
-                    5 => accumulate_group::<5>(pp, p_stride, vals, op, d),
-                    _ => accumulate_group::<6>(pp, p_stride, vals, op, d),
-                }
-            }
-        }
+        unsafe { in_row_groups!(accumulate_group, p, p_stride, rows, vals, out, d) }
     }
 
     /// `R` rows of [`accumulate_rows`], 64 columns (four vectors) at a time, with the rows'
@@ -670,7 +678,7 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::*;
 
     #[target_feature(enable = "avx2,fma")]
@@ -765,13 +773,13 @@ mod avx2 {
         }
     }
 
-    /// `n <= 8` floats at `p`, the rest of the vector zero.
+    /// `n <= 8` floats at `p`, the rest of the vector zero (also the 16-bit kernels' f32 tails).
     ///
     /// # Safety
-    /// AVX available; `p` valid for `n` reads.
+    /// AVX2 available; `p` valid for `n` reads.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn load_part(p: *const f32, n: usize) -> __m256 {
+    pub(in crate::cpu) unsafe fn load_part(p: *const f32, n: usize) -> __m256 {
         let mut buf = [0f32; 8];
         // SAFETY: the caller vouches for `n <= 8` readable floats.
         unsafe {
@@ -899,19 +907,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn accumulate_rows(p: &[f32], p_stride: usize, rows: usize, vals: &[&[f32]], out: &mut [f32], d: usize) {
         // SAFETY: forwarded; every group stays inside the asserted sizes.
-        unsafe {
-            for r0 in (0..rows).step_by(6) {
-                let (pp, op) = (p.as_ptr().add(r0 * p_stride), out.as_mut_ptr().add(r0 * d));
-                match (rows - r0).min(6) {
-                    1 => accumulate_group::<1>(pp, p_stride, vals, op, d),
-                    2 => accumulate_group::<2>(pp, p_stride, vals, op, d),
-                    3 => accumulate_group::<3>(pp, p_stride, vals, op, d),
-                    4 => accumulate_group::<4>(pp, p_stride, vals, op, d),
-                    5 => accumulate_group::<5>(pp, p_stride, vals, op, d),
-                    _ => accumulate_group::<6>(pp, p_stride, vals, op, d),
-                }
-            }
-        }
+        unsafe { in_row_groups!(accumulate_group, p, p_stride, rows, vals, out, d) }
     }
 
     /// `R` rows of [`accumulate_rows`], 16 columns (two vectors) at a time, with the rows'

@@ -410,6 +410,7 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+    use crate::cpu::simd::avx2::load_part as load_part_f32;
 
     /// 8 elements at `p` widened to f32.
     ///
@@ -439,21 +440,6 @@ mod avx2 {
         unsafe {
             std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n);
             load8::<BF>(buf.as_ptr())
-        }
-    }
-
-    /// The first `n <= 8` f32 at `p`, zeros after.
-    ///
-    /// # Safety
-    /// AVX2 available; `p` valid for `n` reads.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn load_part_f32(p: *const f32, n: usize) -> __m256 {
-        let mut buf = [0f32; 8];
-        // SAFETY: `n <= 8` elements, readable at `p` as the caller vouches.
-        unsafe {
-            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n);
-            _mm256_loadu_ps(buf.as_ptr())
         }
     }
 

@@ -414,7 +414,8 @@ fn hsum256(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// Unit `u` of `row` against every activation row of the job, into `acc` (its offsets kept).
+/// Unit `u` of `row` against every activation row of the job, into `acc`; returns the decoded
+/// unit, whose offsets the caller takes ([`keep_offsets`] or [`unit_rows_off`]).
 ///
 /// # Safety
 /// `u` below the job's units; `row` one of its rows.
@@ -426,16 +427,16 @@ unsafe fn unit_rows<const F: u8, const R: usize>(
     u: usize,
     ks: &mut KScales,
     acc: &mut [__m256; R],
-) {
+) -> Unit {
     // SAFETY: the caller's contract; activation row `r < R` holds unit `u`.
     unsafe {
         let w = row_unit::<F>(row, u, ks);
-        keep_offsets::<F>(job, u, &w);
         let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = job.x.add(r * job.k + 32 * u);
             *acc = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), *acc);
         }
+        w
     }
 }
 
@@ -462,11 +463,8 @@ unsafe fn unit_rows_off<const F: u8, const R: usize>(
             let pf = row.wrapping_add(PF_AHEAD + u * block_bytes(F) / (block_values(F) / 32));
             _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
         }
-        let w = row_unit::<F>(row, u, ks);
-        let wa = if signed(F) { _mm256_sign_epi8(w.q, w.q) } else { w.q };
-        for (r, (acc, off)) in acc.iter_mut().zip(off.iter_mut()).enumerate() {
-            let x = job.x.add(r * job.k + 32 * u);
-            *acc = step256(signed(F), &w, wa, x, job.xd.add(r * job.k / 4 + 8 * u), *acc);
+        let w = unit_rows::<F, R>(job, row, u, ks, acc);
+        for (r, off) in off.iter_mut().enumerate() {
             if per16(F) {
                 let s = job.s16.add(r * job.k / 16 + 2 * u);
                 *off = w.m1.mul_add(*s.add(1), w.m0.mul_add(*s, *off));
@@ -583,7 +581,8 @@ macro_rules! avx512_kernel {
                     let mut tail = [_mm256_setzero_ps(); R];
                     if job.units % 2 == 1 {
                         let u = job.units - 1;
-                        unit_rows::<F, R>(&job, row, u, &mut ks, &mut tail);
+                        let w = unit_rows::<F, R>(&job, row, u, &mut ks, &mut tail);
+                        keep_offsets::<F>(&job, u, &w);
                     }
                     for r in 0..R {
                         *job.out.add(r * job.width + j) =
