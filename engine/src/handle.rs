@@ -315,6 +315,7 @@ impl EngineHandle {
             step_budget: u32::try_from(snap.step_budget).ok(),
             tpot_target_us: snap.tpot_target.map(|t| u32::try_from(t.as_micros()).unwrap_or(u32::MAX)),
             paced_steps: snap.paced_steps,
+            kv_resident_bytes: snap.kv_resident_bytes,
         })
     }
 }

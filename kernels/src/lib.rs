@@ -267,6 +267,10 @@ pub trait Backend: Send + Sync + 'static {
     fn alloc_kv(&self, dtype: CacheDtype, len: usize) -> Result<Self::KvBuf>;
     /// A pool's element type and its length in elements.
     fn kv_info(&self, buf: &Self::KvBuf) -> (CacheDtype, usize);
+    /// Bytes of a pool that occupy host memory now. A CPU pool's pages cost memory only once
+    /// touched, so this grows with the blocks a node has used, up to the pool's size; it is what
+    /// separates a node's bounded KV growth from a leak in its resident size.
+    fn kv_resident_bytes(&self, buf: &Self::KvBuf) -> usize;
     /// Appends elements `off..off + len` of a pool to `out` as they are stored: little-endian,
     /// `size_bytes()` each, no conversion (the wire layout of a KV handoff).
     fn read_kv_bytes(&self, src: &Self::KvBuf, off: usize, len: usize, out: &mut Vec<u8>) -> Result<()>;

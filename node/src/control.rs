@@ -298,6 +298,9 @@ pub mod metric {
     pub const NODE_KV_BLOCKS: &str = "cleave_node_kv_blocks";
     /// Share of KV blocks in use (0..1).
     pub const NODE_KV_USAGE_RATIO: &str = "cleave_node_kv_usage_ratio";
+    /// Bytes of the KV cache resident in host memory (grows as blocks are first used, up to the
+    /// cache's size).
+    pub const NODE_KV_RESIDENT_BYTES: &str = "cleave_node_kv_resident_bytes";
     /// The time per output token prompt chunks are paced to (0: not paced), and the steps
     /// whose prompt tokens pacing held below the step budget since the node started.
     pub const NODE_PACING_TARGET_SECONDS: &str = "cleave_node_pacing_target_seconds";
@@ -314,6 +317,7 @@ fn record_load(r: &LoadReport) {
     metrics::gauge!(metric::NODE_KV_BLOCKS, "state" => "used").set(f64::from(used));
     let ratio = if r.total_blocks == 0 { 0.0 } else { f64::from(used) / f64::from(r.total_blocks) };
     metrics::gauge!(metric::NODE_KV_USAGE_RATIO).set(ratio);
+    metrics::gauge!(metric::NODE_KV_RESIDENT_BYTES).set(r.kv_resident_bytes as f64);
     metrics::gauge!(metric::NODE_PACING_TARGET_SECONDS).set(r.tpot_target_us.map_or(0.0, |us| f64::from(us) / 1e6));
     metrics::counter!(metric::NODE_PACED_STEPS).absolute(r.paced_steps);
 }

@@ -113,6 +113,9 @@ pub struct LoadReport {
     /// paced), and the steps whose prompt tokens pacing held below the budget so far.
     pub tpot_target_us: Option<u32>,
     pub paced_steps: u64,
+    /// Bytes of the node's KV cache resident in host memory now: pages are backed as blocks are
+    /// first used, so a node's resident size grows by up to its cache's size without leaking.
+    pub kv_resident_bytes: u64,
 }
 
 /// Cumulative engine step timings of a node (monotonic; the coordinator differences two
@@ -279,6 +282,7 @@ pub fn encode(msg: &ControlMsg) -> Vec<u8> {
             step_budget: l.step_budget.unwrap_or(0),
             tpot_target_us: l.tpot_target_us.unwrap_or(0),
             paced_steps_total: l.paced_steps,
+            kv_resident_bytes: l.kv_resident_bytes,
             mixed_steps_total: l.steps.mixed_steps,
             mixed_seqs_total: l.steps.mixed_seqs,
             mixed_us_total: l.steps.mixed_us,
@@ -507,6 +511,7 @@ pub fn decode(buf: &[u8]) -> Result<ControlMsg, WireError> {
             step_budget: (l.step_budget > 0).then_some(l.step_budget),
             tpot_target_us: (l.tpot_target_us > 0).then_some(l.tpot_target_us),
             paced_steps: l.paced_steps_total,
+            kv_resident_bytes: l.kv_resident_bytes,
         })),
         fb::BodyT::PrefillRequest(p) => {
             const M: &str = "PrefillRequest";

@@ -81,6 +81,7 @@ fn samples() -> Vec<ControlMsg> {
             step_budget: Some(96),
             tpot_target_us: Some(70_000),
             paced_steps: u64::MAX - 1,
+            kv_resident_bytes: 1 << 40,
         }),
         ControlMsg::SetRole(SetRole { role: NodeRole::Both, step_budget: Some(256), tpot_target_us: None }),
         ControlMsg::SetRole(SetRole { role: NodeRole::Prefill, step_budget: None, tpot_target_us: Some(100_000) }),

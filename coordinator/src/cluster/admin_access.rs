@@ -91,6 +91,9 @@ pub fn node_json(s: &NodeState) -> Value {
             "free_blocks": l.free_blocks,
             "cached_blocks": l.cached_blocks,
             "total_blocks": l.total_blocks,
+            // Host memory the KV cache occupies now: it grows as blocks are first used, up to
+            // the cache's size (so a node's resident size may grow by that much without a leak).
+            "kv_resident_bytes": l.kv_resident_bytes,
         },
         // Cumulative engine step timings: how fast the node really runs (what the planner
         // calibrates its costs with, and what a simulator replay can be scaled by).

@@ -64,6 +64,13 @@ impl<B: Backend> KvStorage<B> {
         Ok(Self { k, v, num_blocks, block_size, kv_width, dtype })
     }
 
+    /// Bytes of the cache that occupy host memory now ([`Backend::kv_resident_bytes`]): pages
+    /// are backed as blocks are first used, so this grows to the cache's size on a busy node and
+    /// never past it.
+    pub fn resident_bytes(&self, backend: &B) -> usize {
+        self.k.iter().chain(&self.v).map(|pool| backend.kv_resident_bytes(pool)).sum()
+    }
+
     /// What each element is stored as.
     pub fn dtype(&self) -> KvDtype {
         self.dtype

@@ -143,6 +143,8 @@ pub struct EngineSnapshot {
     pub paced_steps: u64,
     /// The time per output token steps are paced to (None: not paced).
     pub tpot_target: Option<std::time::Duration>,
+    /// Bytes of the KV cache resident in host memory ([`KvStorage::resident_bytes`]).
+    pub kv_resident_bytes: u64,
 }
 
 /// One constrained sequence's mask in the making during a step.
@@ -360,6 +362,7 @@ impl<B: Backend> EngineCore<B> {
             step_totals: self.stats.totals,
             paced_steps: self.sched.num_paced_steps(),
             tpot_target: self.sched.tpot_target(),
+            kv_resident_bytes: self.kv.resident_bytes(&self.backend) as u64,
         }
     }
 

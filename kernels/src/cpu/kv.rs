@@ -55,6 +55,15 @@ impl KvPool {
         self.len() == 0
     }
 
+    /// Bytes of the pool resident in memory now ([`Pages::resident_bytes`]).
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            KvPool::F32(v) => v.resident_bytes(),
+            KvPool::F16(v) => v.resident_bytes(),
+            KvPool::Bf16(v) => v.resident_bytes(),
+        }
+    }
+
     /// Elements `off..off + len` widened to f32 (for tests and tools; attention reads in place).
     pub fn to_f32(&self, off: usize, len: usize) -> Result<Vec<f32>> {
         super::range_check("kv_to_f32", "src", self.len(), off, len)?;
@@ -106,6 +115,28 @@ impl<T: ZeroBits> Pages<T> {
             _ => Some(memmap2::MmapMut::map_anon(bytes).map_err(|_| KernelError::OutOfMemory { bytes })?),
         };
         Ok(Pages { map, len, _elem: std::marker::PhantomData })
+    }
+
+    /// Bytes of the pool that are resident in memory now (whole pages the kernel has backed:
+    /// touched since the mapping was made). Where the OS cannot say, the pool's whole size.
+    ///
+    /// One `mincore` call over the mapping: a page-table walk, about a byte of answer per 4 KiB
+    /// page (256 KiB for a 1 GiB pool), cheap enough for every load report.
+    pub fn resident_bytes(&self) -> usize {
+        let Some(map) = &self.map else { return 0 };
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: sysconf has no preconditions.
+            let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+            let mut vec = vec![0u8; map.len().div_ceil(page)];
+            // SAFETY: the range is this mapping (page-aligned start, its own length), and `vec`
+            // holds one byte per page of it, as mincore(2) requires.
+            let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
+            if rc == 0 {
+                return (vec.iter().filter(|&&b| b & 1 != 0).count() * page).min(map.len());
+            }
+        }
+        map.len()
     }
 }
 
@@ -353,12 +384,17 @@ mod pages_tests {
         let layers: Vec<KvPool> = (0..16).map(|_| alloc(CacheDtype::F32, 4 << 20).unwrap()).collect();
         let mut pool = alloc(CacheDtype::F32, 128 << 20).unwrap();
         let reserved = resident();
+        assert_eq!(pool.resident_bytes(), 0, "nothing of a fresh pool is resident");
         assert!(reserved < before + (64 << 20), "reserving 768 MiB made {} MiB resident", (reserved - before) >> 20);
         drop(layers);
         let KvPool::F32(v) = &mut pool else { panic!("an f32 pool") };
         assert!(v[..1 << 20].iter().all(|&x| x == 0.0) && v.len() == 128 << 20);
         v[..2 << 20].fill(1.5);
         assert!(resident() >= reserved + (6 << 20), "8 MiB written: resident {} MiB", resident() >> 20);
+        // Written pages, plus the zero pages the read above mapped (and a huge page's rounding
+        // where the kernel backs the map with them).
+        let said = pool.resident_bytes();
+        assert!((8 << 20..=16 << 20).contains(&said), "8 MiB written: the pool says {said} bytes are resident");
         assert_eq!(pool.to_f32(0, 3).unwrap(), vec![1.5; 3]);
         assert_eq!(pool.clone(), pool, "a clone holds the same elements");
         assert!(alloc(CacheDtype::Bf16, 0).unwrap().is_empty());

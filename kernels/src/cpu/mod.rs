@@ -517,6 +517,10 @@ impl Backend for CpuBackend {
         (buf.dtype(), buf.len())
     }
 
+    fn kv_resident_bytes(&self, buf: &KvPool) -> usize {
+        buf.resident_bytes()
+    }
+
     fn read_kv_bytes(&self, src: &KvPool, off: usize, len: usize, out: &mut Vec<u8>) -> Result<()> {
         kv::read_bytes(src, off, len, out)
     }

@@ -1749,6 +1749,7 @@ impl<'a> LoadReport<'a> {
   pub const VT_MIXED_STEPS_TOTAL: ::flatbuffers::VOffsetT = 36;
   pub const VT_MIXED_SEQS_TOTAL: ::flatbuffers::VOffsetT = 38;
   pub const VT_MIXED_US_TOTAL: ::flatbuffers::VOffsetT = 40;
+  pub const VT_KV_RESIDENT_BYTES: ::flatbuffers::VOffsetT = 42;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -1760,6 +1761,7 @@ impl<'a> LoadReport<'a> {
     args: &'args LoadReportArgs<'args>
   ) -> ::flatbuffers::WIPOffset<LoadReport<'bldr>> {
     let mut builder = LoadReportBuilder::new(_fbb);
+    builder.add_kv_resident_bytes(args.kv_resident_bytes);
     builder.add_mixed_us_total(args.mixed_us_total);
     builder.add_mixed_seqs_total(args.mixed_seqs_total);
     builder.add_mixed_steps_total(args.mixed_steps_total);
@@ -1804,6 +1806,7 @@ impl<'a> LoadReport<'a> {
     let mixed_steps_total = self.mixed_steps_total();
     let mixed_seqs_total = self.mixed_seqs_total();
     let mixed_us_total = self.mixed_us_total();
+    let kv_resident_bytes = self.kv_resident_bytes();
     LoadReportT {
       queued_prefill_tokens,
       waiting_seqs,
@@ -1824,6 +1827,7 @@ impl<'a> LoadReport<'a> {
       mixed_steps_total,
       mixed_seqs_total,
       mixed_us_total,
+      kv_resident_bytes,
     }
   }
 
@@ -1970,6 +1974,15 @@ impl<'a> LoadReport<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<u64>(LoadReport::VT_MIXED_US_TOTAL, Some(0)).unwrap()}
   }
+  /// Bytes of the node's KV cache resident in host memory (pages are backed as blocks are first
+  /// used: this grows toward the cache's size and never past it).
+  #[inline]
+  pub fn kv_resident_bytes(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(LoadReport::VT_KV_RESIDENT_BYTES, Some(0)).unwrap()}
+  }
 }
 
 impl ::flatbuffers::Verifiable for LoadReport<'_> {
@@ -1997,6 +2010,7 @@ impl ::flatbuffers::Verifiable for LoadReport<'_> {
      .visit_field::<u64>("mixed_steps_total", Self::VT_MIXED_STEPS_TOTAL, false)?
      .visit_field::<u64>("mixed_seqs_total", Self::VT_MIXED_SEQS_TOTAL, false)?
      .visit_field::<u64>("mixed_us_total", Self::VT_MIXED_US_TOTAL, false)?
+     .visit_field::<u64>("kv_resident_bytes", Self::VT_KV_RESIDENT_BYTES, false)?
      .finish();
     Ok(())
   }
@@ -2021,6 +2035,7 @@ pub struct LoadReportArgs<'a> {
     pub mixed_steps_total: u64,
     pub mixed_seqs_total: u64,
     pub mixed_us_total: u64,
+    pub kv_resident_bytes: u64,
 }
 impl<'a> Default for LoadReportArgs<'a> {
   #[inline]
@@ -2045,6 +2060,7 @@ impl<'a> Default for LoadReportArgs<'a> {
       mixed_steps_total: 0,
       mixed_seqs_total: 0,
       mixed_us_total: 0,
+      kv_resident_bytes: 0,
     }
   }
 }
@@ -2131,6 +2147,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> LoadReportBuilder<'a, 'b, A> 
     self.fbb_.push_slot::<u64>(LoadReport::VT_MIXED_US_TOTAL, mixed_us_total, 0);
   }
   #[inline]
+  pub fn add_kv_resident_bytes(&mut self, kv_resident_bytes: u64) {
+    self.fbb_.push_slot::<u64>(LoadReport::VT_KV_RESIDENT_BYTES, kv_resident_bytes, 0);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> LoadReportBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     LoadReportBuilder {
@@ -2167,6 +2187,7 @@ impl ::core::fmt::Debug for LoadReport<'_> {
       ds.field("mixed_steps_total", &self.mixed_steps_total());
       ds.field("mixed_seqs_total", &self.mixed_seqs_total());
       ds.field("mixed_us_total", &self.mixed_us_total());
+      ds.field("kv_resident_bytes", &self.kv_resident_bytes());
       ds.finish()
   }
 }
@@ -2192,6 +2213,7 @@ pub struct LoadReportT {
   pub mixed_steps_total: u64,
   pub mixed_seqs_total: u64,
   pub mixed_us_total: u64,
+  pub kv_resident_bytes: u64,
 }
 impl Default for LoadReportT {
   fn default() -> Self {
@@ -2215,6 +2237,7 @@ impl Default for LoadReportT {
       mixed_steps_total: 0,
       mixed_seqs_total: 0,
       mixed_us_total: 0,
+      kv_resident_bytes: 0,
     }
   }
 }
@@ -2244,6 +2267,7 @@ impl LoadReportT {
     let mixed_steps_total = self.mixed_steps_total;
     let mixed_seqs_total = self.mixed_seqs_total;
     let mixed_us_total = self.mixed_us_total;
+    let kv_resident_bytes = self.kv_resident_bytes;
     LoadReport::create(_fbb, &LoadReportArgs{
       queued_prefill_tokens,
       waiting_seqs,
@@ -2264,6 +2288,7 @@ impl LoadReportT {
       mixed_steps_total,
       mixed_seqs_total,
       mixed_us_total,
+      kv_resident_bytes,
     })
   }
 }
