@@ -36,6 +36,24 @@ fn a_16_bit_cache_holds_twice_the_blocks_and_says_so_in_its_layout() {
     }
 }
 
+/// A cache's pages cost memory once its blocks are first used, and the snapshot (what nodes
+/// report as `kv_resident_bytes`) says how much: nothing before a request, the blocks a request
+/// used after it (rounded up to pages, in every layer's K and V pool), never the whole cache.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_snapshot_says_how_much_of_the_cache_is_resident() {
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let mut core = engine(&tiny_llama_dir(), config(dtype));
+        assert_eq!(core.snapshot().kv_resident_bytes, 0, "{dtype:?}: a fresh cache");
+        let prompt = ids(&golden()["cases"][0]["prompt_ids"]);
+        core.add_request(greedy_request(0, prompt, 8), Instant::now()).unwrap();
+        run_to_end(&mut core);
+        let resident = core.snapshot().kv_resident_bytes;
+        assert!(resident > 0, "{dtype:?}: nothing resident after a request");
+        assert!(resident < (4 << 20), "{dtype:?}: {resident} bytes of a 16 MiB cache resident after one short request");
+    }
+}
+
 /// Greedy events of every golden prompt (32 tokens each, all in one engine, with the top-2
 /// logprobs of every step).
 fn golden_greedy(dtype: KvDtype) -> Vec<Vec<TokenEvent>> {
