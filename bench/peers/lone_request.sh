@@ -59,9 +59,16 @@ run_cleave() { # NAME ARGS...
   local upid=$!
   trap "kill $upid 2>/dev/null || true" EXIT
   wait_ready "http://127.0.0.1:$port/health" 300
-  local model
+  local model t=0
   model=$(curl -sf -H "Authorization: Bearer lone" "http://127.0.0.1:$port/v1/models" |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  # /health answers before the nodes have registered: wait for a completion to go through.
+  until curl -sf -H "Authorization: Bearer lone" -H "Content-Type: application/json" \
+      -d "{\"model\": \"$model\", \"prompt\": \"Hi\", \"max_tokens\": 1}" \
+      "http://127.0.0.1:$port/v1/completions" >/dev/null 2>&1; do
+    sleep 1; t=$((t + 1))
+    if [ "$t" -ge 300 ]; then echo "$name: no completion after 300 s" >&2; return 1; fi
+  done
   bench "$name" "http://127.0.0.1:$port" "$model" lone
   kill $upid; wait $upid 2>/dev/null || true
   trap - EXIT
