@@ -348,7 +348,14 @@ fn elementwise_ops_match_reference() {
             reference::silu_mul(&gate, &up, len, &mut want).unwrap();
             let mut got = padded(len, 1);
             b.silu_mul(&gate, &up, len, &mut got).unwrap();
-            assert_eq!(&got[..len], &want[..]);
+            // The SIMD exponential is within a few ulp of the scalar one.
+            for (i, (&g, &w)) in got[..len].iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 8.0 * f32::EPSILON * w.abs().max(1e-30),
+                    "{}: silu_mul[{i}] {g} vs {w}",
+                    b.name()
+                );
+            }
             assert_eq!(got[len], SENTINEL);
 
             let mut want = gate.clone();

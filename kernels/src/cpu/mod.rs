@@ -458,11 +458,10 @@ impl Backend for CpuBackend {
     fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) -> Result<()> {
         check::silu_mul(gate.len(), up.len(), len, out.len())?;
         const CHUNK: usize = 4096;
+        let isa = self.isa;
         self.for_chunks(&mut out[..len], CHUNK, |c, o| {
             let base = c * CHUNK;
-            for (i, o) in o.iter_mut().enumerate() {
-                *o = crate::reference::silu(gate[base + i]) * up[base + i];
-            }
+            simd::silu_mul(isa, &gate[base..], &up[base..], o);
         });
         Ok(())
     }

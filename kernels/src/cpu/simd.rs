@@ -193,6 +193,23 @@ pub fn max(isa: Isa, x: &[f32]) -> f32 {
     }
 }
 
+/// `out[i] = silu(gate[i]) · up[i]` = `gate[i] / (1 + exp(-gate[i])) · up[i]` over `out`'s
+/// length (`gate` and `up` at least as long). On x86 with AVX2 (AVX-512 machines included) eight
+/// at a time with the Cephes exponential of [`exp_shifted`] (within a few ulp of the scalar
+/// `expf`); the portable path is [`crate::reference::silu`] element by element. Scalar `expf`
+/// had been 2% of an f32 prefill's time in perf, the MLP's 1536 activations per token a call each.
+pub fn silu_mul(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    assert!(gate.len() >= n && up.len() >= n, "silu_mul: inputs shorter than the output");
+    match isa {
+        // SAFETY: AVX2 and FMA are implied by either ISA (detected at run time); lengths
+        // asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2Fma => unsafe { avx2::silu_mul(&gate[..n], &up[..n], out) },
+        _ => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = crate::reference::silu(g) * u),
+    }
+}
+
 /// `row[i] = exp(row[i] - max)`; returns `Σ row[i]` (a softmax numerator and its denominator).
 /// The AVX-512 and AVX2 exponentials are a degree-6 polynomial (Cephes `expf`, within 2 ulp).
 pub fn exp_shifted(isa: Isa, row: &mut [f32], max: f32) -> f32 {
@@ -872,6 +889,35 @@ pub(super) mod avx2 {
         );
         let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(hi, _mm256_set1_epi32(127))));
         _mm256_andnot_ps(tiny, _mm256_mul_ps(y, two_n))
+    }
+
+    /// `silu(g) · u` of eight lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn silu8(g: __m256, u: __m256) -> __m256 {
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; `gate` and `up` as long as `out`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        let (g, u, o) = (gate.as_ptr(), up.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        // SAFETY (all accesses): offsets below `n`, which every slice holds.
+        unsafe {
+            while i + 8 <= n {
+                _mm256_storeu_ps(o.add(i), silu8(_mm256_loadu_ps(g.add(i)), _mm256_loadu_ps(u.add(i))));
+                i += 8;
+            }
+            if i < n {
+                let mut buf = [0f32; 8];
+                _mm256_storeu_ps(buf.as_mut_ptr(), silu8(load_part(g.add(i), n - i), load_part(u.add(i), n - i)));
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), o.add(i), n - i);
+            }
+        }
     }
 
     /// # Safety
