@@ -48,6 +48,10 @@ pub struct BlockPool {
     /// Cached-evictable blocks by release tick; the first entry is evicted first.
     lru: BTreeMap<u64, u32>,
     tick: u64,
+    /// One past the highest block id ever handed out. Fresh blocks go lowest id first and freed
+    /// ones are reused before them (the free list is a stack), so the blocks ever used are
+    /// exactly `0..high_water`: the part of the cache whose memory has been touched.
+    high_water: u32,
 }
 
 impl BlockPool {
@@ -67,6 +71,7 @@ impl BlockPool {
             cache: HashMap::default(),
             lru: BTreeMap::new(),
             tick: 0,
+            high_water: 0,
         })
     }
 
@@ -106,6 +111,13 @@ impl BlockPool {
     /// Blocks a caller could obtain now: free plus cached-evictable.
     pub fn num_available(&self) -> usize {
         self.free.len() + self.lru.len()
+    }
+
+    /// Blocks ever handed out (see `high_water`): what of the cache's memory has been written,
+    /// which a CPU cache backs with pages on first use and keeps. It grows to the pool's size on
+    /// a busy node and never shrinks.
+    pub fn num_touched(&self) -> usize {
+        self.high_water as usize
     }
 
     /// Blocks with refcount > 0.
@@ -167,6 +179,7 @@ impl BlockPool {
         let m = &mut self.meta[block as usize];
         debug_assert!(m.refcount == 0 && m.cached.is_none() && m.lru_tick.is_none());
         m.refcount = 1;
+        self.high_water = self.high_water.max(block + 1);
         Ok(block)
     }
 
@@ -293,6 +306,21 @@ impl BlockPool {
 mod tests {
     use super::super::hash::ROOT_HASH;
     use super::*;
+
+    /// Freed blocks are reused before fresh ones, so the blocks ever used stay `0..touched`.
+    #[test]
+    fn touched_blocks_grow_only_when_no_freed_block_is_left() {
+        let mut p = BlockPool::new(8, 4).unwrap();
+        assert_eq!(p.num_touched(), 0);
+        let a = p.allocate_n(3).unwrap();
+        assert_eq!(p.num_touched(), 3);
+        p.release(a[1]).unwrap();
+        p.release(a[0]).unwrap();
+        assert_eq!(p.allocate_n(2).unwrap(), vec![0, 1], "the freed blocks, last freed first");
+        assert_eq!(p.num_touched(), 3);
+        assert_eq!(p.allocate().unwrap(), 3);
+        assert_eq!(p.num_touched(), 4);
+    }
 
     #[test]
     fn allocate_release_and_exhaustion() {

@@ -64,11 +64,16 @@ impl<B: Backend> KvStorage<B> {
         Ok(Self { k, v, num_blocks, block_size, kv_width, dtype })
     }
 
-    /// Bytes of the cache that occupy host memory now ([`Backend::kv_resident_bytes`]): pages
-    /// are backed as blocks are first used, so this grows to the cache's size on a busy node and
-    /// never past it.
+    /// Bytes of the cache that occupy host memory now, as the OS says ([`Backend::kv_resident_bytes`]:
+    /// a page-table walk over every pool, milliseconds for a large cache; the engine's snapshot
+    /// counts blocks instead, and tests check the two agree).
     pub fn resident_bytes(&self, backend: &B) -> usize {
         self.k.iter().chain(&self.v).map(|pool| backend.kv_resident_bytes(pool)).sum()
+    }
+
+    /// Bytes of one block over all layers, K and V, as stored.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.k.len() * self.block_len() * self.dtype.size_bytes()
     }
 
     /// What each element is stored as.
