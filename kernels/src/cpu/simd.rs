@@ -202,10 +202,12 @@ pub fn silu_mul(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = out.len();
     assert!(gate.len() >= n && up.len() >= n, "silu_mul: inputs shorter than the output");
     match isa {
-        // SAFETY: AVX2 and FMA are implied by either ISA (detected at run time); lengths
-        // asserted above.
+        // SAFETY: AVX2 and FMA detected (`Isa::Avx512` is detected from AVX-512F alone);
+        // lengths asserted above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx2Fma => unsafe { avx2::silu_mul(&gate[..n], &up[..n], out) },
+        Isa::Avx512 | Isa::Avx2Fma if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => unsafe {
+            avx2::silu_mul(&gate[..n], &up[..n], out)
+        },
         _ => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&g, &u))| *o = crate::reference::silu(g) * u),
     }
 }
