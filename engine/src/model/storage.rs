@@ -71,11 +71,6 @@ impl<B: Backend> KvStorage<B> {
         self.k.iter().chain(&self.v).map(|pool| backend.kv_resident_bytes(pool)).sum()
     }
 
-    /// Bytes of one block over all layers, K and V, as stored.
-    pub fn block_bytes(&self) -> usize {
-        2 * self.k.len() * self.block_len() * self.dtype.size_bytes()
-    }
-
     /// What each element is stored as.
     pub fn dtype(&self) -> KvDtype {
         self.dtype

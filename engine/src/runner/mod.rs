@@ -372,7 +372,9 @@ impl<B: Backend> EngineCore<B> {
             step_totals: self.stats.totals,
             paced_steps: self.sched.num_paced_steps(),
             tpot_target: self.sched.tpot_target(),
-            kv_resident_bytes: (kv.num_touched() * self.kv.block_bytes()) as u64,
+            kv_resident_bytes: (kv.num_touched()
+                * KvStorage::<B>::bytes_per_block(&self.model.config, self.kv.block_size(), self.kv.dtype()))
+                as u64,
         }
     }
 
