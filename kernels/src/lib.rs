@@ -26,6 +26,8 @@
 
 mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod half;
 pub mod measure;
 pub mod quant;

@@ -1,0 +1,298 @@
+// The CUDA backend's kernels, compiled at start by NVRTC (cleave_kernels::cuda).
+//
+// No headers: NVRTC compiles this alone, so 16-bit conversions are written out (bf16 by bit
+// manipulation, f16 through PTX's cvt). Every kernel checks its own bounds; the host has already
+// validated sizes, ids and block tables against the buffers (kernels/src/check.rs), so a bound
+// here only guards the grid's rounding up.
+//
+// Numerics follow the CPU backend where a test compares them: RMSNorm and softmax sum in double,
+// RoPE rounds each product and sum separately (no FMA contraction), SiLU is x / (1 + exp(-x)).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((u >> 16) | 0x40u);  // quiet NaN, sign kept
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element access by storage type: 0 = f32, 1 = f16, 2 = bf16 (CacheDtype's order on the host).
+template <int D> struct Elem;
+template <> struct Elem<0> {
+    typedef float T;
+    static __device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
+    static __device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
+};
+template <> struct Elem<1> {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16* p, long long i) { return f16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(u16* p, long long i, float v) { p[i] = f32_to_f16(v); }
+};
+template <> struct Elem<2> {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16* p, long long i) { return bf16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+};
+
+#define GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)blockDim.x * gridDim.x)
+
+// ---- element-wise ----
+
+template <int D>
+__device__ void convert_from_f32(const float* x, typename Elem<D>::T* y, long long n) {
+    GRID_STRIDE(i, n) { Elem<D>::store(y, i, x[i]); }
+}
+extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* y, long long n) { convert_from_f32<1>(x, y, n); }
+extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* y, long long n) { convert_from_f32<2>(x, y, n); }
+
+extern "C" __global__ void add_bias(float* out, const float* bias, long long rows, int n) {
+    GRID_STRIDE(i, rows * n) { out[i] += bias[i % n]; }
+}
+
+extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+    GRID_STRIDE(i, n) { x[i] += y[i]; }
+}
+
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long long n) {
+    GRID_STRIDE(i, n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// ---- row-wise: one block per row ----
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024). Every thread gets it.
+__device__ double block_sum(double v, double* scratch) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ float block_max(float v, float* scratch) {
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim, float* out) {
+    __shared__ double scratch[32];
+    const float* row = x + (long long)blockIdx.x * dim;
+    float* o = out + (long long)blockIdx.x * dim;
+    double ss = 0.0;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += (double)row[c] * (double)row[c];
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = weight[c] * (row[c] * inv);
+}
+
+extern "C" __global__ void softmax(float* x, int dim) {
+    __shared__ double scratch[32];
+    __shared__ float fscratch[32];
+    float* row = x + (long long)blockIdx.x * dim;
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) m = fmaxf(m, row[c]);
+    m = block_max(m, fscratch);
+    double s = 0.0;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float e = expf(row[c] - m);
+        row[c] = e;
+        s += e;
+    }
+    s = block_sum(s, scratch);
+    float inv = (float)(1.0 / s);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) row[c] *= inv;
+}
+
+// Rotate-half RoPE in place; block = one token, threads over (head, i < head_dim / 2).
+extern "C" __global__ void rope(float* x, const u32* positions, int num_heads, int head_dim, const float* cos_sin) {
+    int half = head_dim / 2;
+    long long t = blockIdx.x;
+    const float* cs = cos_sin + (long long)positions[t] * head_dim;
+    for (int j = threadIdx.x; j < num_heads * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        float* v = x + (t * num_heads + h) * head_dim;
+        float a = v[i], b = v[i + half], c = cs[i], s = cs[half + i];
+        v[i] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(-b, s));
+        v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+}
+
+// ---- gathers: block = one output row ----
+
+template <int D>
+__device__ void gather(const typename Elem<D>::T* table, const u32* ids, int dim, float* out) {
+    long long src = (long long)ids[blockIdx.x] * dim, dst = (long long)blockIdx.x * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) out[dst + c] = Elem<D>::load(table, src + c);
+}
+extern "C" __global__ void gather_f32(const float* t, const u32* ids, int dim, float* out) { gather<0>(t, ids, dim, out); }
+extern "C" __global__ void gather_f16(const u16* t, const u32* ids, int dim, float* out) { gather<1>(t, ids, dim, out); }
+extern "C" __global__ void gather_bf16(const u16* t, const u32* ids, int dim, float* out) { gather<2>(t, ids, dim, out); }
+
+// ---- KV cache ----
+
+// Token blockIdx.x of k, v: [tokens, kv_width] to slot slots[t] of the pools, rounded to D.
+template <int D>
+__device__ void write_kv(const float* k, const float* v, const u32* slots, int kv_width, typename Elem<D>::T* kc,
+                         typename Elem<D>::T* vc) {
+    long long src = (long long)blockIdx.x * kv_width, dst = (long long)slots[blockIdx.x] * kv_width;
+    for (int c = threadIdx.x; c < kv_width; c += blockDim.x) {
+        Elem<D>::store(kc, dst + c, k[src + c]);
+        Elem<D>::store(vc, dst + c, v[src + c]);
+    }
+}
+extern "C" __global__ void write_kv_f32(const float* k, const float* v, const u32* s, int w, float* kc, float* vc) {
+    write_kv<0>(k, v, s, w, kc, vc);
+}
+extern "C" __global__ void write_kv_f16(const float* k, const float* v, const u32* s, int w, u16* kc, u16* vc) {
+    write_kv<1>(k, v, s, w, kc, vc);
+}
+extern "C" __global__ void write_kv_bf16(const float* k, const float* v, const u32* s, int w, u16* kc, u16* vc) {
+    write_kv<2>(k, v, s, w, kc, vc);
+}
+
+// ---- paged attention ----
+//
+// One block per (query token, KV head, group of up to MAXG query heads sharing it), so each key and
+// value row is read once for all the query heads of its group (GQA). The block's threads form
+// key groups of `lanes` threads (a power of two from 4 to 32 dividing the warp); a key group
+// takes one key at a time, each lane holding dims lane, lane + lanes, ... (at most MAXD) of it,
+// and keeps its own online-softmax state (max, sum, weighted V) per query head. At the end the
+// key groups' states are merged through shared memory.
+//
+// `meta` (packed by the host, cuda/plan.rs): [tok_seq: num_tokens] then per sequence
+// [q_start, q_len, context_len, table_off], with each block table at meta[table_off ..].
+// tok_seq[t] == 0xffffffff marks a row no sequence owns: left untouched.
+#define MAXD 8
+#define MAXG 8
+
+template <int D>
+__device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, const typename Elem<D>::T* vc,
+                                const u32* meta, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                                int block_size, float scale, int lanes, float* out) {
+    extern __shared__ float smem[];
+    int t = blockIdx.x, kvh = blockIdx.y, h0 = blockIdx.z * MAXG;
+    int group = num_heads / num_kv_heads;
+    int ng = min(MAXG, group - h0);
+    u32 s = meta[t];
+    if (s == 0xffffffffu) return;
+    const u32* si = meta + num_tokens + 4ll * s;
+    int q_start = (int)si[0], q_len = (int)si[1], ctx = (int)si[2];
+    const u32* table = meta + si[3];
+    int nkeys = ctx - q_len + (t - q_start) + 1;  // causal: keys 0 ..= this query's position
+    int lane = threadIdx.x % lanes, kg = threadIdx.x / lanes, nkg = blockDim.x / lanes;
+    long long kv_width = (long long)num_kv_heads * head_dim;
+
+    float qr[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) {
+            int d = lane + i * lanes;
+            bool ok = g < ng && d < head_dim;
+            qr[g][i] = ok ? q[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] * scale : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+    }
+    // Every key group runs the same number of rounds, so the shuffles below see full warps.
+    for (int j0 = 0; j0 < nkeys; j0 += nkg) {
+        int j = j0 + kg;
+        bool valid = j < nkeys;
+        float kr[MAXD], vr[MAXD];
+        long long base = 0;
+        if (valid) base = ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) {
+            int d = lane + i * lanes;
+            bool ok = valid && d < head_dim;
+            kr[i] = ok ? Elem<D>::load(kc, base + d) : 0.0f;
+            vr[i] = ok ? Elem<D>::load(vc, base + d) : 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g >= ng) break;
+            float p = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MAXD; i++) p += qr[g][i] * kr[i];
+            for (int off = lanes / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+            if (valid) {
+                float mn = fmaxf(m[g], p);
+                float c = expf(m[g] - mn);  // 0 when m[g] is still -inf
+                float e = expf(p - mn);
+                l[g] = l[g] * c + e;
+#pragma unroll
+                for (int i = 0; i < MAXD; i++) acc[g][i] = acc[g][i] * c + e * vr[i];
+                m[g] = mn;
+            }
+        }
+    }
+    // Merge: smem holds per key group and head [m, l, acc[head_dim]].
+    int stride = head_dim + 2;
+    for (int g = 0; g < ng; g++) {
+        float* st = smem + ((long long)kg * MAXG + g) * stride;
+        if (lane == 0) {
+            st[0] = m[g];
+            st[1] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) {
+            int d = lane + i * lanes;
+            if (d < head_dim) st[2 + d] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ng * head_dim; idx += blockDim.x) {
+        int g = idx / head_dim, d = idx % head_dim;
+        float mx = -INFINITY;
+        for (int c = 0; c < nkg; c++) mx = fmaxf(mx, smem[((long long)c * MAXG + g) * stride]);
+        float sum = 0.0f, o = 0.0f;
+        for (int c = 0; c < nkg; c++) {
+            const float* st = smem + ((long long)c * MAXG + g) * stride;
+            float w = st[1] > 0.0f ? expf(st[0] - mx) : 0.0f;
+            sum += st[1] * w;
+            o += st[2 + d] * w;
+        }
+        out[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] = o / sum;
+    }
+}
+
+#define ATTN_ARGS(T)                                                                                          \
+    const float *q, const T *kc, const T *vc, const u32 *meta, int num_tokens, int num_heads, int num_kv_heads, \
+        int head_dim, int block_size, float scale, int lanes, float *out
+#define ATTN_PASS q, kc, vc, meta, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, lanes, out
+extern "C" __global__ void paged_attention_f32(ATTN_ARGS(float)) { paged_attention<0>(ATTN_PASS); }
+extern "C" __global__ void paged_attention_f16(ATTN_ARGS(u16)) { paged_attention<1>(ATTN_PASS); }
+extern "C" __global__ void paged_attention_bf16(ATTN_ARGS(u16)) { paged_attention<2>(ATTN_PASS); }
