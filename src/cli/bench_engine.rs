@@ -15,6 +15,7 @@ use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineConfig, EngineCore, EngineRequest};
 use cleave_kernels::cpu::CpuBackend;
 use cleave_kernels::measure;
+use cleave_kernels::Backend;
 use cleave_protocol::{RequestId, SamplingParams, StopConditions};
 
 use super::EngineArgs;
@@ -83,8 +84,8 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
 
 /// One decode round: `batch` sequences prefilled and stepped once untimed, then
 /// `decode_steps` steps timed. Returns the seconds, the steps and the first sequence's tokens.
-fn decode_round(
-    core: &mut EngineCore<CpuBackend>,
+fn decode_round<B: Backend>(
+    core: &mut EngineCore<B>,
     id: &mut u64,
     batch: usize,
     args: &BenchEngineArgs,
@@ -149,7 +150,7 @@ fn decode_round(
     Ok((secs, steps.max(1), out))
 }
 
-fn core_eos(core: &EngineCore<CpuBackend>) -> Vec<u32> {
+fn core_eos<B: Backend>(core: &EngineCore<B>) -> Vec<u32> {
     core.tokenizer().eos_token_id().into_iter().collect()
 }
 
@@ -173,12 +174,68 @@ fn mask_cost_us(
     Ok(t.elapsed().as_secs_f64() * 1e6 / tokens.len().max(1) as f64)
 }
 
+/// The limits a run is printed against, measured on the device it runs on.
+struct Limits {
+    /// "2 threads", or the GPU's name.
+    what: String,
+    /// Read bandwidth (GB/s) over a working set of the given bytes.
+    bandwidth_at: Box<dyn Fn(usize) -> f64>,
+    /// The same over a large array (1 GiB on the CPU).
+    dram_bandwidth: f64,
+    /// GEMM peak (GFLOP/s) and the shape it was measured on.
+    gemm_peak: f64,
+    gemm_shape: &'static str,
+}
+
 pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
-    let backend = CpuBackend::new(args.engine.threads)?;
-    let threads = backend.threads();
-    eprintln!("measuring machine limits ({threads} threads)...");
-    let dram_bandwidth = measure::memory_bandwidth_gbps_on(&backend, measure::BANDWIDTH_BYTES);
-    let gemm_peak = measure::gemm_peak_gflops(&backend, 1024, 1024, 1024);
+    match args.engine.device {
+        super::Device::Cpu => {
+            let backend = CpuBackend::new(args.engine.threads)?;
+            let threads = backend.threads();
+            eprintln!("measuring machine limits ({threads} threads)...");
+            let dram_bandwidth = measure::memory_bandwidth_gbps_on(&backend, measure::BANDWIDTH_BYTES);
+            let gemm_peak = measure::gemm_peak_gflops(&backend, 1024, 1024, 1024);
+            let b = backend.clone();
+            let limits = Limits {
+                what: format!("{threads} threads"),
+                bandwidth_at: Box::new(move |bytes| measure::memory_bandwidth_gbps_on(&b, bytes)),
+                dram_bandwidth,
+                gemm_peak,
+                gemm_shape: "1024^3",
+            };
+            bench(args, backend, limits)
+        }
+        #[cfg(feature = "cuda")]
+        super::Device::Cuda(n) => {
+            use cleave_kernels::cuda::{CudaBackend, GemmDtype};
+            let gemm = match args.engine.gpu_weights {
+                super::GpuWeightsArg::Bf16 => GemmDtype::Bf16,
+                super::GpuWeightsArg::F32 => GemmDtype::F32,
+            };
+            let backend = CudaBackend::new(n, gemm)?;
+            eprintln!("measuring device limits on {}...", backend.device_name());
+            // Copy bandwidth counts the bytes read and written; decode reads, so the floor uses it.
+            let dram_bandwidth = backend.copy_bandwidth_gbps(1 << 30)?;
+            let gemm_peak = backend.gemm_peak_gflops(8192)?;
+            let what = format!("{} ({gemm:?} weights)", backend.device_name());
+            let limits = Limits {
+                what,
+                bandwidth_at: Box::new(move |_| dram_bandwidth),
+                dram_bandwidth,
+                gemm_peak,
+                gemm_shape: "8192^3, cuBLAS",
+            };
+            bench(args, backend, limits)
+        }
+        #[cfg(not(feature = "cuda"))]
+        super::Device::Cuda(n) => {
+            anyhow::bail!("--device cuda:{n}: this binary was built without the `cuda` feature")
+        }
+    }
+}
+
+fn bench<B: Backend>(args: BenchEngineArgs, backend: B, limits: Limits) -> anyhow::Result<()> {
+    let Limits { what, bandwidth_at, dram_bandwidth, gemm_peak, gemm_shape } = limits;
     let files = ModelFiles::open(&super::model_source::resolve_model(&args.model)?)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let cfg = files.config.clone();
@@ -196,7 +253,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     ecfg.enable_prefix_caching = false;
     ecfg.max_model_len = Some(max_len.max(ecfg.max_model_len.unwrap_or(0)));
     ecfg.max_num_batched_tokens = ecfg.max_num_batched_tokens.max(max_len);
-    let mut core = EngineCore::load(backend.clone(), files, &ecfg)?;
+    let mut core = EngineCore::load(backend, files, &ecfg)?;
     // Bytes a decode step streams of the weights: every layer's linear weights and the head, in
     // the format each is held in (a GGUF's blocks, or f32 when dequantized at load).
     let weights = core.weight_bytes();
@@ -205,7 +262,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     // large L3 (this VM reports 300 MiB) part of a few-hundred-MB model stays cached between
     // steps, so the bandwidth that matters is the one measured at the same working-set size,
     // not the DRAM figure of a 1 GiB array (printed too).
-    let bandwidth = measure::memory_bandwidth_gbps_on(&backend, weight_bytes);
+    let bandwidth = bandwidth_at(weight_bytes);
     println!(
         "model: {} ({:.1}M parameters, {:.1}M outside the embeddings); a decode step reads {weights} of weights{}",
         args.model.display(),
@@ -214,8 +271,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         if ecfg.dequantize_weights { " (--dequantize-weights)" } else { "" },
     );
     println!(
-        "machine: {threads} threads, read bandwidth {bandwidth:.1} GB/s over {:.0} MB (the decode floor's), \
-         {dram_bandwidth:.1} GB/s over 1 GiB, GEMM peak {gemm_peak:.1} GFLOP/s (1024^3)",
+        "machine: {what}, read bandwidth {bandwidth:.1} GB/s over {:.0} MB (the decode floor's), \
+         {dram_bandwidth:.1} GB/s over 1 GiB, GEMM peak {gemm_peak:.1} GFLOP/s ({gemm_shape})",
         weight_bytes as f64 / 1e6
     );
     println!();

@@ -7,7 +7,6 @@ use std::time::Instant;
 use anyhow::Context;
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineConfig, EngineCore, EngineRequest};
-use cleave_kernels::cpu::CpuBackend;
 use cleave_protocol::{Constraint, RequestId, SamplingParams, StopConditions};
 use cleave_tokenizer::ChatMessage;
 
@@ -125,8 +124,29 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("give --prompt or --messages"),
     };
     let cfg: EngineConfig = args.engine.to_config();
-    let backend = CpuBackend::new(args.engine.threads)?;
-    let mut core = EngineCore::load(backend.clone(), files, &cfg)?;
+    let engine = args.engine.clone();
+    super::on_backend(&engine, Generate { args, files, cfg, prompt, t_load })
+}
+
+/// The rest of `generate`, on the backend `--device` picks.
+struct Generate {
+    args: GenerateArgs,
+    files: ModelFiles,
+    cfg: EngineConfig,
+    prompt: Vec<u32>,
+    t_load: Instant,
+}
+
+impl super::OnBackend for Generate {
+    type Out = ();
+    fn run<B: cleave_kernels::Backend>(self, make: &dyn Fn() -> anyhow::Result<B>) -> anyhow::Result<()> {
+        generate_on(self, make)
+    }
+}
+
+fn generate_on<B: cleave_kernels::Backend>(g: Generate, make: &dyn Fn() -> anyhow::Result<B>) -> anyhow::Result<()> {
+    let Generate { args, files, cfg, prompt, t_load } = g;
+    let mut core = EngineCore::load(make()?, files, &cfg)?;
     eprintln!("loaded {} ({}) in {:.2}s", args.model.display(), core.weights().format, t_load.elapsed().as_secs_f64());
     let mut prefill = match (&args.prefill_model, args.prefill_dequantize_weights) {
         (None, false) => None,
@@ -136,7 +156,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 None => super::model_source::resolve_model(&args.model)?,
             };
             let files = ModelFiles::open(&path).with_context(|| format!("opening model {}", path.display()))?;
-            let p = EngineCore::load(backend, files, &EngineConfig { dequantize_weights, ..cfg.clone() })?;
+            let p = EngineCore::load(make()?, files, &EngineConfig { dequantize_weights, ..cfg.clone() })?;
             anyhow::ensure!(
                 p.kv_layout() == core.kv_layout(),
                 "the prefill model {} cannot hand its KV to {}: its KV layout {:?} differs from {:?}",
@@ -211,9 +231,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 
 /// Prefills `req` on `p` and hands its KV to `d` layer by layer, as a prefill node hands it to a
 /// decode node; returns `p`'s events (its first token) once `d` holds the request.
-fn handoff(
-    p: &mut EngineCore<CpuBackend>,
-    d: &mut EngineCore<CpuBackend>,
+fn handoff<B: cleave_kernels::Backend>(
+    p: &mut EngineCore<B>,
+    d: &mut EngineCore<B>,
     req: EngineRequest,
 ) -> anyhow::Result<Vec<cleave_protocol::TokenEvent>> {
     use cleave_engine::{ImportStart, KvExport, KvExportEvent, SinkError};

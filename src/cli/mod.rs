@@ -166,6 +166,74 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "CLEAVE_THREADS")]
     pub threads: Option<usize>,
+    /// Where the engine runs: `cpu`, or `cuda` / `cuda:N` for GPU N (a binary built with
+    /// `--features cuda`; the CUDA driver, NVRTC and cuBLAS are loaded at start).
+    #[arg(long, env = "CLEAVE_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// What a GPU holds linear weights as: bf16 (tensor-core GEMM, f32 accumulation; f16
+    /// checkpoints stay f16) or f32 (exact f32 products, no TF32).
+    #[arg(long, env = "CLEAVE_GPU_WEIGHTS", value_enum, default_value_t = GpuWeightsArg::Bf16)]
+    pub gpu_weights: GpuWeightsArg,
+}
+
+/// The device an engine runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Device::Cuda(n)),
+            _ => Err(format!("`{s}` is not a device: use cpu, cuda or cuda:N")),
+        },
+    }
+}
+
+/// What a GPU holds linear weights as (`--gpu-weights`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuWeightsArg {
+    Bf16,
+    F32,
+}
+
+/// Work that runs on whichever backend `--device` picks: `run` gets a maker of backends (a
+/// second engine, such as `generate`'s prefill engine, takes a second backend).
+pub trait OnBackend {
+    type Out;
+    fn run<B: cleave_kernels::Backend>(self, make: &dyn Fn() -> anyhow::Result<B>) -> anyhow::Result<Self::Out>;
+}
+
+/// Runs `w` on the backend the engine flags pick.
+pub fn on_backend<W: OnBackend>(e: &EngineArgs, w: W) -> anyhow::Result<W::Out> {
+    match e.device {
+        Device::Cpu => {
+            let threads = e.threads;
+            w.run(&move || Ok(cleave_kernels::CpuBackend::new(threads)?))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            use cleave_kernels::cuda::{CudaBackend, GemmDtype};
+            let gemm = match e.gpu_weights {
+                GpuWeightsArg::Bf16 => GemmDtype::Bf16,
+                GpuWeightsArg::F32 => GemmDtype::F32,
+            };
+            w.run(&move || {
+                let b = CudaBackend::new(n, gemm).map_err(|e| anyhow::anyhow!("--device cuda:{n}: {e}"))?;
+                eprintln!("engine on {} ({gemm:?} weights)", b.device_name());
+                Ok(b)
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(n) => {
+            let _ = w;
+            anyhow::bail!("--device cuda:{n}: this binary was built without the `cuda` feature (cargo build --release --features cuda)")
+        }
+    }
 }
 
 impl EngineArgs {

@@ -14,7 +14,6 @@ use cleave_coordinator::edge::EdgeListener;
 use cleave_coordinator::{dispatch_channel, AppState, CoordinatorArgs, ModelInfo};
 use cleave_engine::model::ModelFiles;
 use cleave_engine::{EngineCore, EngineThread};
-use cleave_kernels::cpu::CpuBackend;
 use cleave_net::tls::NodeIdentity;
 use cleave_net::{Listener, NetConfig, NetKind};
 use cleave_node::{Exit, Node, NodeConfig};
@@ -456,11 +455,18 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let (net, name) = cmd.net.net_config(default_name)?;
     let files = ModelFiles::open(&cmd.model).with_context(|| format!("opening model {}", cmd.model.display()))?;
     let cfg = cmd.engine.to_config();
-    let threads = cmd.engine.threads;
-    let engine = EngineThread::spawn(move || {
-        EngineCore::load(CpuBackend::new(threads)?, files, &cfg).inspect(|_| release_freed_heap())
-    })
-    .context("starting the engine")?;
+    /// Starts the engine thread on the backend `--device` picks (the node above it is the same
+    /// for every backend: it talks to the thread through its handle).
+    struct Spawn(ModelFiles, cleave_engine::EngineConfig);
+    impl super::OnBackend for Spawn {
+        type Out = EngineThread;
+        fn run<B: cleave_kernels::Backend>(self, make: &dyn Fn() -> anyhow::Result<B>) -> anyhow::Result<EngineThread> {
+            let (files, cfg) = (self.0, self.1);
+            let backend = make()?;
+            Ok(EngineThread::spawn(move || EngineCore::load(backend, files, &cfg).inspect(|_| release_freed_heap()))?)
+        }
+    }
+    let engine = super::on_backend(&cmd.engine, Spawn(files, cfg)).context("starting the engine")?;
     let model_name = model_name(&cmd.model, cmd.served_model_name.as_ref());
     let rt = runtime()?;
     let handle = engine.handle();

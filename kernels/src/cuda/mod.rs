@@ -279,6 +279,21 @@ impl CudaBackend {
             staged = Some(buf);
             dst
         };
+        self.gemm_raw(xptr, wptr, ty, (m, k, n), out)?;
+        drop(staged); // freed in stream order, after the GEMM that reads it
+        Ok(())
+    }
+
+    /// `out[m, n] (f32) = x[m, k] · w[n, k]ᵀ`, `x` and `w` both of type `ty`.
+    fn gemm_raw(
+        &self,
+        xptr: u64,
+        wptr: u64,
+        ty: blas_sys::cudaDataType,
+        (m, k, n): (usize, usize, usize),
+        out: u64,
+    ) -> Result<()> {
+        use blas_sys::cudaDataType::CUDA_R_32F;
         let as_int = |v: usize| i32::try_from(v).map_err(|_| check::err("linear", format!("{v} exceeds cuBLAS's int")));
         let (mi, ni, ki) = (as_int(n)?, as_int(m)?, as_int(k)?);
         let (alpha, beta) = (1f32, 0f32);
@@ -308,9 +323,60 @@ impl CudaBackend {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| dev_err(format!("cuBLAS GEMM {m}x{k}x{n}: {e:?}")))?;
-        drop(staged); // freed in stream order, after the GEMM that reads it
-        Ok(())
+        .map_err(|e| dev_err(format!("cuBLAS GEMM {m}x{k}x{n}: {e:?}")))
+    }
+
+    /// Device-to-device copy bandwidth over `bytes`, counting bytes read and written (GB/s): the
+    /// ceiling a memory-bound kernel is held against.
+    pub fn copy_bandwidth_gbps(&self, bytes: usize) -> Result<f64> {
+        let (src, dst) = (self.alloc::<u8>(bytes)?, self.alloc::<u8>(bytes)?);
+        let (s, d) = (self.ptr(&src), self.ptr(&dst));
+        let copy = || unsafe {
+            // SAFETY: two live buffers of `bytes` each.
+            cudarc::driver::result::memcpy_dtod_async(d, s, bytes, self.stream.cu_stream()).map_err(driver_err)
+        };
+        copy()?;
+        self.synchronize()?;
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            copy()?;
+        }
+        self.synchronize()?;
+        Ok(2.0 * (bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// cuBLAS's rate (GFLOP/s) on an `n x n x n` product in this backend's GEMM type, on data
+    /// that is not zero (tensor cores run faster on zeros).
+    pub fn gemm_peak_gflops(&self, n: usize) -> Result<f64> {
+        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        let host: Vec<f32> = (0..n * n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let (a, b) = (self.upload(&host)?, self.upload(&host)?);
+        let out = self.alloc::<f32>(n * n)?;
+        let (ty, a16, b16) = match self.gemm {
+            GemmDtype::F32 => (CUDA_R_32F, None, None),
+            GemmDtype::Bf16 => {
+                let bits: Vec<u16> = host.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                let up = |v: &[u16]| self.stream.clone_htod(v).map_err(driver_err);
+                (CUDA_R_16BF, Some(up(&bits)?), Some(up(&bits)?))
+            }
+        };
+        let (ap, bp) = match (&a16, &b16) {
+            (Some(x), Some(y)) => (self.ptr(x), self.ptr(y)),
+            _ => (self.ptr(&a), self.ptr(&b)),
+        };
+        let op = self.ptr(&out);
+        for _ in 0..3 {
+            self.gemm_raw(ap, bp, ty, (n, n, n), op)?;
+        }
+        self.synchronize()?;
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            self.gemm_raw(ap, bp, ty, (n, n, n), op)?;
+        }
+        self.synchronize()?;
+        Ok(2.0 * (n * n * n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
 
     fn add_bias(&self, out: u64, bias: &CudaSlice<f32>, m: usize, n: usize) -> Result<()> {
