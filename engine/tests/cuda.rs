@@ -146,13 +146,18 @@ fn handoff<A: Backend, B: Backend>(a: &mut EngineCore<A>, b: &mut EngineCore<B>)
     let cases = golden()["cases"].as_array().unwrap().clone();
     let log = Arc::new(Mutex::new(Vec::new()));
     let now = Instant::now();
-    let reqs: Vec<_> = cases.iter().enumerate().map(|(i, c)| greedy_request(i as u64, ids(&c["prompt_ids"]), 32)).collect();
+    let reqs: Vec<_> =
+        cases.iter().enumerate().map(|(i, c)| greedy_request(i as u64, ids(&c["prompt_ids"]), 32)).collect();
     for r in &reqs {
         let sink = log.clone();
-        a.add_prefill_only(r.clone(), KvExport::new(move |ev| {
-            sink.lock().unwrap().push(ev);
-            Ok(())
-        }), now)
+        a.add_prefill_only(
+            r.clone(),
+            KvExport::new(move |ev| {
+                sink.lock().unwrap().push(ev);
+                Ok(())
+            }),
+            now,
+        )
         .unwrap();
         b.reserve_import_prompt(r.id, &r.prompt).unwrap();
     }

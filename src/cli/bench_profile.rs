@@ -150,7 +150,10 @@ pub fn run(mut args: BenchProfileArgs) -> anyhow::Result<()> {
     if args.batches.contains(&0) || args.contexts.iter().any(|&c| c <= TAIL + 16) {
         bail!("batches must be positive and contexts above {} tokens", TAIL + 16);
     }
-    anyhow::ensure!(args.engine.device == super::Device::Cpu, "cleave bench profile measures the CPU engine only (no --device)");
+    anyhow::ensure!(
+        args.engine.device == super::Device::Cpu,
+        "cleave bench profile measures the CPU engine only (no --device)"
+    );
     let backend = CpuBackend::new(args.engine.threads)?;
     let threads = backend.threads();
     let path = super::model_source::resolve_model(&args.model)?;

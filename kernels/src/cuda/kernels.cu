@@ -184,27 +184,53 @@ extern "C" __global__ void write_kv_bf16(const float* k, const float* v, const u
 
 // ---- paged attention ----
 //
-// One block per (query token, KV head, group of up to MAXG query heads sharing it), so each key and
-// value row is read once for all the query heads of its group (GQA). The block's threads form
-// key groups of `lanes` threads (a power of two from 4 to 32 dividing the warp); a key group
-// takes one key at a time, each lane holding dims lane, lane + lanes, ... (at most MAXD) of it,
-// and keeps its own online-softmax state (max, sum, weighted V) per query head. At the end the
-// key groups' states are merged through shared memory.
+// One block per (query token, KV head, tile of up to G query heads sharing it), so each key and
+// value row is read once for all the query heads of its tile (GQA); G is 1, 2, 4 or 8, the
+// smallest that holds the group (or 8), so registers are not spent on heads that do not exist.
+// The block's threads form key groups of `lanes` threads (a power of two from 4 to 32 dividing
+// the warp); a key group takes two keys per round, each lane holding `dpl` consecutive dims of
+// them (at most MAXD, loaded as 8- or 16-byte vectors where aligned), and keeps its own
+// online-softmax state (max, sum, weighted V) per query head, rescaled only when the max moves.
+// At the end the key groups' states are merged through shared memory.
 //
 // `meta` (packed by the host, cuda/plan.rs): [tok_seq: num_tokens] then per sequence
 // [q_start, q_len, context_len, table_off], with each block table at meta[table_off ..].
 // tok_seq[t] == 0xffffffff marks a row no sequence owns: left untouched.
 #define MAXD 8
-#define MAXG 8
+#define UNROLL 2
 
+// Loads dims d0 .. d0 + n (n <= MAXD, zero beyond) of row `base` as f32.
 template <int D>
+__device__ __forceinline__ void load_dims(const typename Elem<D>::T* p, long long base, int d0, int n, float* r) {
+    long long at = base + d0;
+    if (D == 0 && n == MAXD && (at & 3) == 0) {
+        const float4* v = reinterpret_cast<const float4*>(p + at);
+        float4 a = v[0], b = v[1];
+        r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w; r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+        return;
+    }
+    if (D != 0 && n == MAXD && (at & 7) == 0) {
+        uint4 v = *reinterpret_cast<const uint4*>(p + at);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            r[2 * i] = D == 1 ? f16_to_f32((u16)(w[i] & 0xffffu)) : bf16_to_f32((u16)(w[i] & 0xffffu));
+            r[2 * i + 1] = D == 1 ? f16_to_f32((u16)(w[i] >> 16)) : bf16_to_f32((u16)(w[i] >> 16));
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < MAXD; i++) r[i] = i < n ? Elem<D>::load(p, at + i) : 0.0f;
+}
+
+template <int D, int G>
 __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, const typename Elem<D>::T* vc,
                                 const u32* meta, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, float scale, int lanes, float* out) {
     extern __shared__ float smem[];
-    int t = blockIdx.x, kvh = blockIdx.y, h0 = blockIdx.z * MAXG;
+    int t = blockIdx.x, kvh = blockIdx.y, h0 = blockIdx.z * G;
     int group = num_heads / num_kv_heads;
-    int ng = min(MAXG, group - h0);
+    int ng = min(G, group - h0);
     u32 s = meta[t];
     if (s == 0xffffffffu) return;
     const u32* si = meta + num_tokens + 4ll * s;
@@ -212,75 +238,87 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
     const u32* table = meta + si[3];
     int nkeys = ctx - q_len + (t - q_start) + 1;  // causal: keys 0 ..= this query's position
     int lane = threadIdx.x % lanes, kg = threadIdx.x / lanes, nkg = blockDim.x / lanes;
+    int dpl = (head_dim + lanes - 1) / lanes;
+    int d0 = lane * dpl, nd = max(0, min(dpl, head_dim - d0));
     long long kv_width = (long long)num_kv_heads * head_dim;
 
-    float qr[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG];
+    float qr[G][MAXD], acc[G][MAXD], m[G], l[G];
 #pragma unroll
-    for (int g = 0; g < MAXG; g++) {
+    for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
+        const float* qrow = q + ((long long)t * num_heads + kvh * group + h0 + g) * head_dim;
 #pragma unroll
         for (int i = 0; i < MAXD; i++) {
-            int d = lane + i * lanes;
-            bool ok = g < ng && d < head_dim;
-            qr[g][i] = ok ? q[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] * scale : 0.0f;
+            qr[g][i] = (g < ng && i < nd) ? qrow[d0 + i] * scale : 0.0f;
             acc[g][i] = 0.0f;
         }
     }
     // Every key group runs the same number of rounds, so the shuffles below see full warps.
-    for (int j0 = 0; j0 < nkeys; j0 += nkg) {
-        int j = j0 + kg;
-        bool valid = j < nkeys;
-        float kr[MAXD], vr[MAXD];
-        long long base = 0;
-        if (valid) base = ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
+    for (int j0 = 0; j0 < nkeys; j0 += UNROLL * nkg) {
+        float kr[UNROLL][MAXD], vr[UNROLL][MAXD];
+        bool valid[UNROLL];
 #pragma unroll
-        for (int i = 0; i < MAXD; i++) {
-            int d = lane + i * lanes;
-            bool ok = valid && d < head_dim;
-            kr[i] = ok ? Elem<D>::load(kc, base + d) : 0.0f;
-            vr[i] = ok ? Elem<D>::load(vc, base + d) : 0.0f;
+        for (int u = 0; u < UNROLL; u++) {
+            int j = j0 + u * nkg + kg;
+            valid[u] = j < nkeys;
+            if (valid[u]) {
+                long long base =
+                    ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
+                load_dims<D>(kc, base, d0, nd, kr[u]);
+                load_dims<D>(vc, base, d0, nd, vr[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < MAXD; i++) kr[u][i] = vr[u][i] = 0.0f;
+            }
         }
 #pragma unroll
-        for (int g = 0; g < MAXG; g++) {
-            if (g >= ng) break;
-            float p = 0.0f;
+        for (int u = 0; u < UNROLL; u++) {
 #pragma unroll
-            for (int i = 0; i < MAXD; i++) p += qr[g][i] * kr[i];
-            for (int off = lanes / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
-            if (valid) {
-                float mn = fmaxf(m[g], p);
-                float c = expf(m[g] - mn);  // 0 when m[g] is still -inf
-                float e = expf(p - mn);
-                l[g] = l[g] * c + e;
+            for (int g = 0; g < G; g++) {
+                float p = 0.0f;
 #pragma unroll
-                for (int i = 0; i < MAXD; i++) acc[g][i] = acc[g][i] * c + e * vr[i];
-                m[g] = mn;
+                for (int i = 0; i < MAXD; i++) p += qr[g][i] * kr[u][i];
+                for (int off = lanes / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+                if (valid[u] && g < ng) {
+                    if (p > m[g]) {
+                        float c = expf(m[g] - p);  // 0 while m[g] is still -inf
+                        l[g] *= c;
+#pragma unroll
+                        for (int i = 0; i < MAXD; i++) acc[g][i] *= c;
+                        m[g] = p;
+                    }
+                    float e = expf(p - m[g]);
+                    l[g] += e;
+#pragma unroll
+                    for (int i = 0; i < MAXD; i++) acc[g][i] += e * vr[u][i];
+                }
             }
         }
     }
     // Merge: smem holds per key group and head [m, l, acc[head_dim]].
     int stride = head_dim + 2;
-    for (int g = 0; g < ng; g++) {
-        float* st = smem + ((long long)kg * MAXG + g) * stride;
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (g >= ng) break;
+        float* st = smem + ((long long)kg * G + g) * stride;
         if (lane == 0) {
             st[0] = m[g];
             st[1] = l[g];
         }
 #pragma unroll
         for (int i = 0; i < MAXD; i++) {
-            int d = lane + i * lanes;
-            if (d < head_dim) st[2 + d] = acc[g][i];
+            if (i < nd) st[2 + d0 + i] = acc[g][i];
         }
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < ng * head_dim; idx += blockDim.x) {
         int g = idx / head_dim, d = idx % head_dim;
         float mx = -INFINITY;
-        for (int c = 0; c < nkg; c++) mx = fmaxf(mx, smem[((long long)c * MAXG + g) * stride]);
+        for (int c = 0; c < nkg; c++) mx = fmaxf(mx, smem[((long long)c * G + g) * stride]);
         float sum = 0.0f, o = 0.0f;
         for (int c = 0; c < nkg; c++) {
-            const float* st = smem + ((long long)c * MAXG + g) * stride;
+            const float* st = smem + ((long long)c * G + g) * stride;
             float w = st[1] > 0.0f ? expf(st[0] - mx) : 0.0f;
             sum += st[1] * w;
             o += st[2 + d] * w;
@@ -293,6 +331,11 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
     const float *q, const T *kc, const T *vc, const u32 *meta, int num_tokens, int num_heads, int num_kv_heads, \
         int head_dim, int block_size, float scale, int lanes, float *out
 #define ATTN_PASS q, kc, vc, meta, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, lanes, out
-extern "C" __global__ void paged_attention_f32(ATTN_ARGS(float)) { paged_attention<0>(ATTN_PASS); }
-extern "C" __global__ void paged_attention_f16(ATTN_ARGS(u16)) { paged_attention<1>(ATTN_PASS); }
-extern "C" __global__ void paged_attention_bf16(ATTN_ARGS(u16)) { paged_attention<2>(ATTN_PASS); }
+#define ATTN_KERNELS(G)                                                                                              \
+    extern "C" __global__ void paged_attention_f32_g##G(ATTN_ARGS(float)) { paged_attention<0, G>(ATTN_PASS); }  \
+    extern "C" __global__ void paged_attention_f16_g##G(ATTN_ARGS(u16)) { paged_attention<1, G>(ATTN_PASS); }    \
+    extern "C" __global__ void paged_attention_bf16_g##G(ATTN_ARGS(u16)) { paged_attention<2, G>(ATTN_PASS); }
+ATTN_KERNELS(1)
+ATTN_KERNELS(2)
+ATTN_KERNELS(4)
+ATTN_KERNELS(8)

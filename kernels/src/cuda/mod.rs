@@ -23,7 +23,7 @@ use cudarc::driver::{
 };
 use plan::Geometry;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The NVRTC source of every kernel.
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
@@ -44,9 +44,18 @@ pub const KERNEL_NAMES: &[&str] = &[
     "write_kv_f32",
     "write_kv_f16",
     "write_kv_bf16",
-    "paged_attention_f32",
-    "paged_attention_f16",
-    "paged_attention_bf16",
+    "paged_attention_f32_g1",
+    "paged_attention_f16_g1",
+    "paged_attention_bf16_g1",
+    "paged_attention_f32_g2",
+    "paged_attention_f16_g2",
+    "paged_attention_bf16_g2",
+    "paged_attention_f32_g4",
+    "paged_attention_f16_g4",
+    "paged_attention_bf16_g4",
+    "paged_attention_f32_g8",
+    "paged_attention_f16_g8",
+    "paged_attention_bf16_g8",
 ];
 
 const NAME: &str = "cuda";
@@ -150,6 +159,32 @@ pub struct CudaBackend {
     funcs: HashMap<&'static str, CudaFunction>,
     gemm: GemmDtype,
     name: String,
+    /// Per-op host arrays, kept on the device between ops ([`Reuse`]).
+    reuse: Mutex<Reuse>,
+}
+
+/// What ops upload or stage, kept for the next op. The small arrays an op takes from the host
+/// (RoPE's positions, the KV slots, token ids, attention's packed block tables) are the same for
+/// every layer of a step, so the last upload of each kind is reused while its content is
+/// unchanged: four uploads a step instead of a few per layer, each a synchronous copy from
+/// pageable memory. The 16-bit staging of GEMM activations is one buffer, grown as needed.
+/// Buffers replaced here are freed in stream order, after the kernels that read them. The lock is
+/// held from lookup through launch, so two threads sharing a backend cannot free a buffer the
+/// other is about to launch with; the engine drives a backend from one thread, so it is never
+/// contended.
+#[derive(Default)]
+struct Reuse {
+    uploads: [(Vec<u32>, Option<CudaSlice<u32>>); 4],
+    stage: Option<CudaSlice<u16>>,
+}
+
+/// The kinds of [`Reuse::uploads`].
+#[derive(Clone, Copy)]
+enum Upload {
+    Positions = 0,
+    Slots = 1,
+    Ids = 2,
+    AttnMeta = 3,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -194,7 +229,7 @@ impl CudaBackend {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(dev_err)?;
         let name = format!("{} (sm_{}{})", ctx.name().map_err(driver_err)?, cc.0, cc.1);
-        Ok(CudaBackend { ctx, stream, blas, _module: module, funcs, gemm, name })
+        Ok(CudaBackend { ctx, stream, blas, _module: module, funcs, gemm, name, reuse: Mutex::default() })
     }
 
     /// The device's name and compute capability.
@@ -224,8 +259,22 @@ impl CudaBackend {
         s.device_ptr(&self.stream).0
     }
 
-    fn upload_u32(&self, host: &[u32]) -> Result<CudaSlice<u32>> {
-        self.stream.clone_htod(host).map_err(driver_err)
+    fn reuse(&self) -> MutexGuard<'_, Reuse> {
+        self.reuse.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` with a device copy of `host` (reused if the last upload of `kind` was the same),
+    /// holding [`Reuse`]'s lock so the copy outlives the launch `f` makes.
+    fn with_upload<R>(&self, kind: Upload, host: &[u32], f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
+        let mut reuse = self.reuse();
+        let (kept, buf) = &mut reuse.uploads[kind as usize];
+        if buf.is_none() || kept.as_slice() != host {
+            *buf = Some(self.stream.clone_htod(host).map_err(driver_err)?);
+            kept.clear();
+            kept.extend_from_slice(host);
+        }
+        let ptr = buf.as_ref().map_or(0, |b| self.ptr(b));
+        f(ptr)
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -252,36 +301,29 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver_err)
     }
 
-    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` on cuBLAS, `x` and `out` device pointers to f32.
-    fn gemm(&self, x: u64, w: &CudaLinear, m: usize, out: u64) -> Result<()> {
+    /// A weight's device pointer and cuBLAS type.
+    fn weight_ptr(&self, w: &CudaLinear) -> (u64, blas_sys::cudaDataType) {
         use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
-        let (n, k) = (w.n, w.k);
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        // Activations rounded to the weights' 16-bit type, when they are held in one.
-        let mut staged: Option<CudaSlice<u16>> = None;
-        let (wptr, ty) = match &w.data {
+        match &w.data {
             Weights::F32(s) => (self.ptr(s), CUDA_R_32F),
             Weights::F16(s) => (self.ptr(s), CUDA_R_16F),
             Weights::Bf16(s) => (self.ptr(s), CUDA_R_16BF),
-        };
-        let xptr = if ty == CUDA_R_32F {
-            x
-        } else {
-            let len = m * k;
-            let buf = self.alloc::<u16>(len)?;
-            let (dst, n64) = (self.ptr(&buf), len as i64);
-            let name = if ty == CUDA_R_16F { "f32_to_f16_kernel" } else { "f32_to_bf16_kernel" };
-            if let Some(g) = plan::elementwise(len) {
-                self.launch(name, g, &[&x, &dst, &n64])?;
-            }
-            staged = Some(buf);
-            dst
-        };
-        self.gemm_raw(xptr, wptr, ty, (m, k, n), out)?;
-        drop(staged); // freed in stream order, after the GEMM that reads it
-        Ok(())
+        }
+    }
+
+    /// Rounds `len` f32 activations at `x` to the 16-bit type `ty` into the staging buffer;
+    /// returns its pointer (valid while `reuse` is held).
+    fn stage(&self, reuse: &mut Reuse, x: u64, ty: blas_sys::cudaDataType, len: usize) -> Result<u64> {
+        if reuse.stage.as_ref().is_none_or(|b| b.len() < len) {
+            reuse.stage = Some(self.alloc::<u16>(len.next_power_of_two())?);
+        }
+        let dst = reuse.stage.as_ref().map_or(0, |b| self.ptr(b));
+        let n64 = len as i64;
+        let name = if ty == blas_sys::cudaDataType::CUDA_R_16F { "f32_to_f16_kernel" } else { "f32_to_bf16_kernel" };
+        if let Some(g) = plan::elementwise(len) {
+            self.launch(name, g, &[&x, &dst, &n64])?;
+        }
+        Ok(dst)
     }
 
     /// `out[m, n] (f32) = x[m, k] · w[n, k]ᵀ`, `x` and `w` both of type `ty`.
@@ -294,6 +336,9 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         use blas_sys::cudaDataType::CUDA_R_32F;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
         let as_int = |v: usize| i32::try_from(v).map_err(|_| check::err("linear", format!("{v} exceeds cuBLAS's int")));
         let (mi, ni, ki) = (as_int(n)?, as_int(m)?, as_int(k)?);
         let (alpha, beta) = (1f32, 0f32);
@@ -391,15 +436,32 @@ impl CudaBackend {
         CudaLinear { n, k, data, source }
     }
 
-    fn kv_kernel(prefix: &'static str, dtype: CacheDtype) -> &'static str {
-        match (prefix, dtype) {
-            ("write_kv", CacheDtype::F32) => "write_kv_f32",
-            ("write_kv", CacheDtype::F16) => "write_kv_f16",
-            ("write_kv", CacheDtype::Bf16) => "write_kv_bf16",
-            (_, CacheDtype::F32) => "paged_attention_f32",
-            (_, CacheDtype::F16) => "paged_attention_f16",
-            (_, CacheDtype::Bf16) => "paged_attention_bf16",
+    fn write_kv_kernel(dtype: CacheDtype) -> &'static str {
+        match dtype {
+            CacheDtype::F32 => "write_kv_f32",
+            CacheDtype::F16 => "write_kv_f16",
+            CacheDtype::Bf16 => "write_kv_bf16",
         }
+    }
+
+    /// The attention kernel for a pool type and a tile of query heads ([`plan::attention_tile`]).
+    fn attention_kernel(dtype: CacheDtype, tile: usize) -> &'static str {
+        const NAMES: [[&str; 4]; 3] = [
+            ["paged_attention_f32_g1", "paged_attention_f32_g2", "paged_attention_f32_g4", "paged_attention_f32_g8"],
+            ["paged_attention_f16_g1", "paged_attention_f16_g2", "paged_attention_f16_g4", "paged_attention_f16_g8"],
+            [
+                "paged_attention_bf16_g1",
+                "paged_attention_bf16_g2",
+                "paged_attention_bf16_g4",
+                "paged_attention_bf16_g8",
+            ],
+        ];
+        let d = match dtype {
+            CacheDtype::F32 => 0,
+            CacheDtype::F16 => 1,
+            CacheDtype::Bf16 => 2,
+        };
+        NAMES[d][tile.trailing_zeros().min(3) as usize]
     }
 
     fn same_dtype(op: &'static str, a: &CudaKv, b: &CudaKv) -> Result<()> {
@@ -527,9 +589,8 @@ impl Backend for CudaBackend {
         let tmp = self.alloc::<f32>(n * k)?;
         let mut tmp = tmp;
         self.copy(w, 0, &mut tmp, 0, n * k)?;
-        let lin = CudaLinear { n, k, data: Weights::F32(tmp), source: "f32" };
-        let (xp, op) = (self.ptr(x), self.ptr(out));
-        self.gemm(xp, &lin, m, op)?;
+        let (xp, wp, op) = (self.ptr(x), self.ptr(&tmp), self.ptr(out));
+        self.gemm_raw(xp, wp, blas_sys::cudaDataType::CUDA_R_32F, (m, k, n), op)?;
         if let Some(b) = bias {
             self.add_bias(op, b, m, n)?;
         }
@@ -586,11 +647,50 @@ impl Backend for CudaBackend {
         m: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        check::linear(x.len(), w.n * w.k, bias.map(|b| b.len()), (m, w.k, w.n), out.len())?;
-        let (xp, op) = (self.ptr(x), self.ptr(out));
-        self.gemm(xp, w, m, op)?;
-        if let Some(b) = bias {
-            self.add_bias(op, b, m, w.n)?;
+        self.linear_prepared_many(x, &[(w, bias)], m, &mut [out])
+    }
+
+    /// One staging of `x` to 16 bits serves every weight of that type (q/k/v, gate/up).
+    fn linear_prepared_many(
+        &self,
+        x: &CudaSlice<f32>,
+        ws: &[(&CudaLinear, Option<&CudaSlice<f32>>)],
+        m: usize,
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        const OP: &str = "linear_prepared_many";
+        if ws.len() != outs.len() {
+            return Err(check::err(OP, format!("{} weights but {} outputs", ws.len(), outs.len())));
+        }
+        let Some(k) = ws.first().map(|(w, _)| w.k) else { return Ok(()) };
+        for (i, ((w, bias), out)) in ws.iter().zip(outs.iter()).enumerate() {
+            if w.k != k {
+                return Err(check::err(OP, format!("weight {i} has k = {}, weight 0 has k = {k}", w.k)));
+            }
+            check::linear(x.len(), w.n * k, bias.map(|b| b.len()), (m, k, w.n), out.len())?;
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr(x);
+        let mut reuse = self.reuse();
+        let mut staged = None;
+        for ((w, bias), out) in ws.iter().zip(outs.iter_mut()) {
+            let (wp, ty) = self.weight_ptr(w);
+            let xin = match staged {
+                _ if ty == blas_sys::cudaDataType::CUDA_R_32F => xp,
+                Some((t, p)) if t == ty => p,
+                _ => {
+                    let p = self.stage(&mut reuse, xp, ty, m * k)?;
+                    staged = Some((ty, p));
+                    p
+                }
+            };
+            let op = self.ptr(out);
+            self.gemm_raw(xin, wp, ty, (m, k, w.n), op)?;
+            if let Some(b) = bias {
+                self.add_bias(op, b, m, w.n)?;
+            }
         }
         Ok(())
     }
@@ -604,9 +704,8 @@ impl Backend for CudaBackend {
             Weights::F16(s) => ("gather_f16", self.ptr(s)),
             Weights::Bf16(s) => ("gather_bf16", self.ptr(s)),
         };
-        let ids = self.upload_u32(ids)?;
-        let (idp, dim, op) = (self.ptr(&ids), k as i32, self.ptr(out));
-        self.launch(name, g, &[&table, &idp, &dim, &op])
+        let (dim, op) = (k as i32, self.ptr(out));
+        self.with_upload(Upload::Ids, ids, |idp| self.launch(name, g, &[&table, &idp, &dim, &op]))
     }
 
     fn rms_norm(
@@ -634,9 +733,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check::rope(x.len(), positions, num_heads, head_dim, cos_sin.len())?;
         let Some(g) = plan::per_row(positions.len(), num_heads * head_dim / 2)? else { return Ok(()) };
-        let pos = self.upload_u32(positions)?;
-        let (xp, pp, nh, hd, cs) = (self.ptr(x), self.ptr(&pos), num_heads as i32, head_dim as i32, self.ptr(cos_sin));
-        self.launch("rope", g, &[&xp, &pp, &nh, &hd, &cs])
+        let (xp, nh, hd, cs) = (self.ptr(x), num_heads as i32, head_dim as i32, self.ptr(cos_sin));
+        self.with_upload(Upload::Positions, positions, |pp| self.launch("rope", g, &[&xp, &pp, &nh, &hd, &cs]))
     }
 
     fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<f32>) -> Result<()> {
@@ -670,17 +768,15 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check::embedding(table.len(), ids, vocab, dim, out.len())?;
         let Some(g) = plan::per_row(ids.len(), dim)? else { return Ok(()) };
-        let ids = self.upload_u32(ids)?;
-        let (tp, ip, d, op) = (self.ptr(table), self.ptr(&ids), dim as i32, self.ptr(out));
-        self.launch("gather_f32", g, &[&tp, &ip, &d, &op])
+        let (tp, d, op) = (self.ptr(table), dim as i32, self.ptr(out));
+        self.with_upload(Upload::Ids, ids, |ip| self.launch("gather_f32", g, &[&tp, &ip, &d, &op]))
     }
 
     fn gather_rows(&self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) -> Result<()> {
         check::gather_rows(x.len(), rows, dim, out.len())?;
         let Some(g) = plan::per_row(rows.len(), dim)? else { return Ok(()) };
-        let ids = self.upload_u32(rows)?;
-        let (tp, ip, d, op) = (self.ptr(x), self.ptr(&ids), dim as i32, self.ptr(out));
-        self.launch("gather_f32", g, &[&tp, &ip, &d, &op])
+        let (tp, d, op) = (self.ptr(x), dim as i32, self.ptr(out));
+        self.with_upload(Upload::Ids, rows, |ip| self.launch("gather_f32", g, &[&tp, &ip, &d, &op]))
     }
 
     fn alloc_kv(&self, dtype: CacheDtype, len: usize) -> Result<CudaKv> {
@@ -755,10 +851,10 @@ impl Backend for CudaBackend {
         Self::same_dtype(OP, k_cache, v_cache)?;
         check::write_kv(k.len(), v.len(), slots, kv_width, k_cache.len, v_cache.len)?;
         let Some(g) = plan::per_row(slots.len(), kv_width)? else { return Ok(()) };
-        let slots = self.upload_u32(slots)?;
-        let (kp, vp, sp, w) = (self.ptr(k), self.ptr(v), self.ptr(&slots), kv_width as i32);
+        let (kp, vp, w) = (self.ptr(k), self.ptr(v), kv_width as i32);
         let (kc, vc) = (self.ptr(&k_cache.data), self.ptr(&v_cache.data));
-        self.launch(Self::kv_kernel("write_kv", k_cache.dtype), g, &[&kp, &vp, &sp, &w, &kc, &vc])
+        let name = Self::write_kv_kernel(k_cache.dtype);
+        self.with_upload(Upload::Slots, slots, |sp| self.launch(name, g, &[&kp, &vp, &sp, &w, &kc, &vc]))
     }
 
     fn paged_attention(
@@ -776,9 +872,7 @@ impl Backend for CudaBackend {
         let (meta, num_tokens) = plan::pack_attention(seqs, shape.block_size);
         let Some(g) = plan::attention(num_tokens, &shape)? else { return Ok(()) };
         let lanes = plan::attention_lanes(shape.head_dim)? as i32;
-        let meta = self.upload_u32(&meta)?;
-        let (qp, kc, vc, mp, op) =
-            (self.ptr(q), self.ptr(&k_cache.data), self.ptr(&v_cache.data), self.ptr(&meta), self.ptr(out));
+        let (qp, kc, vc, op) = (self.ptr(q), self.ptr(&k_cache.data), self.ptr(&v_cache.data), self.ptr(out));
         let (nt, nh, nkv, hd, bs) = (
             num_tokens as i32,
             shape.num_heads as i32,
@@ -787,10 +881,10 @@ impl Backend for CudaBackend {
             shape.block_size as i32,
         );
         let scale = shape.scale;
-        self.launch(
-            Self::kv_kernel(OP, k_cache.dtype),
-            g,
-            &[&qp, &kc, &vc, &mp, &nt, &nh, &nkv, &hd, &bs, &scale, &lanes, &op],
-        )
+        let tile = plan::attention_tile(shape.num_heads / shape.num_kv_heads);
+        let name = Self::attention_kernel(k_cache.dtype, tile);
+        self.with_upload(Upload::AttnMeta, &meta, |mp| {
+            self.launch(name, g, &[&qp, &kc, &vc, &mp, &nt, &nh, &nkv, &hd, &bs, &scale, &lanes, &op])
+        })
     }
 }

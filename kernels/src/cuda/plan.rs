@@ -10,7 +10,7 @@ pub const THREADS: u32 = 256;
 pub const ATTN_THREADS: u32 = 128;
 /// Dims of a key one attention lane holds (`MAXD` in kernels.cu).
 pub const ATTN_MAX_DIMS_PER_LANE: usize = 8;
-/// Query heads one attention block serves (`MAXG` in kernels.cu).
+/// Most query heads one attention block serves (the largest `G` kernels.cu is built for).
 pub const ATTN_MAX_GROUP: usize = 8;
 /// Marks a query row no sequence owns in the packed metadata.
 pub const NO_SEQ: u32 = u32::MAX;
@@ -65,8 +65,14 @@ pub fn attention_lanes(head_dim: usize) -> Result<u32> {
     Ok(lanes as u32)
 }
 
-/// The attention launch for `num_tokens` query rows: one block per (row, KV head, group of up to
-/// [`ATTN_MAX_GROUP`] query heads), with shared memory for every key group's partial state.
+/// Query heads per attention block for a GQA group of `group` heads: the smallest kernel tile
+/// (1, 2, 4 or 8) that holds it, or 8, so that no registers go to heads that do not exist.
+pub fn attention_tile(group: usize) -> usize {
+    [1, 2, 4].into_iter().find(|&g| g >= group).unwrap_or(ATTN_MAX_GROUP)
+}
+
+/// The attention launch for `num_tokens` query rows: one block per (row, KV head, tile of
+/// [`attention_tile`] query heads), with shared memory for every key group's partial state.
 pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry>> {
     let lanes = attention_lanes(shape.head_dim)?;
     if num_tokens == 0 {
@@ -76,10 +82,11 @@ pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry
         return Err(check::err("paged_attention", format!("{num_tokens} tokens x {shape:?} exceed the grid")));
     }
     let group = shape.num_heads / shape.num_kv_heads;
+    let tile = attention_tile(group);
     let key_groups = (ATTN_THREADS / lanes) as usize;
-    let shared = key_groups * ATTN_MAX_GROUP * (shape.head_dim + 2) * 4;
+    let shared = key_groups * tile * (shape.head_dim + 2) * 4;
     Ok(Some(Geometry {
-        grid: (num_tokens as u32, shape.num_kv_heads as u32, group.div_ceil(ATTN_MAX_GROUP) as u32),
+        grid: (num_tokens as u32, shape.num_kv_heads as u32, group.div_ceil(tile) as u32),
         block: (ATTN_THREADS, 1, 1),
         shared_bytes: shared as u32,
     }))
@@ -161,6 +168,9 @@ mod tests {
             let g = attention(5, &shape).unwrap().unwrap();
             assert!(g.shared_bytes <= 48 * 1024, "head_dim {hd}: {} bytes", g.shared_bytes);
             assert_eq!(g.grid, (5, 4, 1));
+        }
+        for (group, tile) in [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (16, 8)] {
+            assert_eq!(attention_tile(group), tile, "group {group}");
         }
         // 64 query heads over 4 KV heads: groups of 16 take two blocks each.
         let shape = AttnShape { num_heads: 64, num_kv_heads: 4, head_dim: 128, block_size: 16, scale: 1.0 };
