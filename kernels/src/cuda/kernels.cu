@@ -184,20 +184,20 @@ extern "C" __global__ void write_kv_bf16(const float* k, const float* v, const u
 
 // ---- paged attention ----
 //
-// One block per (query token, KV head, tile of up to G query heads sharing it), so each key and
-// value row is read once for all the query heads of its tile (GQA); G is 1, 2, 4 or 8, the
-// smallest that holds the group (or 8), so registers are not spent on heads that do not exist.
-// The block's threads form key groups of `lanes` threads (a power of two from 4 to 32 dividing
-// the warp); a key group takes two keys per round, each lane holding `dpl` consecutive dims of
-// them (at most MAXD, loaded as 8- or 16-byte vectors where aligned), and keeps its own
-// online-softmax state (max, sum, weighted V) per query head, rescaled only when the max moves.
-// At the end the key groups' states are merged through shared memory.
+// One block of ATTN_THREADS threads per (query token, KV head, tile of up to G query heads
+// sharing it), so each key and value row is read once for all the query heads of its tile
+// (GQA); G is 1, 2, 4 or 8, the smallest that holds the group (or 8). Keys go by in tiles of
+// ATTN_THREADS: (1) each thread scores one key against every head, reading the key row as 8- or
+// 16-byte vectors and q from shared memory; (2) the block reduces the tile's max and sum per head
+// and rescales its running state once per tile; (3) each thread accumulates (head, dim) outputs
+// over the tile's value rows, the threads of a warp reading consecutive dims of a row. No
+// shuffles or exponentials per key beyond one exp per (key, head).
 //
 // `meta` (packed by the host, cuda/plan.rs): [tok_seq: num_tokens] then per sequence
 // [q_start, q_len, context_len, table_off], with each block table at meta[table_off ..].
 // tok_seq[t] == 0xffffffff marks a row no sequence owns: left untouched.
 #define MAXD 8
-#define UNROLL 2
+#define ATTN_THREADS 128
 
 // Loads dims d0 .. d0 + n (n <= MAXD, zero beyond) of row `base` as f32.
 template <int D>
@@ -226,8 +226,18 @@ __device__ __forceinline__ void load_dims(const typename Elem<D>::T* p, long lon
 template <int D, int G>
 __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, const typename Elem<D>::T* vc,
                                 const u32* meta, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int lanes, float* out) {
-    extern __shared__ float smem[];
+                                int block_size, float scale, float* out) {
+    // Shared memory: row offsets of the tile's keys, then q (scaled), the tile's probabilities,
+    // per-warp maxima and sums, and each head's rescale factor and final sum.
+    extern __shared__ long long smem_rows[];
+    const int T = ATTN_THREADS;
+    float* qs = reinterpret_cast<float*>(smem_rows + T);
+    float* ps = qs + G * head_dim;
+    float* red_max = ps + G * T;
+    float* red_sum = red_max + G * (T / 32);
+    float* cs = red_sum + G * (T / 32);
+    float* ls = cs + G;
+
     int t = blockIdx.x, kvh = blockIdx.y, h0 = blockIdx.z * G;
     int group = num_heads / num_kv_heads;
     int ng = min(G, group - h0);
@@ -237,100 +247,113 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
     int q_start = (int)si[0], q_len = (int)si[1], ctx = (int)si[2];
     const u32* table = meta + si[3];
     int nkeys = ctx - q_len + (t - q_start) + 1;  // causal: keys 0 ..= this query's position
-    int lane = threadIdx.x % lanes, kg = threadIdx.x / lanes, nkg = blockDim.x / lanes;
-    int dpl = (head_dim + lanes - 1) / lanes;
-    int d0 = lane * dpl, nd = max(0, min(dpl, head_dim - d0));
+    int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     long long kv_width = (long long)num_kv_heads * head_dim;
 
-    float qr[G][MAXD], acc[G][MAXD], m[G], l[G];
+    for (int i = tid; i < G * head_dim; i += T) {
+        int g = i / head_dim;
+        qs[i] = g < ng ? q[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + i % head_dim] * scale : 0.0f;
+    }
+    float m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
-        const float* qrow = q + ((long long)t * num_heads + kvh * group + h0 + g) * head_dim;
-#pragma unroll
-        for (int i = 0; i < MAXD; i++) {
-            qr[g][i] = (g < ng && i < nd) ? qrow[d0 + i] * scale : 0.0f;
-            acc[g][i] = 0.0f;
-        }
     }
-    // Every key group runs the same number of rounds, so the shuffles below see full warps.
-    for (int j0 = 0; j0 < nkeys; j0 += UNROLL * nkg) {
-        float kr[UNROLL][MAXD], vr[UNROLL][MAXD];
-        bool valid[UNROLL];
+    // Outputs (head, dim) this thread accumulates: o = tid + k * T.
+    const int NO = (G * 256 + T - 1) / T;
+    float acc[NO];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            int j = j0 + u * nkg + kg;
-            valid[u] = j < nkeys;
-            if (valid[u]) {
-                long long base =
-                    ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
-                load_dims<D>(kc, base, d0, nd, kr[u]);
-                load_dims<D>(vc, base, d0, nd, vr[u]);
-            } else {
+    for (int k = 0; k < NO; k++) acc[k] = 0.0f;
+    __syncthreads();
+
+    for (int j0 = 0; j0 < nkeys; j0 += T) {
+        // 1. Each thread scores one key against every head of the tile.
+        int j = j0 + tid;
+        bool valid = j < nkeys;
+        float sc[G];
 #pragma unroll
-                for (int i = 0; i < MAXD; i++) kr[u][i] = vr[u][i] = 0.0f;
-            }
-        }
+        for (int g = 0; g < G; g++) sc[g] = 0.0f;
+        if (valid) {
+            long long base =
+                ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
+            smem_rows[tid] = base;
+            for (int c = 0; c < head_dim; c += MAXD) {
+                float kr[MAXD];
+                load_dims<D>(kc, base, c, min(MAXD, head_dim - c), kr);
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+                for (int g = 0; g < G; g++) {
 #pragma unroll
-            for (int g = 0; g < G; g++) {
-                float p = 0.0f;
-#pragma unroll
-                for (int i = 0; i < MAXD; i++) p += qr[g][i] * kr[u][i];
-                for (int off = lanes / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
-                if (valid[u] && g < ng) {
-                    if (p > m[g]) {
-                        float c = expf(m[g] - p);  // 0 while m[g] is still -inf
-                        l[g] *= c;
-#pragma unroll
-                        for (int i = 0; i < MAXD; i++) acc[g][i] *= c;
-                        m[g] = p;
+                    for (int i = 0; i < MAXD; i++) {
+                        if (c + i < head_dim) sc[g] += qs[g * head_dim + c + i] * kr[i];
                     }
-                    float e = expf(p - m[g]);
-                    l[g] += e;
-#pragma unroll
-                    for (int i = 0; i < MAXD; i++) acc[g][i] += e * vr[u][i];
                 }
             }
         }
+        // 2. The tile's max and sum per head; running max, rescale and sum.
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float v = valid ? sc[g] : -INFINITY;
+            for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+            if (lane == 0) red_max[g * (T / 32) + warp] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float tmax = -INFINITY;
+            for (int w = 0; w < T / 32; w++) tmax = fmaxf(tmax, red_max[g * (T / 32) + w]);
+            float mnew = fmaxf(m[g], tmax);  // finite: key j0 is always valid
+            float c = expf(m[g] - mnew);      // 0 on the first tile
+            float p = valid ? expf(sc[g] - mnew) : 0.0f;
+            ps[g * T + tid] = p;
+            for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+            if (lane == 0) red_sum[g * (T / 32) + warp] = p;
+            if (tid == 0) cs[g] = c;
+            m[g] = mnew;
+            l[g] *= c;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float tsum = 0.0f;
+            for (int w = 0; w < T / 32; w++) tsum += red_sum[g * (T / 32) + w];
+            l[g] += tsum;
+        }
+        // 3. Weighted values: thread o accumulates output (o / head_dim, o % head_dim); the
+        // threads of a warp read consecutive dims of each value row.
+        int tile_n = min(T, nkeys - j0);
+#pragma unroll
+        for (int k = 0; k < NO; k++) {
+            int o = tid + k * T;
+            if (o < ng * head_dim) {
+                int g = o / head_dim, d = o % head_dim;
+                const float* pg = ps + g * T;
+                float a = acc[k] * cs[g];
+                for (int jj = 0; jj < tile_n; jj++) a += pg[jj] * Elem<D>::load(vc, smem_rows[jj] + d);
+                acc[k] = a;
+            }
+        }
+        __syncthreads();
     }
-    // Merge: smem holds per key group and head [m, l, acc[head_dim]].
-    int stride = head_dim + 2;
+    if (tid == 0) {
 #pragma unroll
-    for (int g = 0; g < G; g++) {
-        if (g >= ng) break;
-        float* st = smem + ((long long)kg * G + g) * stride;
-        if (lane == 0) {
-            st[0] = m[g];
-            st[1] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < MAXD; i++) {
-            if (i < nd) st[2 + d0 + i] = acc[g][i];
-        }
+        for (int g = 0; g < G; g++) ls[g] = l[g];
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < ng * head_dim; idx += blockDim.x) {
-        int g = idx / head_dim, d = idx % head_dim;
-        float mx = -INFINITY;
-        for (int c = 0; c < nkg; c++) mx = fmaxf(mx, smem[((long long)c * G + g) * stride]);
-        float sum = 0.0f, o = 0.0f;
-        for (int c = 0; c < nkg; c++) {
-            const float* st = smem + ((long long)c * G + g) * stride;
-            float w = st[1] > 0.0f ? expf(st[0] - mx) : 0.0f;
-            sum += st[1] * w;
-            o += st[2 + d] * w;
+#pragma unroll
+    for (int k = 0; k < NO; k++) {
+        int o = tid + k * T;
+        if (o < ng * head_dim) {
+            int g = o / head_dim, d = o % head_dim;
+            out[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] = acc[k] / ls[g];
         }
-        out[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] = o / sum;
     }
 }
 
 #define ATTN_ARGS(T)                                                                                          \
     const float *q, const T *kc, const T *vc, const u32 *meta, int num_tokens, int num_heads, int num_kv_heads, \
-        int head_dim, int block_size, float scale, int lanes, float *out
-#define ATTN_PASS q, kc, vc, meta, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, lanes, out
+        int head_dim, int block_size, float scale, float *out
+#define ATTN_PASS q, kc, vc, meta, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, out
 #define ATTN_KERNELS(G)                                                                                              \
     extern "C" __global__ void paged_attention_f32_g##G(ATTN_ARGS(float)) { paged_attention<0, G>(ATTN_PASS); }  \
     extern "C" __global__ void paged_attention_f16_g##G(ATTN_ARGS(u16)) { paged_attention<1, G>(ATTN_PASS); }    \

@@ -871,7 +871,6 @@ impl Backend for CudaBackend {
         check::paged_attention(q.len(), k_cache.len, v_cache.len, seqs, &shape, out.len())?;
         let (meta, num_tokens) = plan::pack_attention(seqs, shape.block_size);
         let Some(g) = plan::attention(num_tokens, &shape)? else { return Ok(()) };
-        let lanes = plan::attention_lanes(shape.head_dim)? as i32;
         let (qp, kc, vc, op) = (self.ptr(q), self.ptr(&k_cache.data), self.ptr(&v_cache.data), self.ptr(out));
         let (nt, nh, nkv, hd, bs) = (
             num_tokens as i32,
@@ -884,7 +883,7 @@ impl Backend for CudaBackend {
         let tile = plan::attention_tile(shape.num_heads / shape.num_kv_heads);
         let name = Self::attention_kernel(k_cache.dtype, tile);
         self.with_upload(Upload::AttnMeta, &meta, |mp| {
-            self.launch(name, g, &[&qp, &kc, &vc, &mp, &nt, &nh, &nkv, &hd, &bs, &scale, &lanes, &op])
+            self.launch(name, g, &[&qp, &kc, &vc, &mp, &nt, &nh, &nkv, &hd, &bs, &scale, &op])
         })
     }
 }

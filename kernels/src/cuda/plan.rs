@@ -8,8 +8,6 @@ use crate::{check, AttnSeq, AttnShape, Result};
 pub const THREADS: u32 = 256;
 /// Threads per block of paged attention (four warps).
 pub const ATTN_THREADS: u32 = 128;
-/// Dims of a key one attention lane holds (`MAXD` in kernels.cu).
-pub const ATTN_MAX_DIMS_PER_LANE: usize = 8;
 /// Most query heads one attention block serves (the largest `G` kernels.cu is built for).
 pub const ATTN_MAX_GROUP: usize = 8;
 /// Marks a query row no sequence owns in the packed metadata.
@@ -48,22 +46,8 @@ pub fn per_row(rows: usize, width: usize) -> Result<Option<Geometry>> {
     Ok(Some(Geometry { grid: (rows as u32, 1, 1), block: (threads, 1, 1), shared_bytes: 0 }))
 }
 
-/// Lanes that share one key in paged attention: the smallest power of two from 4 to 32 for
-/// which each lane holds at most [`ATTN_MAX_DIMS_PER_LANE`] of the head's dims. Head dims above
-/// 256 are refused.
-pub fn attention_lanes(head_dim: usize) -> Result<u32> {
-    let mut lanes = 4usize;
-    while head_dim.div_ceil(lanes) > ATTN_MAX_DIMS_PER_LANE {
-        lanes *= 2;
-        if lanes > 32 {
-            return Err(check::err(
-                "paged_attention",
-                format!("head_dim {head_dim} exceeds the CUDA kernel's {}", 32 * ATTN_MAX_DIMS_PER_LANE),
-            ));
-        }
-    }
-    Ok(lanes as u32)
-}
+/// The largest head_dim the attention kernel takes (its per-thread outputs are sized for it).
+pub const ATTN_MAX_HEAD_DIM: usize = 256;
 
 /// Query heads per attention block for a GQA group of `group` heads: the smallest kernel tile
 /// (1, 2, 4 or 8) that holds it, or 8, so that no registers go to heads that do not exist.
@@ -74,7 +58,12 @@ pub fn attention_tile(group: usize) -> usize {
 /// The attention launch for `num_tokens` query rows: one block per (row, KV head, tile of
 /// [`attention_tile`] query heads), with shared memory for every key group's partial state.
 pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry>> {
-    let lanes = attention_lanes(shape.head_dim)?;
+    if shape.head_dim > ATTN_MAX_HEAD_DIM {
+        return Err(check::err(
+            "paged_attention",
+            format!("head_dim {} exceeds the CUDA kernel's {ATTN_MAX_HEAD_DIM}", shape.head_dim),
+        ));
+    }
     if num_tokens == 0 {
         return Ok(None);
     }
@@ -83,8 +72,10 @@ pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry
     }
     let group = shape.num_heads / shape.num_kv_heads;
     let tile = attention_tile(group);
-    let key_groups = (ATTN_THREADS / lanes) as usize;
-    let shared = key_groups * tile * (shape.head_dim + 2) * 4;
+    // Row offsets (8 bytes per thread), then f32s: q, the tile's probabilities, per-warp maxima
+    // and sums, rescale factors and sums (kernels.cu's layout).
+    let threads = ATTN_THREADS as usize;
+    let shared = 8 * threads + 4 * (tile * shape.head_dim + tile * threads + 2 * tile * (threads / 32) + 2 * tile);
     Ok(Some(Geometry {
         grid: (num_tokens as u32, shape.num_kv_heads as u32, group.div_ceil(tile) as u32),
         block: (ATTN_THREADS, 1, 1),
@@ -153,22 +144,15 @@ mod tests {
     }
 
     #[test]
-    fn attention_lanes_keep_a_lanes_dims_within_the_kernels_registers() {
-        for (hd, lanes) in [(1, 4), (16, 4), (32, 4), (33, 8), (64, 8), (80, 16), (128, 16), (256, 32)] {
-            assert_eq!(attention_lanes(hd).unwrap(), lanes, "head_dim {hd}");
-            assert!(hd.div_ceil(lanes as usize) <= ATTN_MAX_DIMS_PER_LANE);
-        }
-        assert!(attention_lanes(257).is_err());
-    }
-
-    #[test]
     fn attention_geometry_fits_shared_memory_for_every_head_dim_it_takes() {
         for hd in 1..=256 {
-            let shape = AttnShape { num_heads: 32, num_kv_heads: 4, head_dim: hd, block_size: 16, scale: 1.0 };
+            let shape = AttnShape { num_heads: 64, num_kv_heads: 4, head_dim: hd, block_size: 16, scale: 1.0 };
             let g = attention(5, &shape).unwrap().unwrap();
             assert!(g.shared_bytes <= 48 * 1024, "head_dim {hd}: {} bytes", g.shared_bytes);
-            assert_eq!(g.grid, (5, 4, 1));
+            assert_eq!(g.grid, (5, 4, 2));
         }
+        let big = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 257, block_size: 16, scale: 1.0 };
+        assert!(attention(1, &big).is_err());
         for (group, tile) in [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (16, 8)] {
             assert_eq!(attention_tile(group), tile, "group {group}");
         }
