@@ -189,9 +189,10 @@ extern "C" __global__ void write_kv_bf16(const float* k, const float* v, const u
 // (GQA); G is 1, 2, 4 or 8, the smallest that holds the group (or 8). Keys go by in tiles of
 // ATTN_THREADS: (1) each thread scores one key against every head, reading the key row as 8- or
 // 16-byte vectors and q from shared memory; (2) the block reduces the tile's max and sum per head
-// and rescales its running state once per tile; (3) each thread accumulates (head, dim) outputs
-// over the tile's value rows, the threads of a warp reading consecutive dims of a row. No
-// shuffles or exponentials per key beyond one exp per (key, head).
+// and rescales its running state once per tile; (3) each thread takes 8 consecutive dims of the
+// value rows of a subset of the tile's keys (one vector load per row) and accumulates them for
+// every head; the subsets' partial sums are merged at the end. No shuffles or exponentials per
+// key beyond one exp per (key, head).
 //
 // `meta` (packed by the host, cuda/plan.rs): [tok_seq: num_tokens] then per sequence
 // [q_start, q_len, context_len, table_off], with each block table at meta[table_off ..].
@@ -227,16 +228,17 @@ template <int D, int G>
 __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, const typename Elem<D>::T* vc,
                                 const u32* meta, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, float scale, float* out) {
-    // Shared memory: row offsets of the tile's keys, then q (scaled), the tile's probabilities,
-    // per-warp maxima and sums, and each head's rescale factor and final sum.
+    // Shared memory (sized by plan.rs): row offsets of the tile's keys, each head's rescale
+    // factor and final sum, then q (scaled), the tile's probabilities and per-warp maxima and
+    // sums; after the last tile the partial sums of the merge take the place of the latter.
     extern __shared__ long long smem_rows[];
     const int T = ATTN_THREADS;
-    float* qs = reinterpret_cast<float*>(smem_rows + T);
+    float* cs = reinterpret_cast<float*>(smem_rows + T);
+    float* ls = cs + G;
+    float* qs = ls + G;
     float* ps = qs + G * head_dim;
     float* red_max = ps + G * T;
     float* red_sum = red_max + G * (T / 32);
-    float* cs = red_sum + G * (T / 32);
-    float* ls = cs + G;
 
     int t = blockIdx.x, kvh = blockIdx.y, h0 = blockIdx.z * G;
     int group = num_heads / num_kv_heads;
@@ -260,11 +262,17 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    // Outputs (head, dim) this thread accumulates: o = tid + k * T.
-    const int NO = (G * 256 + T - 1) / T;
-    float acc[NO];
+    // Phase 3's share of the outputs: 8 consecutive dims (chunk `ch`) of every head of the tile,
+    // over the keys jj = sub, sub + nsub, ... of each tile.
+    int nch = (head_dim + MAXD - 1) / MAXD, nsub = T / nch;
+    int ch = tid % nch, sub = tid / nch;
+    int dbase = ch * MAXD, dn = min(MAXD, head_dim - dbase);
+    float acc[G][MAXD];
 #pragma unroll
-    for (int k = 0; k < NO; k++) acc[k] = 0.0f;
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) acc[g][i] = 0.0f;
+    }
     __syncthreads();
 
     for (int j0 = 0; j0 < nkeys; j0 += T) {
@@ -278,6 +286,7 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
             long long base =
                 ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
             smem_rows[tid] = base;
+#pragma unroll 4
             for (int c = 0; c < head_dim; c += MAXD) {
                 float kr[MAXD];
                 load_dims<D>(kc, base, c, min(MAXD, head_dim - c), kr);
@@ -319,34 +328,50 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
             for (int w = 0; w < T / 32; w++) tsum += red_sum[g * (T / 32) + w];
             l[g] += tsum;
         }
-        // 3. Weighted values: thread o accumulates output (o / head_dim, o % head_dim); the
-        // threads of a warp read consecutive dims of each value row.
+        // 3. Weighted values: each value row's chunk is read once (a vector load) for every head.
         int tile_n = min(T, nkeys - j0);
 #pragma unroll
-        for (int k = 0; k < NO; k++) {
-            int o = tid + k * T;
-            if (o < ng * head_dim) {
-                int g = o / head_dim, d = o % head_dim;
-                const float* pg = ps + g * T;
-                float a = acc[k] * cs[g];
-                for (int jj = 0; jj < tile_n; jj++) a += pg[jj] * Elem<D>::load(vc, smem_rows[jj] + d);
-                acc[k] = a;
+        for (int g = 0; g < G; g++) {
+            float c = cs[g];
+#pragma unroll
+            for (int i = 0; i < MAXD; i++) acc[g][i] *= c;
+        }
+        if (sub < nsub) {
+#pragma unroll 4
+            for (int jj = sub; jj < tile_n; jj += nsub) {
+                float vr[MAXD];
+                load_dims<D>(vc, smem_rows[jj], dbase, dn, vr);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    float p = ps[g * T + jj];
+#pragma unroll
+                    for (int i = 0; i < MAXD; i++) acc[g][i] += p * vr[i];
+                }
             }
         }
         __syncthreads();
+    }
+    // Merge the key subsets' partial sums (the tile's buffers are free now: reuse from qs on).
+    float* merge = qs;
+    if (sub < nsub) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int i = 0; i < MAXD; i++) {
+                if (i < dn) merge[((long long)sub * G + g) * head_dim + dbase + i] = acc[g][i];
+            }
+        }
     }
     if (tid == 0) {
 #pragma unroll
         for (int g = 0; g < G; g++) ls[g] = l[g];
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < NO; k++) {
-        int o = tid + k * T;
-        if (o < ng * head_dim) {
-            int g = o / head_dim, d = o % head_dim;
-            out[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] = acc[k] / ls[g];
-        }
+    for (int o = tid; o < ng * head_dim; o += T) {
+        int g = o / head_dim, d = o % head_dim;
+        float sum = 0.0f;
+        for (int u = 0; u < nsub; u++) sum += merge[((long long)u * G + g) * head_dim + d];
+        out[((long long)t * num_heads + kvh * group + h0 + g) * head_dim + d] = sum / ls[g];
     }
 }
 

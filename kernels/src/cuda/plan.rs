@@ -72,10 +72,14 @@ pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry
     }
     let group = shape.num_heads / shape.num_kv_heads;
     let tile = attention_tile(group);
-    // Row offsets (8 bytes per thread), then f32s: q, the tile's probabilities, per-warp maxima
-    // and sums, rescale factors and sums (kernels.cu's layout).
+    // Row offsets (8 bytes per thread), rescale factors and sums, then either q, the tile's
+    // probabilities and per-warp maxima and sums, or (after the last tile) the partial sums of
+    // each key subset (kernels.cu's layout).
     let threads = ATTN_THREADS as usize;
-    let shared = 8 * threads + 4 * (tile * shape.head_dim + tile * threads + 2 * tile * (threads / 32) + 2 * tile);
+    let hd = shape.head_dim;
+    let subsets = threads / hd.div_ceil(8);
+    let tiles = tile * hd + tile * threads + 2 * tile * (threads / 32);
+    let shared = 8 * threads + 4 * (2 * tile + tiles.max(subsets * tile * hd));
     Ok(Some(Geometry {
         grid: (num_tokens as u32, shape.num_kv_heads as u32, group.div_ceil(tile) as u32),
         block: (ATTN_THREADS, 1, 1),
