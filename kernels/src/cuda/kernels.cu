@@ -235,7 +235,7 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
     const int T = ATTN_THREADS;
     float* cs = reinterpret_cast<float*>(smem_rows + T);
     float* ls = cs + G;
-    float* qs = ls + G;
+    float* qs = cs + ((2 * G + 3) & ~3);  // 16-byte aligned, for float4 reads
     float* ps = qs + G * head_dim;
     float* red_max = ps + G * T;
     float* red_sum = red_max + G * (T / 32);
@@ -286,15 +286,30 @@ __device__ void paged_attention(const float* q, const typename Elem<D>::T* kc, c
             long long base =
                 ((long long)table[j / block_size] * block_size + j % block_size) * kv_width + (long long)kvh * head_dim;
             smem_rows[tid] = base;
+            if ((head_dim & (MAXD - 1)) == 0) {
+                // Whole chunks: q read from shared memory four floats at a time.
 #pragma unroll 4
-            for (int c = 0; c < head_dim; c += MAXD) {
-                float kr[MAXD];
-                load_dims<D>(kc, base, c, min(MAXD, head_dim - c), kr);
+                for (int c = 0; c < head_dim; c += MAXD) {
+                    float kr[MAXD];
+                    load_dims<D>(kc, base, c, MAXD, kr);
 #pragma unroll
-                for (int g = 0; g < G; g++) {
+                    for (int g = 0; g < G; g++) {
+                        const float4* q4 = reinterpret_cast<const float4*>(qs + g * head_dim + c);
+                        float4 a = q4[0], b = q4[1];
+                        sc[g] += a.x * kr[0] + a.y * kr[1] + a.z * kr[2] + a.w * kr[3] + b.x * kr[4] + b.y * kr[5] +
+                                 b.z * kr[6] + b.w * kr[7];
+                    }
+                }
+            } else {
+                for (int c = 0; c < head_dim; c += MAXD) {
+                    float kr[MAXD];
+                    load_dims<D>(kc, base, c, min(MAXD, head_dim - c), kr);
 #pragma unroll
-                    for (int i = 0; i < MAXD; i++) {
-                        if (c + i < head_dim) sc[g] += qs[g * head_dim + c + i] * kr[i];
+                    for (int g = 0; g < G; g++) {
+#pragma unroll
+                        for (int i = 0; i < MAXD; i++) {
+                            if (c + i < head_dim) sc[g] += qs[g * head_dim + c + i] * kr[i];
+                        }
                     }
                 }
             }

@@ -72,14 +72,14 @@ pub fn attention(num_tokens: usize, shape: &AttnShape) -> Result<Option<Geometry
     }
     let group = shape.num_heads / shape.num_kv_heads;
     let tile = attention_tile(group);
-    // Row offsets (8 bytes per thread), rescale factors and sums, then either q, the tile's
+    // Row offsets (8 bytes per thread), rescale factors and sums (padded to 16 bytes), then either q, the tile's
     // probabilities and per-warp maxima and sums, or (after the last tile) the partial sums of
     // each key subset (kernels.cu's layout).
     let threads = ATTN_THREADS as usize;
     let hd = shape.head_dim;
     let subsets = threads / hd.div_ceil(8);
     let tiles = tile * hd + tile * threads + 2 * tile * (threads / 32);
-    let shared = 8 * threads + 4 * (2 * tile + tiles.max(subsets * tile * hd));
+    let shared = 8 * threads + 4 * ((2 * tile).next_multiple_of(4) + tiles.max(subsets * tile * hd));
     Ok(Some(Geometry {
         grid: (num_tokens as u32, shape.num_kv_heads as u32, group.div_ceil(tile) as u32),
         block: (ATTN_THREADS, 1, 1),
