@@ -283,6 +283,7 @@ fn paged_attention_matches_reference_over_shapes_and_batches() {
         (32, 8, 128, 16), // Llama 3 8B
         (16, 1, 80, 8),   // multi-query, a head_dim that is not a power of two, 16 heads per KV head
         (8, 8, 256, 32),  // no GQA, the largest head_dim
+        (6, 2, 36, 16),   // a head_dim that is not a multiple of 8: no vector loads
     ];
     for (i, &(nh, nkv, hd, bs)) in shapes.iter().enumerate() {
         let shape = AttnShape {
