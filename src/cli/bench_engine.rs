@@ -207,11 +207,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         }
         #[cfg(feature = "cuda")]
         super::Device::Cuda(n) => {
-            use cleave_kernels::cuda::{CudaBackend, GemmDtype};
-            let gemm = match args.engine.gpu_weights {
-                super::GpuWeightsArg::Bf16 => GemmDtype::Bf16,
-                super::GpuWeightsArg::F32 => GemmDtype::F32,
-            };
+            use cleave_kernels::cuda::CudaBackend;
+            let gemm = args.engine.gpu_weights.gemm();
             let backend = CudaBackend::new(n, gemm)?;
             eprintln!("measuring device limits on {}...", backend.device_name());
             // Copy bandwidth counts the bytes read and written; decode reads, so the floor uses it.

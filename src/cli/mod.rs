@@ -201,6 +201,16 @@ pub enum GpuWeightsArg {
     F32,
 }
 
+#[cfg(feature = "cuda")]
+impl GpuWeightsArg {
+    pub fn gemm(self) -> cleave_kernels::cuda::GemmDtype {
+        match self {
+            GpuWeightsArg::Bf16 => cleave_kernels::cuda::GemmDtype::Bf16,
+            GpuWeightsArg::F32 => cleave_kernels::cuda::GemmDtype::F32,
+        }
+    }
+}
+
 /// Work that runs on whichever backend `--device` picks: `run` gets a maker of backends (a
 /// second engine, such as `generate`'s prefill engine, takes a second backend).
 pub trait OnBackend {
@@ -217,11 +227,8 @@ pub fn on_backend<W: OnBackend>(e: &EngineArgs, w: W) -> anyhow::Result<W::Out> 
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
-            use cleave_kernels::cuda::{CudaBackend, GemmDtype};
-            let gemm = match e.gpu_weights {
-                GpuWeightsArg::Bf16 => GemmDtype::Bf16,
-                GpuWeightsArg::F32 => GemmDtype::F32,
-            };
+            use cleave_kernels::cuda::CudaBackend;
+            let gemm = e.gpu_weights.gemm();
             w.run(&move || {
                 let b = CudaBackend::new(n, gemm).map_err(|e| anyhow::anyhow!("--device cuda:{n}: {e}"))?;
                 eprintln!("engine on {} ({gemm:?} weights)", b.device_name());

@@ -96,7 +96,8 @@ pub fn nvrtc_present() -> bool {
 }
 
 /// Compiles [`KERNELS_SOURCE`] to PTX with NVRTC (no driver or device needed), for
-/// `compute_capability` when given. Returns the PTX text.
+/// `compute_capability` when given, with exact division and square root (RMSNorm's `1 / sqrt`
+/// is compared with the CPU's). Returns the PTX text.
 pub fn compile_kernels(compute_capability: Option<(i32, i32)>) -> Result<String> {
     if !nvrtc_present() {
         return Err(dev_err("NVRTC (libnvrtc.so) was not found: install the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel and put its lib folder on LD_LIBRARY_PATH"));
@@ -122,8 +123,6 @@ pub struct CudaLinear {
     n: usize,
     k: usize,
     data: Weights,
-    /// The format the weight came in ("Q4_1", "bf16", "f32"), for logs; the device holds `data`.
-    source: &'static str,
 }
 
 #[derive(Debug)]
@@ -432,10 +431,6 @@ impl CudaBackend {
         }
     }
 
-    fn upload_weights(&self, data: Weights, n: usize, k: usize, source: &'static str) -> CudaLinear {
-        CudaLinear { n, k, data, source }
-    }
-
     fn write_kv_kernel(dtype: CacheDtype) -> &'static str {
         match dtype {
             CacheDtype::F32 => "write_kv_f32",
@@ -607,15 +602,13 @@ impl Backend for CudaBackend {
                 Weights::Bf16(self.stream.clone_htod(&bits).map_err(driver_err)?)
             }
         };
-        Ok(self.upload_weights(data, n, k, "f32"))
+        Ok(CudaLinear { n, k, data })
     }
 
     fn prepare_linear_quantized(&self, w: QuantMatrix) -> Result<CudaLinear> {
         // Dequantized on the host to the backend's GEMM type: the device multiplies 16-bit or
         // f32 weights (quantized GPU kernels are future work).
-        let mut lin = self.prepare_linear(&w.to_f32(), w.n(), w.k())?;
-        lin.source = w.format().name();
-        Ok(lin)
+        self.prepare_linear(&w.to_f32(), w.n(), w.k())
     }
 
     fn prepare_linear_half(&self, w: HalfMatrix) -> Result<CudaLinear> {
@@ -626,7 +619,7 @@ impl Backend for CudaBackend {
             (GemmDtype::Bf16, HalfFormat::Bf16) => Weights::Bf16(self.stream.clone_htod(w.data()).map_err(driver_err)?),
             (GemmDtype::Bf16, HalfFormat::F16) => Weights::F16(self.stream.clone_htod(w.data()).map_err(driver_err)?),
         };
-        Ok(self.upload_weights(data, n, k, w.format().name()))
+        Ok(CudaLinear { n, k, data })
     }
 
     fn linear_info(&self, w: &CudaLinear) -> LinearInfo {
@@ -635,7 +628,6 @@ impl Backend for CudaBackend {
             Weights::F16(_) => "f16",
             Weights::Bf16(_) => "bf16",
         };
-        let _ = w.source;
         LinearInfo { n: w.n, k: w.k, bytes: w.data.bytes(), format }
     }
 

@@ -113,9 +113,8 @@ pub fn pack_attention(seqs: &[AttnSeq<'_>], block_size: usize) -> (Vec<u32>, usi
     (meta, num_tokens)
 }
 
-/// NVRTC options for the kernels: the device's own architecture when known (so the driver has
-/// nothing left to compile), and exact division and square root (RMSNorm's `1 / sqrt` is
-/// compared with the CPU's).
+/// NVRTC's architecture option: the device's own when known, so the PTX uses what the device
+/// has and the driver's JIT targets it.
 pub fn compile_arch(compute_capability: Option<(i32, i32)>) -> Option<String> {
     compute_capability.map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}"))
 }
