@@ -171,10 +171,15 @@ pub struct CudaBackend {
 /// held from lookup through launch, so two threads sharing a backend cannot free a buffer the
 /// other is about to launch with; the engine drives a backend from one thread, so it is never
 /// contended.
+///
+/// KV bytes cross to and from the host through one page-locked buffer (`pinned`): the DMA
+/// engine copies it at full speed, where a copy to pageable memory goes through the driver's
+/// own staging at a few GB/s (measured on the H200: BENCHMARKS.md, "The handoff's staging").
 #[derive(Default)]
 struct Reuse {
     uploads: [(Vec<u32>, Option<CudaSlice<u32>>); 4],
     stage: Option<CudaSlice<u16>>,
+    pinned: Option<cudarc::driver::PinnedHostSlice<u8>>,
 }
 
 /// The kinds of [`Reuse::uploads`].
@@ -260,6 +265,20 @@ impl CudaBackend {
 
     fn reuse(&self) -> MutexGuard<'_, Reuse> {
         self.reuse.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The page-locked buffer, at least `len` bytes (grown to a power of two).
+    fn pinned<'r>(&self, reuse: &'r mut Reuse, len: usize) -> Result<&'r mut [u8]> {
+        if reuse.pinned.as_ref().is_none_or(|p| p.len() < len) {
+            reuse.pinned = None; // freed before the larger one is taken
+                                 // SAFETY: the buffer is only read after the copies into it have completed (each
+                                 // user synchronizes the stream before reading or releasing the lock).
+            reuse.pinned = Some(unsafe { self.ctx.alloc_pinned::<u8>(len.next_power_of_two()) }.map_err(driver_err)?);
+        }
+        match reuse.pinned.as_mut() {
+            Some(p) => Ok(&mut p.as_mut_slice().map_err(driver_err)?[..len]),
+            None => Err(dev_err("pinned buffer missing")),
+        }
     }
 
     /// Runs `f` with a device copy of `host` (reused if the last upload of `kind` was the same),
@@ -791,10 +810,12 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Ok(());
         }
-        let at = out.len();
-        out.resize(at + bytes, 0);
-        self.stream.memcpy_dtoh(&src.data.slice(start..start + bytes), &mut out[at..]).map_err(driver_err)?;
-        self.synchronize()
+        let mut reuse = self.reuse();
+        let staging = self.pinned(&mut reuse, bytes)?;
+        self.stream.memcpy_dtoh(&src.data.slice(start..start + bytes), staging).map_err(driver_err)?;
+        self.synchronize()?;
+        out.extend_from_slice(staging);
+        Ok(())
     }
 
     fn write_kv_bytes(&self, dst: &mut CudaKv, off: usize, bytes: &[u8]) -> Result<()> {
@@ -809,8 +830,14 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
+        let mut reuse = self.reuse();
+        let staging = self.pinned(&mut reuse, n)?;
+        staging.copy_from_slice(bytes);
         let mut view = dst.data.slice_mut(start..start + n);
-        self.stream.memcpy_htod(bytes, &mut view).map_err(driver_err)
+        self.stream.memcpy_htod(&*staging, &mut view).map_err(driver_err)?;
+        // The copy from page-locked memory is asynchronous: the buffer is not reused before it
+        // has landed.
+        self.synchronize()
     }
 
     fn copy_kv(&self, buf: &mut CudaKv, src_off: usize, dst_off: usize, len: usize) -> Result<()> {
