@@ -137,3 +137,20 @@ pub fn perplexity(model: &Model<CpuBackend>, backend: &CpuBackend, tokens: &[u32
     }
     (nll / (tokens.len() - 1) as f64).exp()
 }
+
+/// Logits at the last prompt position, computed by one prefill over the whole prompt through a
+/// scrambled block table (so the test also exercises indirection), on any backend.
+pub fn last_logits<B: cleave_kernels::Backend>(model: &Model<B>, backend: &B, prompt: &[u32]) -> Vec<f32> {
+    let block_size = 16;
+    let blocks = prompt.len().div_ceil(block_size);
+    let spec = KvSpec { num_blocks: blocks + 1, block_size, dtype: KvDtype::F32 };
+    let mut kv = KvStorage::new(backend, &model.config, spec).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let slots: Vec<u32> =
+        positions.iter().map(|&p| table[p as usize / block_size] * block_size as u32 + p % block_size as u32).collect();
+    let seqs = [AttnSeq { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &table }];
+    let rows = [prompt.len() as u32 - 1];
+    let batch = ForwardBatch { tokens: prompt, positions: &positions, slots: &slots, seqs: &seqs, logit_rows: &rows };
+    model.forward(backend, batch, &mut kv).unwrap()
+}

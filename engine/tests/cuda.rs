@@ -10,10 +10,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles};
+use cleave_engine::model::{Model, ModelFiles};
 use cleave_engine::{EngineConfig, EngineCore, ImportStart, KvExport, KvExportEvent};
 use cleave_kernels::cuda::{CudaBackend, GemmDtype};
-use cleave_kernels::{AttnSeq, Backend, CpuBackend};
+use cleave_kernels::{Backend, CpuBackend};
 use cleave_protocol::KvDtype;
 use common::*;
 
@@ -26,21 +26,6 @@ fn gpu(gemm: GemmDtype) -> Option<CudaBackend> {
             None
         }
     }
-}
-
-fn last_logits<B: Backend>(model: &Model<B>, backend: &B, prompt: &[u32]) -> Vec<f32> {
-    let block_size = 16;
-    let blocks = prompt.len().div_ceil(block_size);
-    let spec = KvSpec { num_blocks: blocks + 1, block_size, dtype: KvDtype::F32 };
-    let mut kv = KvStorage::new(backend, &model.config, spec).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).rev().collect();
-    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-    let slots: Vec<u32> =
-        positions.iter().map(|&p| table[p as usize / block_size] * block_size as u32 + p % block_size as u32).collect();
-    let seqs = [AttnSeq { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &table }];
-    let rows = [prompt.len() as u32 - 1];
-    let batch = ForwardBatch { tokens: prompt, positions: &positions, slots: &slots, seqs: &seqs, logit_rows: &rows };
-    model.forward(backend, batch, &mut kv).unwrap()
 }
 
 #[test]

@@ -3,11 +3,9 @@
 
 mod common;
 
-use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model, ModelFiles};
+use cleave_engine::model::{Model, ModelFiles};
 use cleave_engine::EngineConfig;
 use cleave_kernels::cpu::CpuBackend;
-use cleave_kernels::AttnSeq;
-use cleave_protocol::KvDtype;
 use common::*;
 
 #[test]
@@ -31,24 +29,6 @@ fn chat_template_renders_and_tokenizes_like_transformers() {
     let rendered = files.tokenizer.render_chat(&messages, true).unwrap();
     assert_eq!(rendered, case["rendered_prompt"].as_str().unwrap());
     assert_eq!(files.tokenizer.encode(&rendered, false).unwrap(), ids(&case["prompt_ids"]));
-}
-
-/// Logits at the last prompt position, computed by one prefill over the whole prompt.
-fn last_logits(model: &Model<CpuBackend>, backend: &CpuBackend, prompt: &[u32]) -> Vec<f32> {
-    let block_size = 16;
-    let blocks = prompt.len().div_ceil(block_size);
-    let mut kv =
-        KvStorage::new(backend, &model.config, KvSpec { num_blocks: blocks + 1, block_size, dtype: KvDtype::F32 })
-            .unwrap();
-    // A scrambled block table, so the test also exercises indirection.
-    let table: Vec<u32> = (0..blocks as u32).rev().collect();
-    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-    let slots: Vec<u32> =
-        positions.iter().map(|&p| table[p as usize / block_size] * block_size as u32 + p % block_size as u32).collect();
-    let seqs = [AttnSeq { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &table }];
-    let rows = [prompt.len() as u32 - 1];
-    let batch = ForwardBatch { tokens: prompt, positions: &positions, slots: &slots, seqs: &seqs, logit_rows: &rows };
-    model.forward(backend, batch, &mut kv).unwrap()
 }
 
 #[test]

@@ -40,6 +40,30 @@ pub(crate) fn linear(
     at_least(OP, "out", out, mul(OP, m, n)?)
 }
 
+/// Several weights `(n, k)` (with an optional bias length) on one `x` with `m` rows, each
+/// writing an output of the given length: the same `k` for all, each a valid [`linear`].
+/// Returns that `k` (`None` for no weights).
+pub(crate) fn linear_many(
+    x: usize,
+    ws: impl ExactSizeIterator<Item = ((usize, usize), Option<usize>)>,
+    m: usize,
+    outs: impl ExactSizeIterator<Item = usize>,
+) -> Result<Option<usize>> {
+    const OP: &str = "linear_prepared_many";
+    if ws.len() != outs.len() {
+        return Err(err(OP, format!("{} weights but {} outputs", ws.len(), outs.len())));
+    }
+    let mut k0 = None;
+    for (i, (((n, k), bias), out)) in ws.zip(outs).enumerate() {
+        let k0 = *k0.get_or_insert(k);
+        if k != k0 {
+            return Err(err(OP, format!("weight {i} has k = {k}, weight 0 has k = {k0}")));
+        }
+        linear(x, n * k, bias, (m, k, n), out)?;
+    }
+    Ok(k0)
+}
+
 pub(crate) fn rms_norm(x: usize, weight: usize, rows: usize, dim: usize, out: usize) -> Result<()> {
     const OP: &str = "rms_norm";
     let total = mul(OP, rows, dim)?;

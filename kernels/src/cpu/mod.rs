@@ -367,17 +367,8 @@ impl Backend for CpuBackend {
         m: usize,
         outs: &mut [&mut Vec<f32>],
     ) -> Result<()> {
-        const OP: &str = "linear_prepared_many";
-        if ws.len() != outs.len() {
-            return Err(check::err(OP, format!("{} weights but {} outputs", ws.len(), outs.len())));
-        }
-        let Some(k) = ws.first().map(|(w, _)| w.k()) else { return Ok(()) };
-        if let Some((i, _)) = ws.iter().enumerate().find(|(_, (w, _))| w.k() != k) {
-            return Err(check::err(OP, format!("weight {i} has k = {}, weight 0 has k = {k}", ws[i].0.k())));
-        }
-        for ((w, bias), out) in ws.iter().zip(outs.iter()) {
-            check::linear(x.len(), w.n() * k, bias.map(|b| b.len()), (m, k, w.n()), out.len())?;
-        }
+        let shapes = ws.iter().map(|(w, bias)| ((w.n(), w.k()), bias.map(|b| b.len())));
+        let Some(k) = check::linear_many(x.len(), shapes, m, outs.iter().map(|o| o.len()))? else { return Ok(()) };
         let x = &x[..m * k];
         let mut f32s = Vec::new();
         let mut quants = Vec::new();

@@ -669,17 +669,8 @@ impl Backend for CudaBackend {
         m: usize,
         outs: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
-        const OP: &str = "linear_prepared_many";
-        if ws.len() != outs.len() {
-            return Err(check::err(OP, format!("{} weights but {} outputs", ws.len(), outs.len())));
-        }
-        let Some(k) = ws.first().map(|(w, _)| w.k) else { return Ok(()) };
-        for (i, ((w, bias), out)) in ws.iter().zip(outs.iter()).enumerate() {
-            if w.k != k {
-                return Err(check::err(OP, format!("weight {i} has k = {}, weight 0 has k = {k}", w.k)));
-            }
-            check::linear(x.len(), w.n * k, bias.map(|b| b.len()), (m, k, w.n), out.len())?;
-        }
+        let shapes = ws.iter().map(|(w, bias)| ((w.n, w.k), bias.map(|b| b.len())));
+        let Some(k) = check::linear_many(x.len(), shapes, m, outs.iter().map(|o| o.len()))? else { return Ok(()) };
         if m == 0 {
             return Ok(());
         }
