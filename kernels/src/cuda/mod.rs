@@ -599,11 +599,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check::linear(x.len(), w.len(), bias.map(|b| b.len()), (m, k, n), out.len())?;
         // An unprepared weight is multiplied in f32 whatever the backend's GEMM type: it is
-        // borrowed, not converted (only tests and tools call this).
-        let tmp = self.alloc::<f32>(n * k)?;
-        let mut tmp = tmp;
-        self.copy(w, 0, &mut tmp, 0, n * k)?;
-        let (xp, wp, op) = (self.ptr(x), self.ptr(&tmp), self.ptr(out));
+        // read where it is, not converted (only tests and tools call this).
+        let (xp, wp, op) = (self.ptr(x), self.ptr(w), self.ptr(out));
         self.gemm_raw(xp, wp, blas_sys::cudaDataType::CUDA_R_32F, (m, k, n), op)?;
         if let Some(b) = bias {
             self.add_bias(op, b, m, n)?;
