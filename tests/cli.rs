@@ -83,6 +83,40 @@ fn bad_input_gives_clear_errors() {
     let out = cleave(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--kv-cache-memory", "lots"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("lots"));
+
+    let out = cleave(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--device", "gpu"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use cpu, cuda or cuda:N"));
+}
+
+/// Asked for a GPU where there is none (or in a build without the CUDA backend), the binary says
+/// which, and exits without a panic. With a GPU (CLEAVE_REQUIRE_GPU) it generates instead.
+#[test]
+fn a_gpu_asked_for_where_there_is_none_is_a_clear_error() {
+    let model = testdata_dir().join("tiny-llama");
+    let out = cleave(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--device",
+        "cuda:0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        assert!(stderr.contains("engine on"), "{stderr}");
+        return;
+    }
+    assert!(std::env::var_os("CLEAVE_REQUIRE_GPU").is_none(), "CLEAVE_REQUIRE_GPU is set: {stderr}");
+    assert!(
+        stderr.contains("--device cuda:0")
+            && (stderr.contains("no CUDA driver") || stderr.contains("built without the `cuda` feature")),
+        "{stderr}"
+    );
 }
 
 #[test]
