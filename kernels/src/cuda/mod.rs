@@ -541,9 +541,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        let v = self.stream.clone_dtoh(buf).map_err(driver_err)?;
-        self.synchronize()?;
-        Ok(v)
+        self.read(buf, 0, buf.len())
     }
 
     fn len(&self, buf: &CudaSlice<f32>) -> usize {
@@ -582,9 +580,17 @@ impl Backend for CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
-        let v = self.stream.clone_dtoh(&src.slice(src_off..src_off + len)).map_err(driver_err)?;
+        // Through the page-locked buffer: a decode step reads its logits back this way (batch x
+        // vocabulary floats, megabytes at large batches).
+        let bytes = 4 * len;
+        let mut reuse = self.reuse();
+        let staging = self.pinned(&mut reuse, bytes)?;
+        let from = self.ptr(src) + 4 * src_off as u64;
+        // SAFETY: the range was checked against `src`; `staging` holds `bytes` bytes.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut *staging, from, self.stream.cu_stream()) }
+            .map_err(driver_err)?;
         self.synchronize()?;
-        Ok(v)
+        Ok(staging.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
     }
 
     fn linear(
