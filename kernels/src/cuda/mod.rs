@@ -541,7 +541,9 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        self.read(buf, 0, buf.len())
+        let v = self.stream.clone_dtoh(buf).map_err(driver_err)?;
+        self.synchronize()?;
+        Ok(v)
     }
 
     fn len(&self, buf: &CudaSlice<f32>) -> usize {
@@ -575,29 +577,17 @@ impl Backend for CudaBackend {
         self.stream.memcpy_htod(host, &mut view).map_err(driver_err)
     }
 
+    /// A plain copy into pageable memory. Reading through the page-locked buffer (as KV bytes
+    /// do) was tried for the logits a decode step reads back, and was slower end to end: decode
+    /// at batch 128 went from 18961 to 17593 tokens/s and at batch 1 from 359 to 297 (gpu-check
+    /// runs 7 and 9, BENCHMARKS.md).
     fn read(&self, src: &CudaSlice<f32>, src_off: usize, len: usize) -> Result<Vec<f32>> {
         range_check("read", "src", src.len(), src_off, len)?;
         if len == 0 {
             return Ok(Vec::new());
         }
-        // Through the page-locked buffer: a decode step reads its logits back this way (batch x
-        // vocabulary floats, megabytes at large batches).
-        let bytes = 4 * len;
-        let mut reuse = self.reuse();
-        let staging = self.pinned(&mut reuse, bytes)?;
-        let from = self.ptr(src) + 4 * src_off as u64;
-        // SAFETY: the range was checked against `src`; `staging` holds `bytes` bytes.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut *staging, from, self.stream.cu_stream()) }
-            .map_err(driver_err)?;
+        let v = self.stream.clone_dtoh(&src.slice(src_off..src_off + len)).map_err(driver_err)?;
         self.synchronize()?;
-        let mut v = Vec::<f32>::with_capacity(len);
-        // SAFETY: `v` has room for `len` f32s = `bytes` bytes, all of which are written before
-        // the length is set; any bit pattern is a valid f32. (A per-element conversion loop cost
-        // more than the copy from pageable memory it replaced: gpu-check run 8.)
-        unsafe {
-            std::ptr::copy_nonoverlapping(staging.as_ptr(), v.as_mut_ptr().cast::<u8>(), bytes);
-            v.set_len(len);
-        }
         Ok(v)
     }
 
