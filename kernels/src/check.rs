@@ -16,6 +16,15 @@ pub(crate) fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
     a.checked_mul(b).ok_or_else(|| err(op, format!("size {a} x {b} overflows")))
 }
 
+/// Requires `off .. off + count` to lie inside a buffer of `len` elements called `what`.
+pub(crate) fn range(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
+    let end = off.checked_add(count).ok_or_else(|| err(op, format!("{what} range overflows")))?;
+    if end > len {
+        return Err(err(op, format!("{what} range {off}..{end} exceeds buffer of {len}")));
+    }
+    Ok(())
+}
+
 /// Requires `len >= need` for the buffer called `what`.
 pub(crate) fn at_least(op: &'static str, what: &str, len: usize, need: usize) -> Result<()> {
     if len < need {

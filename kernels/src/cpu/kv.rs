@@ -66,7 +66,7 @@ impl KvPool {
 
     /// Elements `off..off + len` widened to f32 (for tests and tools; attention reads in place).
     pub fn to_f32(&self, off: usize, len: usize) -> Result<Vec<f32>> {
-        super::range_check("kv_to_f32", "src", self.len(), off, len)?;
+        crate::check::range("kv_to_f32", "src", self.len(), off, len)?;
         let mut out = vec![0f32; len];
         match self {
             KvPool::F32(v) => out.copy_from_slice(&v[off..off + len]),
@@ -304,7 +304,7 @@ macro_rules! with_pool {
 }
 
 pub(super) fn read_bytes(src: &KvPool, off: usize, len: usize, out: &mut Vec<u8>) -> Result<()> {
-    super::range_check("read_kv_bytes", "src", src.len(), off, len)?;
+    crate::check::range("read_kv_bytes", "src", src.len(), off, len)?;
     with_pool!(src, v => KvElem::put_bytes(&v[off..off + len], out));
     Ok(())
 }
@@ -318,15 +318,15 @@ pub(super) fn write_bytes(dst: &mut KvPool, off: usize, bytes: &[u8]) -> Result<
         ));
     }
     let n = bytes.len() / size;
-    super::range_check("write_kv_bytes", "dst", dst.len(), off, n)?;
+    crate::check::range("write_kv_bytes", "dst", dst.len(), off, n)?;
     with_pool!(dst, v => KvElem::get_bytes(bytes, &mut v[off..off + n]));
     Ok(())
 }
 
 pub(super) fn copy_within(buf: &mut KvPool, src_off: usize, dst_off: usize, len: usize) -> Result<()> {
     const OP: &str = "copy_kv";
-    super::range_check(OP, "src", buf.len(), src_off, len)?;
-    super::range_check(OP, "dst", buf.len(), dst_off, len)?;
+    crate::check::range(OP, "src", buf.len(), src_off, len)?;
+    crate::check::range(OP, "dst", buf.len(), dst_off, len)?;
     if src_off < dst_off + len && dst_off < src_off + len && len > 0 {
         return Err(check::err(OP, format!("ranges {src_off}+{len} and {dst_off}+{len} overlap")));
     }

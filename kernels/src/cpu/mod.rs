@@ -233,14 +233,6 @@ impl CpuLinear {
     }
 }
 
-fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
-    let end = off.checked_add(count).ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
-    if end > len {
-        return Err(check::err(op, format!("{what} range {off}..{end} exceeds buffer of {len}")));
-    }
-    Ok(())
-}
-
 impl Backend for CpuBackend {
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
@@ -291,20 +283,20 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) -> Result<()> {
-        range_check("copy", "src", src.len(), src_off, len)?;
-        range_check("copy", "dst", dst.len(), dst_off, len)?;
+        check::range("copy", "src", src.len(), src_off, len)?;
+        check::range("copy", "dst", dst.len(), dst_off, len)?;
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
         Ok(())
     }
 
     fn write(&self, dst: &mut Vec<f32>, dst_off: usize, host: &[f32]) -> Result<()> {
-        range_check("write", "dst", dst.len(), dst_off, host.len())?;
+        check::range("write", "dst", dst.len(), dst_off, host.len())?;
         dst[dst_off..dst_off + host.len()].copy_from_slice(host);
         Ok(())
     }
 
     fn read(&self, src: &Vec<f32>, src_off: usize, len: usize) -> Result<Vec<f32>> {
-        range_check("read", "src", src.len(), src_off, len)?;
+        check::range("read", "src", src.len(), src_off, len)?;
         self.upload(&src[src_off..src_off + len])
     }
 

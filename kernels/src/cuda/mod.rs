@@ -241,18 +241,9 @@ impl CudaBackend {
         &self.name
     }
 
-    pub fn gemm_dtype(&self) -> GemmDtype {
-        self.gemm
-    }
-
     /// Waits for every op issued so far (timings read the clock after this).
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver_err)
-    }
-
-    /// Device memory `(free, total)` in bytes.
-    pub fn memory(&self) -> Result<(usize, usize)> {
-        self.ctx.mem_get_info().map_err(driver_err)
     }
 
     fn func(&self, name: &'static str) -> Result<&CudaFunction> {
@@ -270,9 +261,10 @@ impl CudaBackend {
     /// The page-locked buffer, at least `len` bytes (grown to a power of two).
     fn pinned<'r>(&self, reuse: &'r mut Reuse, len: usize) -> Result<&'r mut [u8]> {
         if reuse.pinned.as_ref().is_none_or(|p| p.len() < len) {
-            reuse.pinned = None; // freed before the larger one is taken
-                                 // SAFETY: the buffer is only read after the copies into it have completed (each
-                                 // user synchronizes the stream before reading or releasing the lock).
+            // The old buffer is freed before the larger one is taken.
+            reuse.pinned = None;
+            // SAFETY: the buffer is only read after the copies into it have completed (each user
+            // synchronizes the stream before reading or releasing the lock).
             reuse.pinned = Some(unsafe { self.ctx.alloc_pinned::<u8>(len.next_power_of_two()) }.map_err(driver_err)?);
         }
         match reuse.pinned.as_mut() {
@@ -486,10 +478,7 @@ impl CudaBackend {
     }
 
     fn kv_range(op: &'static str, buf: &CudaKv, off: usize, len: usize) -> Result<(usize, usize)> {
-        let end = off.checked_add(len).ok_or_else(|| check::err(op, "range overflows".into()))?;
-        if end > buf.len {
-            return Err(check::err(op, format!("range {off}..{end} exceeds the pool's {} elements", buf.len)));
-        }
+        check::range(op, "pool", buf.len, off, len)?;
         let size = buf.dtype.size_bytes();
         Ok((off * size, len * size))
     }
@@ -511,14 +500,6 @@ macro_rules! impl_arg {
     )*};
 }
 impl_arg!(u64, i64, i32, f32);
-
-fn range_check(op: &'static str, what: &str, len: usize, off: usize, count: usize) -> Result<()> {
-    let end = off.checked_add(count).ok_or_else(|| check::err(op, format!("{what} range overflows")))?;
-    if end > len {
-        return Err(check::err(op, format!("{what} range {off}..{end} exceeds buffer of {len}")));
-    }
-    Ok(())
-}
 
 impl Backend for CudaBackend {
     type Buf = CudaSlice<f32>;
@@ -558,8 +539,8 @@ impl Backend for CudaBackend {
         dst_off: usize,
         len: usize,
     ) -> Result<()> {
-        range_check("copy", "src", src.len(), src_off, len)?;
-        range_check("copy", "dst", dst.len(), dst_off, len)?;
+        check::range("copy", "src", src.len(), src_off, len)?;
+        check::range("copy", "dst", dst.len(), dst_off, len)?;
         if len == 0 {
             return Ok(());
         }
@@ -569,7 +550,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, dst: &mut CudaSlice<f32>, dst_off: usize, host: &[f32]) -> Result<()> {
-        range_check("write", "dst", dst.len(), dst_off, host.len())?;
+        check::range("write", "dst", dst.len(), dst_off, host.len())?;
         if host.is_empty() {
             return Ok(());
         }
@@ -582,7 +563,7 @@ impl Backend for CudaBackend {
     /// at batch 128 went from 18961 to 17593 tokens/s and at batch 1 from 359 to 297 (gpu-check
     /// runs 7 and 9, BENCHMARKS.md).
     fn read(&self, src: &CudaSlice<f32>, src_off: usize, len: usize) -> Result<Vec<f32>> {
-        range_check("read", "src", src.len(), src_off, len)?;
+        check::range("read", "src", src.len(), src_off, len)?;
         if len == 0 {
             return Ok(Vec::new());
         }
