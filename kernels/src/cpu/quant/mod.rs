@@ -8,8 +8,9 @@
 //!   of them, offsets), in registers on x86 ([`x86`]: AVX2, AVX-512BW, AVX-512 VNNI), and
 //!   multiplies it at once against up to eight activation rows with exact integer dot products
 //!   of four bytes, scaled in f32 per unit; the weight offsets (Q4_1's `m`, Q4_0's `-8 d`, the
-//!   K-quants' mins) meet the activations' block sums in one f32 dot per row. Each weight byte
-//!   is read from memory once per group of eight activation rows.
+//!   K-quants' mins) meet the activations' block sums in scalar FMAs (one f32 dot per row on the
+//!   portable path). Each weight byte is read from memory once per group of eight activation
+//!   rows.
 //! - **Wide** (prefill, larger batches): the f32 micro-kernel of [`super::packed`], on panels
 //!   each task decodes as it reaches them into a buffer that stays in L2 while every row tile of
 //!   its block passes over it; decoding is small beside `m` rows of FMAs, the activations stay

@@ -42,7 +42,6 @@ pub(super) fn run(
     assert!(rows.end <= w.n() && acts.k == w.k() && GROUPS.contains(&rr));
     assert!(rr == 0 || (r0 + rr) * w.k() <= acts.q.len());
     assert!(rows.len() <= width && (rr == 0 || res.len() >= (rr - 1) * width + rows.len()));
-    let mut wm = vec![0f32; 2 * (w.k() / 32)];
     let job = Job {
         w: w.row(rows.start).as_ptr(),
         row_bytes: w.row_bytes(),
@@ -55,7 +54,6 @@ pub(super) fn run(
         k: w.k(),
         out: res.as_mut_ptr(),
         width,
-        wm: wm.as_mut_ptr(),
     };
     macro_rules! by_rows {
         ($f:ident, $fmt:expr) => {
@@ -118,11 +116,14 @@ pub(super) fn dequantize_row(qisa: QuantIsa, w: &QuantMatrix, j: usize, out: &mu
     }
 }
 
-/// How far ahead of the unit it multiplies the AVX2 kernel prefetches the weights (bytes), at
-/// one or two activation rows, where the weights' trip from memory is what a unit waits on. On
-/// the AMD EPYC VM (`examples/quant_shapes.rs Q4_1 2 30 1 4`) it took batch 1 from 6.1 to
-/// 5.2 ms a step; at four rows, compute-bound, the extra instruction cost 5%, so more rows skip
-/// it. (A prefetch never faults: past the weight's end it only hints at nothing useful.)
+/// How far ahead of the unit it multiplies a kernel prefetches the weights (bytes): the
+/// weights' trip from memory is what a unit waits on. Measured with `examples/quant_shapes.rs`:
+/// on the AMD EPYC VM (AVX2) it took batch 1 from 6.1 to 5.2 ms a step (Q4_1) and cost 5% at
+/// four rows, where that machine is compute-bound; on the Intel Xeon VM (AVX-512 + VNNI) it
+/// halved a step at every row count, both kernels (Q8_0 with VNNI: 10.3-11.7 to 5.3-5.5 ms at
+/// one row, 23.8 to 14.0-14.5 at eight; the AVX2 kernel at eight rows, 51 to 18-19), so every
+/// row count prefetches. (A prefetch never faults: past the weight's end it only hints at
+/// nothing useful.)
 const PF_AHEAD: usize = 4096;
 
 /// Format ids of the const parameter.
@@ -154,9 +155,6 @@ struct Job {
     /// Result row `r` at `out + r * width`.
     out: *mut f32,
     width: usize,
-    /// Scratch for one weight row's offsets: one per unit, or per half unit for Q6_K
-    /// (`2 * units` floats).
-    wm: *mut f32,
 }
 
 const fn block_values(f: u8) -> usize {
@@ -355,41 +353,34 @@ unsafe fn row_unit<const F: u8>(row: *const u8, u: usize, ks: &mut KScales) -> U
     }
 }
 
-/// Keeps unit `u`'s offsets in the job's scratch, for [`offsets`] once the row is done.
+/// Unit `u`'s offsets (Q4_1's `m`, the K-quants' mins, ...) against every activation row's
+/// block (or half-block) sums, added to `off` in scalar FMAs beside the vector work. (Keeping a
+/// row's offsets for one dot once the row is done cost a call and a reduction per weight row,
+/// as much as a few units on SmolLM2's 18-unit rows.)
 ///
 /// # Safety
-/// `u` below the job's units.
+/// `u` below the job's units; activation row `r < R` holds its sums.
 #[inline(always)]
-unsafe fn keep_offsets<const F: u8>(job: &Job, u: usize, w: &Unit) {
-    // SAFETY: the scratch holds `2 * units` floats.
+unsafe fn add_offsets<const F: u8, const R: usize>(job: &Job, u: usize, w: &Unit, off: &mut [f32; R]) {
+    // SAFETY: the caller's contract.
     unsafe {
-        if per16(F) {
-            *job.wm.add(2 * u) = w.m0;
-            *job.wm.add(2 * u + 1) = w.m1;
-        } else if !signed(F) {
-            *job.wm.add(u) = w.m0;
+        for (r, off) in off.iter_mut().enumerate() {
+            if per16(F) {
+                let s = job.s16.add(r * job.k / 16 + 2 * u);
+                *off = w.m1.mul_add(*s.add(1), w.m0.mul_add(*s, *off));
+            } else if !signed(F) {
+                *off = w.m0.mul_add(*job.s32.add(r * job.k / 32 + u), *off);
+            }
         }
     }
 }
 
-/// The offsets' share of a weight row for activation row `r`: its kept offsets against the
-/// row's block (or half-block) sums.
-///
-/// # Safety
-/// The scratch holds the offsets of every unit of the row; `r` below the job's rows.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn offsets<const F: u8>(job: &Job, r: usize) -> f32 {
-    if signed(F) {
-        return 0.0;
-    }
-    let (sums, len) = match per16(F) {
-        true => (job.s16.wrapping_add(r * job.k / 16), 2 * job.units),
-        false => (job.s32.wrapping_add(r * job.k / 32), job.units),
-    };
-    // SAFETY: `len` offsets were kept, and activation row `r` has `len` sums of this kind.
-    let (wm, s) = unsafe { (std::slice::from_raw_parts(job.wm, len), std::slice::from_raw_parts(sums, len)) };
-    crate::cpu::simd::dot(crate::cpu::simd::Isa::Avx2Fma, wm, s)
+/// Prefetches the weights [`PF_AHEAD`] bytes past unit `u` of `row`.
+#[inline(always)]
+fn prefetch<const F: u8>(row: *const u8, u: usize) {
+    let pf = row.wrapping_add(PF_AHEAD + u * block_bytes(F) / (block_values(F) / 32));
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(pf as *const i8) };
 }
 
 /// One unit against one activation row on 256-bit vectors: `acc += cvt(Σ4 q·x) · ds · dx`.
@@ -415,7 +406,7 @@ fn hsum256(v: __m256) -> f32 {
 }
 
 /// Unit `u` of `row` against every activation row of the job, into `acc`; returns the decoded
-/// unit, whose offsets the caller takes ([`keep_offsets`] or [`unit_rows_off`]).
+/// unit, whose offsets the caller takes ([`add_offsets`]).
 ///
 /// # Safety
 /// `u` below the job's units; `row` one of its rows.
@@ -440,10 +431,7 @@ unsafe fn unit_rows<const F: u8, const R: usize>(
     }
 }
 
-/// [`unit_rows`] for the AVX2 kernel: the unit's offsets meet the activation rows' block (or
-/// half-block) sums at once, in scalar FMAs beside the vector work, instead of being kept for
-/// an [`offsets`] dot once the row is done (a call and a reduction per weight row, which cost
-/// as much as a few units on SmolLM2's 18-unit rows).
+/// [`unit_rows`] with the unit's offsets added to `off` and the weights prefetched.
 ///
 /// # Safety
 /// As [`unit_rows`].
@@ -457,21 +445,11 @@ unsafe fn unit_rows_off<const F: u8, const R: usize>(
     acc: &mut [__m256; R],
     off: &mut [f32; R],
 ) {
-    // SAFETY: the caller's contract; activation row `r < R` holds unit `u` and its sums.
+    prefetch::<F>(row, u);
+    // SAFETY: the caller's contract.
     unsafe {
-        if R <= 2 {
-            let pf = row.wrapping_add(PF_AHEAD + u * block_bytes(F) / (block_values(F) / 32));
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-        }
         let w = unit_rows::<F, R>(job, row, u, ks, acc);
-        for (r, off) in off.iter_mut().enumerate() {
-            if per16(F) {
-                let s = job.s16.add(r * job.k / 16 + 2 * u);
-                *off = w.m1.mul_add(*s.add(1), w.m0.mul_add(*s, *off));
-            } else if !signed(F) {
-                *off = w.m0.mul_add(*job.s32.add(r * job.k / 32 + u), *off);
-            }
-        }
+        add_offsets::<F, R>(job, u, &w, off);
     }
 }
 
@@ -541,7 +519,14 @@ unsafe fn dequant<const F: u8>(row: *const u8, units: usize, out: *mut f32) {
 }
 
 /// The AVX-512 kernels: units in pairs, one 512-bit multiply each; `vpdpbusd` with VNNI, else
-/// `maddubs` + `madd`.
+/// `maddubs` + `madd`. The offsets go in scalar FMAs as units are multiplied ([`add_offsets`])
+/// and the weights are prefetched, as in the AVX2 kernel. (They used to keep a row's offsets
+/// for one dot per activation row once the row was done, without prefetching; on the Intel Xeon
+/// VM, `QS_ISA=avx512-vnni examples/quant_shapes.rs`, two threads, interleaved rounds, ms a
+/// step at one row: Q8_0 10.3-11.7 then, 5.3-5.5 now; Q4_1 4.0-4.9, 4.0-4.2; Q5_0 5.7-6.9,
+/// 5.0-5.2. With the prefetch, the scalar offsets against the kept ones at four rows: Q4_1
+/// 8.0-8.2 against 9.2, Q5_0 9.4-9.6 against 11.6-11.7; at three and eight rows within the
+/// noise.)
 macro_rules! avx512_kernel {
     ($name:ident, $features:literal, $mode:ident) => {
         /// # Safety
@@ -558,11 +543,14 @@ macro_rules! avx512_kernel {
                 for j in 0..job.rows {
                     let row = job.w.add(j * job.row_bytes);
                     let mut acc = [_mm512_setzero_ps(); R];
+                    let mut off = [0f32; R];
                     for p in 0..job.units / 2 {
                         let (u0, u1) = (2 * p, 2 * p + 1);
+                        prefetch::<F>(row, u0);
+                        prefetch::<F>(row, u1);
                         let (w0, w1) = (row_unit::<F>(row, u0, &mut ks), row_unit::<F>(row, u1, &mut ks));
-                        keep_offsets::<F>(&job, u0, &w0);
-                        keep_offsets::<F>(&job, u1, &w1);
+                        add_offsets::<F, R>(&job, u0, &w0, &mut off);
+                        add_offsets::<F, R>(&job, u1, &w1, &mut off);
                         let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0.q), w1.q);
                         let ds = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                             _mm512_castpd256_pd512(_mm256_castps_pd(w0.ds)),
@@ -580,13 +568,10 @@ macro_rules! avx512_kernel {
                     }
                     let mut tail = [_mm256_setzero_ps(); R];
                     if job.units % 2 == 1 {
-                        let u = job.units - 1;
-                        let w = unit_rows::<F, R>(&job, row, u, &mut ks, &mut tail);
-                        keep_offsets::<F>(&job, u, &w);
+                        unit_rows_off::<F, R>(&job, row, job.units - 1, &mut ks, &mut tail, &mut off);
                     }
                     for r in 0..R {
-                        *job.out.add(r * job.width + j) =
-                            _mm512_reduce_add_ps(acc[r]) + hsum256(tail[r]) + offsets::<F>(&job, r);
+                        *job.out.add(r * job.width + j) = _mm512_reduce_add_ps(acc[r]) + hsum256(tail[r]) + off[r];
                     }
                 }
             }
