@@ -50,6 +50,23 @@ pub enum KernelError {
 
 pub type Result<T> = std::result::Result<T, KernelError>;
 
+/// What the rows of a `linear` call are ([`Backend::linear_prepared_rows`]).
+///
+/// Why a backend cares: the CPU backend's integer kernels for quantized weights round the
+/// activations to 8 bits. On a prompt that noise reaches the K/V and the hidden state the first
+/// answer token is sampled from (it had flipped SmolLM2's first answer token on a near-tie), so
+/// prompt rows beyond a handful take the f32 path. A decode row is rounded the same way alone
+/// (batch 1 always takes the integer kernels) as in a batch, so decode batches cost no accuracy
+/// on them and keep them for as long as they are the faster kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Every row is one sequence's next token (a decode step, or the rows whose logits are
+    /// sampled).
+    Decode,
+    /// Prompt tokens among them (a prefill chunk, or a step mixing prefill and decode).
+    Prompt,
+}
+
 /// The element type of a KV cache pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CacheDtype {
@@ -210,6 +227,20 @@ pub trait Backend: Send + Sync + 'static {
         m: usize,
         out: &mut Self::Buf,
     ) -> Result<()>;
+    /// [`Backend::linear_prepared_many`] told what the `m` rows are ([`Rows`]), for a backend
+    /// whose fastest kernel at some row counts is one it keeps for rows of one kind. This
+    /// default ignores the kind.
+    fn linear_prepared_rows(
+        &self,
+        x: &Self::Buf,
+        ws: &[(&Self::Linear, Option<&Self::Buf>)],
+        rows: Rows,
+        m: usize,
+        outs: &mut [&mut Self::Buf],
+    ) -> Result<()> {
+        let _ = rows;
+        self.linear_prepared_many(x, ws, m, outs)
+    }
     /// [`Backend::linear_prepared`] of several weights with the same `k` on the same `x` (q/k/v,
     /// gate/up): `outs[i] = x · ws[i].0ᵀ (+ ws[i].1)`. A backend may run them as one parallel
     /// region; this default runs them one after another.

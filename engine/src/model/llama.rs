@@ -2,7 +2,7 @@
 //! forward pass over a packed batch of tokens from many sequences, reading and writing the paged
 //! KV cache. Every operation goes through the [`Backend`], so the same code runs on any device.
 
-use cleave_kernels::{AttnSeq, AttnShape, Backend, QuantMatrix};
+use cleave_kernels::{AttnSeq, AttnShape, Backend, QuantMatrix, Rows};
 
 use super::{KvStorage, LinearWeight, ModelConfig, TensorSource};
 use crate::Result;
@@ -275,6 +275,9 @@ impl<B: Backend> Model<B> {
         };
         let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp, logits, logit_rows } =
             ws.ensure(backend, c, t)?;
+        // A decode step (one new token per sequence) tells the backend so: its rows may take
+        // kernels a prompt's may not (see `Rows`).
+        let rows = if batch.seqs.iter().all(|s| s.q_len == 1) { Rows::Decode } else { Rows::Prompt };
         match &self.embed {
             Embeddings::Tied(table) | Embeddings::Untied { table, .. } => {
                 backend.embedding_prepared(table, batch.tokens, x)?
@@ -287,7 +290,7 @@ impl<B: Backend> Model<B> {
                 (&layer.k, layer.k_bias.as_ref()),
                 (&layer.v, layer.v_bias.as_ref()),
             ];
-            backend.linear_prepared_many(normed, &qkv, t, &mut [&mut *q, &mut *k, &mut *v])?;
+            backend.linear_prepared_rows(normed, &qkv, rows, t, &mut [&mut *q, &mut *k, &mut *v])?;
             if let (Some(qn), Some(kn), Some(tmp)) = (&layer.q_norm, &layer.k_norm, qk_tmp.as_mut()) {
                 backend.copy(q, 0, tmp, 0, t * qd)?;
                 backend.rms_norm(tmp, qn, c.rms_norm_eps, t * c.num_heads, hd, q)?;
@@ -299,17 +302,18 @@ impl<B: Backend> Model<B> {
             backend.write_kv(k, v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
             on_kv(l, kv)?;
             backend.paged_attention(q, &kv.k[l], &kv.v[l], batch.seqs, shape, attn)?;
-            backend.linear_prepared(attn, &layer.o, None, t, proj)?;
+            backend.linear_prepared_rows(attn, &[(&layer.o, None)], rows, t, &mut [&mut *proj])?;
             backend.add_assign(x, proj, t * h)?;
             backend.rms_norm(x, &layer.post_norm, c.rms_norm_eps, t, h, normed)?;
-            backend.linear_prepared_many(
+            backend.linear_prepared_rows(
                 normed,
                 &[(&layer.gate, None), (&layer.up, None)],
+                rows,
                 t,
                 &mut [&mut *gate, &mut *up],
             )?;
             backend.silu_mul(gate, up, t * i, act)?;
-            backend.linear_prepared(act, &layer.down, None, t, proj)?;
+            backend.linear_prepared_rows(act, &[(&layer.down, None)], rows, t, &mut [&mut *proj])?;
             backend.add_assign(x, proj, t * h)?;
         }
         let r = batch.logit_rows.len();
@@ -326,7 +330,7 @@ impl<B: Backend> Model<B> {
         let head = match &self.embed {
             Embeddings::Tied(head) | Embeddings::Untied { head, .. } => head,
         };
-        backend.linear_prepared(normed, head, None, r, logits)?;
+        backend.linear_prepared_rows(normed, &[(head, None)], rows, r, &mut [&mut *logits])?;
         Ok(backend.read(logits, 0, r * c.vocab_size)?)
     }
 }

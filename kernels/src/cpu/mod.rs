@@ -28,7 +28,7 @@ pub(crate) fn half_narrow<const BF: bool>(x: f32) -> u16 {
 
 use crate::quant::QuantMatrix;
 use crate::HalfMatrix;
-use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, LinearInfo, Result};
+use crate::{check, AttnSeq, AttnShape, Backend, CacheDtype, KernelError, LinearInfo, Result, Rows};
 pub use kv::{KvPool, Pages, ZeroBits};
 pub use packed::{HalfPacked, PackedLinear, NR as PANEL_COLUMNS};
 pub use quant::QuantIsa;
@@ -47,8 +47,8 @@ pub struct CpuBackend {
     /// The quantized kernels' path, the best that `isa` allows.
     qisa: QuantIsa,
     /// Quantized `linear` calls with `m <= quant_max_m` use the integer kernels, larger ones
-    /// dequantized f32 panels (default: [`QuantIsa::max_m`]; `None` after
-    /// [`CpuBackend::with_quant_max_m`] is `Some`).
+    /// dequantized f32 panels (default `None`: [`QuantIsa::max_m`] for the call's [`Rows`] and
+    /// the weight's format; [`CpuBackend::with_quant_max_m`] sets one for every call).
     quant_max_m: Option<usize>,
     /// `linear` calls with `m <= skinny_max_m` use the weight-streaming kernel, larger ones gemm.
     skinny_max_m: usize,
@@ -359,6 +359,17 @@ impl Backend for CpuBackend {
         m: usize,
         outs: &mut [&mut Vec<f32>],
     ) -> Result<()> {
+        self.linear_prepared_rows(x, ws, Rows::Prompt, m, outs)
+    }
+
+    fn linear_prepared_rows(
+        &self,
+        x: &Vec<f32>,
+        ws: &[(&CpuLinear, Option<&Vec<f32>>)],
+        rows: Rows,
+        m: usize,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<()> {
         let shapes = ws.iter().map(|(w, bias)| ((w.n(), w.k()), bias.map(|b| b.len())));
         let Some(k) = check::linear_many(x.len(), shapes, m, outs.iter().map(|o| o.len()))? else { return Ok(()) };
         let x = &x[..m * k];
@@ -375,10 +386,15 @@ impl Backend for CpuBackend {
         if !f32s.is_empty() {
             packed::linear_many(&self.pool, self.isa, x, m, &mut f32s);
         }
-        if !quants.is_empty() {
-            let max_m = self.quant_max_m.unwrap_or(self.qisa.max_m());
-            let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
-            quant::linear_many(&self.pool, kernels, x, m, &mut quants);
+        // Integer kernels or f32 panels, by format: products of one format (q/k/v, gate/up) share
+        // a parallel region.
+        let integer = |p: &quant::Product<'_>| m <= self.quant_max_m.unwrap_or(self.qisa.max_m(rows, p.w.format()));
+        let (ints, mut wides): (Vec<_>, Vec<_>) = quants.into_iter().partition(integer);
+        for (mut products, max_m) in [(ints, usize::MAX), (std::mem::take(&mut wides), 0)] {
+            if !products.is_empty() {
+                let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
+                quant::linear_many(&self.pool, kernels, x, m, &mut products);
+            }
         }
         Ok(())
     }

@@ -32,7 +32,8 @@ use rayon::prelude::*;
 
 use super::packed;
 use super::simd::Isa;
-use crate::quant::QuantMatrix;
+use crate::quant::{QuantFormat, QuantMatrix};
+use crate::Rows;
 use acts::QActs;
 
 /// The instruction set of the quantized kernels: AVX-512 needs BW (byte multiplies) and uses
@@ -76,14 +77,30 @@ impl QuantIsa {
     }
 
     /// Largest `m` served by the integer kernels; larger batches go to the f32 micro-kernel on
-    /// decoded panels. Measured on SmolLM2's shapes (`examples/quant_shapes.rs`, Q4_1, 2
-    /// threads) the integer kernels are faster up to about 40 rows with AVX-512 and 56 with
-    /// AVX2; the crossover is set lower, at 16, for accuracy: prefill chunks then see the f32
-    /// activations (the K/V of a prompt as `--dequantize-weights` computes it), where the 8-bit
-    /// activations' noise (about 0.05 nats on a log-prob) had flipped SmolLM2's first answer
-    /// token on a near-tie. Batches of 17-40 pay 10-30% for it.
-    pub fn max_m(self) -> usize {
-        16
+    /// decoded panels.
+    ///
+    /// Decode rows ([`Rows::Decode`]): for as long as the integer kernels are the faster. They
+    /// decode each weight unit once per eight rows where the panels decode it once, so the
+    /// crossover comes sooner for formats whose units cost more to decode (fifth bits, K-quant
+    /// scales): 48 rows for Q8_0, Q4_0 and Q4_1, 32 for the others. Measured with
+    /// `examples/quant_shapes.rs`, 2 threads, on the Intel Xeon VM with VNNI (ms a step, integer
+    /// against panels): on SmolLM2's shapes Q4_1 60.5 / 82.6 at 32 rows and 120.6 / 104.2 at
+    /// 64, Q8_0 58.8 / 74.1 and 109.4 / 101.8; on its MLP down projection alone (k = 1536) Q4_1
+    /// 10.5 / 12.7 at 32 and 15.5 / 16.3 at 48, Q5_0 12.5 / 12.2 and 18.0 / 15.2, Q4_K
+    /// 12.5 / 12.5 and 19.0 / 15.0. (On the AMD EPYC VM the AVX2 kernel led up to about 56 on
+    /// Q4_1.) A decode row takes 8-bit activations at batch 1 anyway, so a batch of them pays no
+    /// accuracy for it.
+    ///
+    /// Prompt rows: 16, for accuracy: prefill chunks then see the f32 activations (the K/V of a
+    /// prompt as `--dequantize-weights` computes it), where the 8-bit activations' noise (about
+    /// 0.05 nats on a log-prob) had flipped SmolLM2's first answer token on a near-tie. Chunks
+    /// of 17-48 rows pay 10-30% for it.
+    pub fn max_m(self, rows: Rows, format: QuantFormat) -> usize {
+        match (rows, format) {
+            (Rows::Prompt, _) => 16,
+            (Rows::Decode, QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1) => 48,
+            (Rows::Decode, _) => 32,
+        }
     }
 
     pub fn name(self) -> &'static str {

@@ -177,7 +177,7 @@ fn large_batches_and_long_rows_take_the_wide_path() {
     let x = activations(m, k, 10);
     let (want, mag) = reference(&x, &w.to_f32(), m, n, k);
     for qisa in QuantIsa::available() {
-        let got = run(&pool, (qisa, qisa.max_m()), &w, &x, m, None);
+        let got = run(&pool, (qisa, qisa.max_m(Rows::Prompt, QuantFormat::Q4_1)), &w, &x, m, None);
         check(&format!("Q4_K {} m={m}", qisa.name()), &got, &want, &mag, None, None, n);
     }
 }
@@ -197,9 +197,20 @@ fn several_products_share_one_region() {
         let isa = Isa::detect();
         let mut products: Vec<Product<'_>> =
             ws.iter().zip(outs.iter_mut()).map(|(w, out)| Product { w, bias: None, out }).collect();
-        linear_many(&pool, Kernels { isa, qisa, max_m: qisa.max_m() }, &x, m, &mut products);
+        linear_many(
+            &pool,
+            Kernels { isa, qisa, max_m: qisa.max_m(Rows::Prompt, QuantFormat::Q4_1) },
+            &x,
+            m,
+            &mut products,
+        );
         for (w, got) in ws.iter().zip(&outs) {
-            assert_eq!(got, &run(&pool, (qisa, qisa.max_m()), w, &x, m, None), "{} m={m}", w.format());
+            assert_eq!(
+                got,
+                &run(&pool, (qisa, qisa.max_m(Rows::Prompt, QuantFormat::Q4_1)), w, &x, m, None),
+                "{} m={m}",
+                w.format()
+            );
         }
     }
 }
@@ -245,6 +256,41 @@ fn the_canonical_form_decodes_to_the_dequantized_values() {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!((g - w).abs() <= 1e-6 * w.abs().max(1e-3), "{format} {}: value {i}: {g} vs {w}", qisa.name());
             }
+        }
+    }
+}
+
+/// The backend picks the integer kernels or the f32 panels by the call's [`Rows`] and the
+/// weight's format ([`QuantIsa::max_m`]): each call below equals, bit for bit, the same call
+/// with that path forced, and differs from the other path (the 8-bit activations show).
+#[test]
+fn decode_rows_keep_the_integer_kernels_longer_than_prompt_rows() {
+    use crate::{Backend, CpuBackend};
+    let backend = CpuBackend::new(Some(2)).unwrap();
+    let (int, wide) = (backend.clone().with_quant_max_m(usize::MAX), backend.clone().with_quant_max_m(0));
+    for (format, (n, k), limit) in [(QuantFormat::Q4_1, (37, 544), 48), (QuantFormat::Q4_K, (37, 512), 32)] {
+        let w = QuantMatrix::new(format, n, k, synthetic_blocks(format, n * k / format.block_values(), 3)).unwrap();
+        let qisa = backend.quant_isa();
+        assert_eq!(qisa.max_m(Rows::Decode, format), limit, "{format}");
+        assert_eq!(qisa.max_m(Rows::Prompt, format), 16, "{format}");
+        let lin = backend.prepare_linear_quantized(w).unwrap();
+        for m in [1, 16, 17, 32, 33, 48, 49] {
+            let x = activations(m, k, m as u64);
+            let call = |b: &CpuBackend, rows: Rows| {
+                let mut out = vec![0f32; m * n];
+                b.linear_prepared_rows(&x, &[(&lin, None)], rows, m, &mut [&mut out]).unwrap();
+                out
+            };
+            let (by_int, by_wide) = (call(&int, Rows::Prompt), call(&wide, Rows::Prompt));
+            assert_ne!(by_int, by_wide, "{format} m={m}: the two paths should differ in rounding");
+            for (rows, max) in [(Rows::Decode, limit), (Rows::Prompt, 16)] {
+                let want = if m <= max { &by_int } else { &by_wide };
+                assert_eq!(&call(&backend, rows), want, "{format} {rows:?} m={m}");
+            }
+            // The old entry point is a prompt call.
+            let mut out = vec![0f32; m * n];
+            backend.linear_prepared_many(&x, &[(&lin, None)], m, &mut [&mut out]).unwrap();
+            assert_eq!(&out, if m <= 16 { &by_int } else { &by_wide }, "{format} m={m}");
         }
     }
 }
