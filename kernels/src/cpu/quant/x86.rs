@@ -518,6 +518,40 @@ unsafe fn dequant<const F: u8>(row: *const u8, units: usize, out: *mut f32) {
     }
 }
 
+/// Units `u` and `u + 1` of the row at `row` as one 64-byte vector of quants, and each unit's
+/// scales and offsets (the units' own `q` are not used). Q5_0 and Q5_1 take their fifth bits
+/// from the two 32-bit `qh` words as one 64-bit byte mask (`vmovdqu8` under a mask: a unit's byte
+/// `j` has bit `j` of its `qh`), in place of [`fifth_bits`]' four vector operations a unit; the
+/// other formats decode each unit with [`row_unit`].
+///
+/// # Safety
+/// `u + 1` below the row's units.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn unit_pair<const F: u8>(row: *const u8, u: usize, ks: &mut KScales) -> (__m512i, Unit, Unit) {
+    // SAFETY: units `u` and `u + 1` lie in the row (the caller's contract); for Q5_0/Q5_1 each
+    // is one block.
+    unsafe {
+        if F == Q5_0 || F == Q5_1 {
+            let (b0, b1) = (row.add(u * block_bytes(F)), row.add((u + 1) * block_bytes(F)));
+            let (qh, qs) = if F == Q5_0 { (2, 6) } else { (4, 8) };
+            let bits = u64::from(std::ptr::read_unaligned(b0.add(qh) as *const u32))
+                | u64::from(std::ptr::read_unaligned(b1.add(qh) as *const u32)) << 32;
+            let low = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(nibbles(b0.add(qs))), nibbles(b1.add(qs)));
+            let q = _mm512_or_si512(low, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
+            let ((d0, m0), (d1, m1)) = (halves(b0), halves(b1));
+            let (m0, m1) = if F == Q5_0 { (-16.0 * d0, -16.0 * d1) } else { (m0, m1) };
+            let zero = _mm256_setzero_si256();
+            let w0 = Unit { q: zero, ds: _mm256_set1_ps(d0), m0, m1: m0 };
+            let w1 = Unit { q: zero, ds: _mm256_set1_ps(d1), m0: m1, m1 };
+            (q, w0, w1)
+        } else {
+            let (w0, w1) = (row_unit::<F>(row, u, ks), row_unit::<F>(row, u + 1, ks));
+            (_mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0.q), w1.q), w0, w1)
+        }
+    }
+}
+
 /// The AVX-512 kernels: units in pairs, one 512-bit multiply each; `vpdpbusd` with VNNI, else
 /// `maddubs` + `madd`. The offsets go in scalar FMAs as units are multiplied ([`add_offsets`])
 /// and the weights are prefetched, as in the AVX2 kernel. (They used to keep a row's offsets
@@ -548,10 +582,9 @@ macro_rules! avx512_kernel {
                         let (u0, u1) = (2 * p, 2 * p + 1);
                         prefetch::<F>(row, u0);
                         prefetch::<F>(row, u1);
-                        let (w0, w1) = (row_unit::<F>(row, u0, &mut ks), row_unit::<F>(row, u1, &mut ks));
+                        let (q, w0, w1) = unit_pair::<F>(row, u0, &mut ks);
                         add_offsets::<F, R>(&job, u0, &w0, &mut off);
                         add_offsets::<F, R>(&job, u1, &w1, &mut off);
-                        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0.q), w1.q);
                         let ds = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                             _mm512_castpd256_pd512(_mm256_castps_pd(w0.ds)),
                             _mm256_castps_pd(w1.ds),
