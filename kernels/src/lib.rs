@@ -60,8 +60,7 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 /// on them and keep them for as long as they are the faster kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rows {
-    /// Every row is one sequence's next token (a decode step, or the rows whose logits are
-    /// sampled).
+    /// Every row is one sequence's next token (a decode step).
     Decode,
     /// Prompt tokens among them (a prefill chunk, or a step mixing prefill and decode).
     Prompt,

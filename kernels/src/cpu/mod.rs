@@ -389,8 +389,8 @@ impl Backend for CpuBackend {
         // Integer kernels or f32 panels, by format: products of one format (q/k/v, gate/up) share
         // a parallel region.
         let integer = |p: &quant::Product<'_>| m <= self.quant_max_m.unwrap_or(self.qisa.max_m(rows, p.w.format()));
-        let (ints, mut wides): (Vec<_>, Vec<_>) = quants.into_iter().partition(integer);
-        for (mut products, max_m) in [(ints, usize::MAX), (std::mem::take(&mut wides), 0)] {
+        let (ints, wides): (Vec<_>, Vec<_>) = quants.into_iter().partition(integer);
+        for (mut products, max_m) in [(ints, usize::MAX), (wides, 0)] {
             if !products.is_empty() {
                 let kernels = quant::Kernels { isa: self.isa, qisa: self.qisa, max_m };
                 quant::linear_many(&self.pool, kernels, x, m, &mut products);

@@ -612,14 +612,15 @@ fn portable_tile_half<const R: usize, const BF: bool>(x: &[f32], panel: &[u16], 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{MR, NR};
+    use std::arch::x86_64::*;
 
     /// How many panel rows ahead [`tile`] prefetches at one or two activation rows, where it
     /// streams the panel from memory and does little else: on the Intel Xeon VM (SmolLM2's
     /// shapes as f32 panels, `QS_MODES=f32 examples/quant_shapes.rs Q4_1 2 40 1`, four
-    /// interleaved rounds) a step took 23.9-25.8 ms against 25.6-27.9 without it (16 rows ahead
-    /// gained nothing).
+    /// interleaved rounds) a step took 23.9-25.8 ms against 25.6-27.9 without it. 16 rows ahead
+    /// gained nothing; 128 lost (29.6-30.9 against 26.3-27.0 ms at 64, three rounds), and a
+    /// non-temporal hint at 64 doubled the step.
     const PF_ROWS: usize = 64;
-    use std::arch::x86_64::*;
 
     /// # Safety
     /// AVX-512F available; `x` valid for `R * k` reads, `panel` for `k * NR`.

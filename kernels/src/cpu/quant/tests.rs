@@ -177,7 +177,7 @@ fn large_batches_and_long_rows_take_the_wide_path() {
     let x = activations(m, k, 10);
     let (want, mag) = reference(&x, &w.to_f32(), m, n, k);
     for qisa in QuantIsa::available() {
-        let got = run(&pool, (qisa, qisa.max_m(Rows::Prompt, QuantFormat::Q4_1)), &w, &x, m, None);
+        let got = run(&pool, (qisa, qisa.max_m(Rows::Prompt, QuantFormat::Q4_K)), &w, &x, m, None);
         check(&format!("Q4_K {} m={m}", qisa.name()), &got, &want, &mag, None, None, n);
     }
 }
