@@ -473,6 +473,25 @@ fn pin_cores(i: usize, threads: usize, cores: usize) -> String {
     (0..n).map(|j| ((i * n + j) % cores).to_string()).collect::<Vec<_>>().join(",")
 }
 
+/// The cores for a node the planner starts later (a taskset list): the `threads` (at most
+/// `cores`) cores that the live nodes' pins use least, the lowest first among equals. Counting
+/// the nodes started so far instead (as [`pin_cores`] does at start) put a node started after
+/// another had left on a live node's cores while the departed node's stayed idle.
+fn spare_cores<'a>(live: impl Iterator<Item = &'a str>, threads: usize, cores: usize) -> String {
+    let cores = cores.max(1);
+    let mut load = vec![0usize; cores];
+    for core in live.flat_map(|list| list.split(',')).filter_map(|c| c.parse::<usize>().ok()) {
+        if let Some(l) = load.get_mut(core) {
+            *l += 1;
+        }
+    }
+    let mut order: Vec<usize> = (0..cores).collect();
+    order.sort_by_key(|&c| (load[c], c));
+    let mut pick = order[..threads.clamp(1, cores)].to_vec();
+    pick.sort_unstable();
+    pick.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
+}
+
 /// Starts one child and waits for its `READY key=value ...` line.
 async fn spawn(
     exe: &std::path::Path,
@@ -584,7 +603,10 @@ async fn supervise(
                     .iter()
                     .map(|a| match a.as_str() { "NAME" => name.clone(), "ROLE" => role.clone(), _ => a.clone() })
                     .collect();
-                let pin = launcher.pin.map(|(cores, threads)| pin_cores(procs.len().saturating_sub(1), threads, cores));
+                let pin = launcher.pin.map(|(cores, threads)| {
+                    let live = procs.iter().skip(1).filter(|p| !p.done).filter_map(|p| p.pin.as_deref());
+                    spare_cores(live, threads, cores)
+                });
                 eprintln!("cleave up: starting {name} ({role}) for the planner");
                 match spawn(exe, &name, args, pin, ready_secs, None).await {
                     Ok((p, _)) => procs.push(p),
@@ -680,6 +702,23 @@ mod tests {
         assert_eq!([pin_cores(0, 2, 4), pin_cores(1, 2, 4)], ["0,1", "2,3"]);
         assert_eq!(pin_cores(1, 8, 2), "0,1");
         assert_eq!(pin_cores(0, 0, 0), "0");
+    }
+
+    #[test]
+    fn a_node_started_later_takes_the_least_used_cores() {
+        // Four cores, nodes of two threads: with only the node on 2,3 live (the one on 0,1 has
+        // left), a new node takes 0,1; with 0,1 live, 2,3; with 0,1 twice and 2,3 once, 2,3.
+        assert_eq!(spare_cores(["2,3"].into_iter(), 2, 4), "0,1");
+        assert_eq!(spare_cores(["0,1"].into_iter(), 2, 4), "2,3");
+        assert_eq!(spare_cores(["0,1", "2,3", "0,1"].into_iter(), 2, 4), "2,3");
+        // One thread each on two cores: the idle core, then the lower of two equally used.
+        assert_eq!(spare_cores(["0"].into_iter(), 1, 2), "1");
+        assert_eq!(spare_cores(["0", "1"].into_iter(), 1, 2), "0");
+        // No live node; more threads than cores; a pin past the cores is ignored.
+        assert_eq!(spare_cores(std::iter::empty(), 2, 2), "0,1");
+        assert_eq!(spare_cores(["0"].into_iter(), 8, 2), "0,1");
+        assert_eq!(spare_cores(["7", "0"].into_iter(), 1, 2), "1");
+        assert_eq!(spare_cores(std::iter::empty(), 0, 0), "0");
     }
 
     #[derive(Parser)]
