@@ -9,6 +9,7 @@
 
 mod attention;
 mod attention_tiled;
+mod crew;
 mod kv;
 mod matmul;
 mod packed;
@@ -233,45 +234,15 @@ impl CpuLinear {
     }
 }
 
-/// A worker's job while a forward pass runs ([`CpuBackend::run`]): take the pass's forked work
-/// as soon as it is pushed, spinning in between, until `done`. On the pass's own thread (`main`:
-/// a join waiting for stolen work may pop this job) it returns at once, or it would wait there
-/// for the pass that is waiting for it.
-fn keep_warm(done: &std::sync::atomic::AtomicBool, main: Option<usize>) {
-    if rayon::current_thread_index() == main {
-        return;
-    }
-    while !done.load(std::sync::atomic::Ordering::Acquire) {
-        if rayon::yield_now() != Some(rayon::Yield::Executed) {
-            std::hint::spin_loop();
-        }
-    }
-}
-
 impl Backend for CpuBackend {
-    /// `f` on one of the pool's threads, while every other worker stays awake for the whole of
-    /// it ([`keep_warm`]): a decode step forks ~150 short parallel regions, and between two of
-    /// them an idle rayon worker went to sleep, so a region began by waking it through a futex.
-    /// On SmolLM2 (f32, batch 1, 2 threads, Intel Xeon VM) that took a step from 251 context
-    /// switches to 159 (the rest: a thread that finishes its half of a region first still
-    /// sleeps in rayon's join until the other half is done), and Q4_1 batch 8 from 320-333 to
-    /// 403-419 tokens/s (`cleave bench engine`, two interleaved rounds); batch 1 did not move.
+    /// `f` on one of the pool's threads, every other worker spinning for the whole of it and
+    /// taking the linear kernels' tasks as they come ([`crew`]: a decode step's ~150 short
+    /// parallel regions otherwise cost a futex sleep and wake each).
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         if self.pool.current_num_threads() < 2 {
             return self.pool.install(f);
         }
-        self.pool.install(|| {
-            let done = std::sync::atomic::AtomicBool::new(false);
-            let main = rayon::current_thread_index();
-            rayon::scope(|s| {
-                for _ in 1..rayon::current_num_threads() {
-                    s.spawn(|_| keep_warm(&done, main));
-                }
-                let r = f();
-                done.store(true, std::sync::atomic::Ordering::Release);
-                r
-            })
-        })
+        self.pool.install(|| crew::Crew::pass(f))
     }
 
     type Buf = Vec<f32>;

@@ -477,7 +477,7 @@ pub(crate) fn linear_many(pool: &rayon::ThreadPool, isa: Isa, x: &[f32], m: usiz
     match first {
         0 => {}
         1 => task(0),
-        count => pool.install(|| (0..count).into_par_iter().for_each(task)),
+        count => crate::cpu::crew::par_tasks(pool, count, &task),
     }
 }
 

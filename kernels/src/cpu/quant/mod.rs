@@ -28,8 +28,6 @@ mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use rayon::prelude::*;
-
 use super::packed;
 use super::simd::Isa;
 use crate::quant::{QuantFormat, QuantMatrix};
@@ -186,7 +184,7 @@ pub(crate) fn linear_many(
     match first {
         0 => {}
         1 => task(0),
-        count => pool.install(|| (0..count).into_par_iter().for_each(task)),
+        count => crate::cpu::crew::par_tasks(pool, count, &task),
     }
 }
 
