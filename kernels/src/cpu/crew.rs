@@ -7,7 +7,9 @@
 //! batch 1, 251 context switches a step, and two threads decoded only 1.48x as fast as one).
 //! Here the workers spin on one atomic word for the pass's duration, take tasks by
 //! compare-and-swap, and the pass's own thread takes tasks too and then spins until the last one
-//! is done: no thread sleeps inside a pass.
+//! is done: no thread sleeps inside a pass. A worker idle for a few hundred microseconds (a serial
+//! stretch of the pass, or a handoff's channel holding it) starts yielding its core between
+//! polls, so a node's runtime and transfer threads still get it.
 //!
 //! Invariants:
 //! - Only the pass's own thread (the one [`Crew::pass`] runs `f` on) publishes regions, one at a
@@ -23,6 +25,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use rayon::prelude::*;
+
+/// Idle polls a worker spins through before it starts yielding its core between polls.
+const SPINS_BEFORE_YIELDING: u32 = 1 << 12;
 
 /// The most tasks one region takes (the state word's 16-bit fields); more go to rayon.
 const MAX_TASKS: usize = 0xFFFF;
@@ -95,9 +100,18 @@ impl Crew {
         if rayon::current_thread_index() == main {
             return;
         }
+        let mut idle = 0u32;
         while !self.over.load(Ordering::Acquire) {
-            if !self.take_one() && rayon::yield_now() != Some(rayon::Yield::Executed) {
+            if self.take_one() || rayon::yield_now() == Some(rayon::Yield::Executed) {
+                idle = 0;
+            } else if idle < SPINS_BEFORE_YIELDING {
+                idle += 1;
                 std::hint::spin_loop();
+            } else {
+                // Long idle (the pass is in a serial stretch, or waits on a KV handoff's
+                // channel): let the node's other threads (its runtime, the transfers) have this
+                // core when they want it, at a system call's cost when they do not.
+                std::thread::yield_now();
             }
         }
     }
