@@ -61,8 +61,8 @@ thread_local! {
 }
 
 impl Crew {
-    /// Runs `f` on the calling thread (one of `pool`'s workers) while every other worker spins
-    /// in [`Crew::work`] until `f` returns or unwinds.
+    /// Runs `f` on the calling thread (a rayon pool's worker) while every other worker of that
+    /// pool spins in [`Crew::work`] until `f` returns or unwinds.
     pub(crate) fn pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         let crew = Crew {
             state: AtomicU64::new(0),
