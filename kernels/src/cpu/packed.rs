@@ -11,8 +11,9 @@
 //! block), runs the same kernel; nothing is repacked per call, unlike `gemm`.
 //!
 //! Work split: rows go in blocks of whole row tiles (a block's `x` fits in L2), panels in
-//! contiguous runs; one rayon task per (row block, panel run), each writing its own disjoint
-//! part of `out`.
+//! contiguous runs; one task per (row block, panel run), each writing its own disjoint part of
+//! `out`, run by the forward pass's crew when there is one (`super::crew::par_tasks`), else by
+//! rayon.
 //!
 //! The panels come from a [`Panels`]: stored ones ([`PackedLinear`]), or panels a task decodes
 //! as it reaches them (quantized weights, `super::quant`), into a buffer of its own that stays in

@@ -20,8 +20,9 @@
 //! measured, see BENCHMARKS.md ("Quantized weights") and `examples/quant_shapes.rs`. The accuracy
 //! cost is the activations' 8-bit rounding (bounded in [`acts`]), which the wide path does not pay.
 //!
-//! Work split: one rayon task per run of weight rows of one product (several products of the
-//! same `x` share one parallel region), each writing its own columns of `out`.
+//! Work split: one task per run of weight rows of one product (several products of the same `x`
+//! share one parallel region), each writing its own columns of `out`; the tasks go to the
+//! forward pass's crew when there is one (`super::crew::par_tasks`), else to rayon.
 
 mod acts;
 mod portable;

@@ -120,7 +120,7 @@ pub(super) fn dequantize_row(qisa: QuantIsa, w: &QuantMatrix, j: usize, out: &mu
 /// weights' trip from memory is what a unit waits on. Measured with `examples/quant_shapes.rs`:
 /// on the AMD EPYC VM (AVX2) it took batch 1 from 6.1 to 5.2 ms a step (Q4_1) and cost 5% at
 /// four rows, where that machine is compute-bound; on the Intel Xeon VM (AVX-512 + VNNI) it
-/// halved a step at every row count, both kernels (Q8_0 with VNNI: 10.3-11.7 to 5.3-5.5 ms at
+/// halved a step at every row count, both kernels (Q8_0 with VNNI: 9.8-11.7 to 5.3-5.5 ms at
 /// one row, 23.8 to 14.0-14.5 at eight; the AVX2 kernel at eight rows, 51 to 18-19), so every
 /// row count prefetches. (A prefetch never faults: past the weight's end it only hints at
 /// nothing useful.)
@@ -557,7 +557,7 @@ unsafe fn unit_pair<const F: u8>(row: *const u8, u: usize, ks: &mut KScales) -> 
 /// and the weights are prefetched, as in the AVX2 kernel. (They used to keep a row's offsets
 /// for one dot per activation row once the row was done, without prefetching; on the Intel Xeon
 /// VM, `QS_ISA=avx512-vnni examples/quant_shapes.rs`, two threads, interleaved rounds, ms a
-/// step at one row: Q8_0 10.3-11.7 then, 5.3-5.5 now; Q4_1 4.0-4.9, 4.0-4.2; Q5_0 5.7-6.9,
+/// step at one row: Q8_0 9.8-11.7 then, 5.3-5.5 now; Q4_1 4.0-4.9, 4.0-4.3; Q5_0 5.7-6.9,
 /// 5.0-5.2. With the prefetch, the scalar offsets against the kept ones at four rows: Q4_1
 /// 8.0-8.2 against 9.2, Q5_0 9.4-9.6 against 11.6-11.7; at three and eight rows within the
 /// noise.)
