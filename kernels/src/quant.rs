@@ -153,6 +153,14 @@ pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) -> Result<
 /// matrix keeps mapped. A GGUF weight whose layout needs no change is multiplied where it lies in
 /// the map, so its bytes are the page cache's (shared by every process that maps the file, and
 /// never copied through the heap).
+///
+/// Rows may be stored in another order than their output features ([`QuantMatrix::with_row_order`]):
+/// llama.cpp stores a llama model's q and k projections with each head's rows interleaved for
+/// its RoPE, and moving them back would copy them out of the map. The kernels then multiply
+/// the stored rows in place and write each result to its row's output feature. Everything
+/// that speaks of a row by its output feature ([`QuantMatrix::row`],
+/// [`QuantMatrix::dequantize_row`], [`QuantMatrix::to_f32`]) sees the Hugging Face order;
+/// [`QuantMatrix::stored_row`] and [`QuantMatrix::bytes`] see the stored one.
 #[derive(Clone)]
 pub struct QuantMatrix {
     format: QuantFormat,
@@ -160,6 +168,17 @@ pub struct QuantMatrix {
     k: usize,
     row_bytes: usize,
     data: Bytes,
+    /// `None`: stored row `j` is output feature `j`.
+    order: Option<std::sync::Arc<RowOrder>>,
+}
+
+/// A permutation of a matrix's rows, both ways (a few bytes a row).
+#[derive(Debug)]
+struct RowOrder {
+    /// `feature_of[stored] = output feature`.
+    feature_of: Vec<u32>,
+    /// `stored_of[feature] = stored row`.
+    stored_of: Vec<u32>,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -179,7 +198,46 @@ impl QuantMatrix {
         if data.len() != need {
             return Err(check::err(OP, format!("{format} weight [{n}, {k}] needs {need} bytes, has {}", data.len())));
         }
-        Ok(Self { format, n, k, row_bytes, data })
+        Ok(Self { format, n, k, row_bytes, data, order: None })
+    }
+
+    /// The same blocks, with stored row `s` taken as output feature `feature_of[s]` (see the
+    /// type's doc). Refuses a `feature_of` that is not a permutation of `0..n`.
+    pub fn with_row_order(mut self, feature_of: Vec<u32>) -> Result<Self> {
+        const OP: &str = "QuantMatrix::with_row_order";
+        if feature_of.len() != self.n {
+            return Err(check::err(OP, format!("{} entries for {} rows", feature_of.len(), self.n)));
+        }
+        let mut stored_of = vec![u32::MAX; self.n];
+        for (s, &f) in feature_of.iter().enumerate() {
+            match stored_of.get_mut(f as usize) {
+                Some(slot) if *slot == u32::MAX => *slot = s as u32,
+                _ => return Err(check::err(OP, format!("feature {f} is out of range or repeated: not a permutation"))),
+            }
+        }
+        let identity = feature_of.iter().enumerate().all(|(s, &f)| s == f as usize);
+        self.order = (!identity).then(|| std::sync::Arc::new(RowOrder { feature_of, stored_of }));
+        Ok(self)
+    }
+
+    /// Whether the rows are stored in another order than their output features.
+    pub fn is_reordered(&self) -> bool {
+        self.order.is_some()
+    }
+
+    /// The output feature of stored row `s`.
+    ///
+    /// # Panics
+    /// If `s >= n`.
+    #[inline]
+    pub fn feature_of(&self, s: usize) -> usize {
+        match &self.order {
+            Some(o) => o.feature_of[s] as usize,
+            None => {
+                assert!(s < self.n, "row {s} of {}", self.n);
+                s
+            }
+        }
     }
 
     pub fn format(&self) -> QuantFormat {
@@ -201,20 +259,33 @@ impl QuantMatrix {
         self.row_bytes
     }
 
-    /// All blocks, row after row.
+    /// All blocks, row after row, in the stored order.
     pub fn bytes(&self) -> &[u8] {
         &self.data
     }
 
-    /// The blocks of row `j`.
+    /// The blocks of output feature `j` (wherever its row is stored).
     ///
     /// # Panics
     /// If `j >= n`.
     pub fn row(&self, j: usize) -> &[u8] {
-        &self.data[j * self.row_bytes..(j + 1) * self.row_bytes]
+        let s = match &self.order {
+            Some(o) => o.stored_of[j] as usize,
+            None => j,
+        };
+        self.stored_row(s)
     }
 
-    /// Row `j` dequantized into `out[..k]`.
+    /// The blocks of stored row `s` (output feature [`QuantMatrix::feature_of`]`(s)`); stored
+    /// rows lie `row_bytes` apart, which is what the kernels stride over.
+    ///
+    /// # Panics
+    /// If `s >= n`.
+    pub fn stored_row(&self, s: usize) -> &[u8] {
+        &self.data[s * self.row_bytes..(s + 1) * self.row_bytes]
+    }
+
+    /// Output feature `j`'s row dequantized into `out[..k]`.
     ///
     /// # Panics
     /// If `j >= n` or `out` is shorter than `k`.
@@ -225,7 +296,7 @@ impl QuantMatrix {
         }
     }
 
-    /// The whole weight as f32 `[n, k]`.
+    /// The whole weight as f32 `[n, k]`, rows in output-feature order.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.n * self.k];
         for (j, row) in out.chunks_exact_mut(self.k.max(1)).enumerate().take(self.n) {

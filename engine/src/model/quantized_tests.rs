@@ -206,10 +206,11 @@ fn a_requantized_file_is_the_same_model_in_another_format() {
 }
 
 /// A quantized weight opened from a file is multiplied where it lies in the file's map: its
-/// bytes are the map's (no heap copy), they outlive the parsed file, and only the q/k rows that
-/// llama.cpp permuted are copied (back into Hugging Face order).
+/// bytes are the map's (no heap copy) and they outlive the parsed file. The q/k rows that
+/// llama.cpp permuted stay in the map too, in the file's order, and read back by output
+/// feature in Hugging Face order.
 #[test]
-fn quantized_weights_are_used_in_place_in_the_map_except_permuted_rows() {
+fn quantized_weights_are_used_in_place_in_the_map_permuted_rows_too() {
     use super::gguf::GgufModel;
     let dir = std::env::temp_dir().join(format!("cleave-mapped-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -218,27 +219,21 @@ fn quantized_weights_are_used_in_place_in_the_map_except_permuted_rows() {
     let gguf = GgufModel::open(&path).unwrap();
     let in_file = |hf: &str| {
         let info = gguf.file().tensor(&super::gguf::model::gguf_name(hf).unwrap()).unwrap().clone();
-        gguf.file().tensor_bytes(&info).to_vec()
+        let b = gguf.file().tensor_bytes(&info);
+        (b.as_ptr() as usize, b.to_vec())
     };
     let (down, q) = ("model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight");
-    let (down_bytes, q_bytes) = (in_file(down), in_file(q));
-    let file_range = {
-        let info = gguf.file().tensor(&super::gguf::model::gguf_name(down).unwrap()).unwrap().clone();
-        let b = gguf.file().tensor_bytes(&info);
-        b.as_ptr() as usize..b.as_ptr() as usize + b.len()
-    };
+    let ((down_at, down_bytes), (q_at, q_bytes)) = (in_file(down), in_file(q));
     let (dq, qq) = (gguf.tensor_quantized(down).unwrap().unwrap(), gguf.tensor_quantized(q).unwrap().unwrap());
-    assert_eq!(dq.bytes().as_ptr() as usize, file_range.start, "the down projection is the map's bytes");
-    let q_ptr = qq.bytes().as_ptr() as usize;
-    let mapped = gguf.file().tensor_bytes(gguf.file().tensor(&super::gguf::model::gguf_name(q).unwrap()).unwrap());
-    assert_ne!(q_ptr, mapped.as_ptr() as usize, "permuted rows are a copy");
+    assert_eq!(dq.bytes().as_ptr() as usize, down_at, "the down projection is the map's bytes");
+    assert_eq!(qq.bytes().as_ptr() as usize, q_at, "the permuted q projection is the map's bytes too");
+    assert!(!dq.is_reordered() && qq.is_reordered());
     drop(gguf);
     // The weights keep the map alive after the parsed file is gone.
     assert_eq!(dq.bytes(), &down_bytes[..]);
-    assert_ne!(qq.bytes(), &q_bytes[..], "the copy is in Hugging Face row order");
-    let row = qq.row_bytes();
-    let rows = super::gguf::model::move_head_rows(qq.bytes(), qq.n(), HEADS, true).unwrap();
-    assert_eq!(rows.len(), q_bytes.len());
-    assert_eq!(rows, q_bytes, "re-permuting the copy gives the file's rows ({row} bytes each)");
+    assert_eq!(qq.bytes(), &q_bytes[..], "stored in the file's order");
+    let by_feature: Vec<u8> = (0..qq.n()).flat_map(|j| qq.row(j).to_vec()).collect();
+    let rows = super::gguf::model::move_head_rows(&by_feature, qq.n(), HEADS, true).unwrap();
+    assert_eq!(rows, q_bytes, "re-permuting the rows by feature gives the file's rows");
     std::fs::remove_dir_all(&dir).ok();
 }

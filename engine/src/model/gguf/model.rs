@@ -305,6 +305,15 @@ pub fn move_head_rows<T: Copy + Default>(data: &[T], rows: usize, heads: usize, 
     Some(out)
 }
 
+/// The inverse of a permutation given as `p[i] = j` (the caller's `p` is one).
+fn invert(p: &[u32]) -> Vec<u32> {
+    let mut inv = vec![0u32; p.len()];
+    for (i, &j) in p.iter().enumerate() {
+        inv[j as usize] = i as u32;
+    }
+    inv
+}
+
 impl GgufModel {
     /// Opens, maps and validates `path`; builds the tokenizer. Weights are not dequantized.
     pub fn open(path: &Path) -> Result<Self> {
@@ -448,28 +457,27 @@ impl GgufModel {
         })
     }
 
-    /// Matrix `hf_name` (HF shape `[n, k]`) in its block-quantized format, rows un-permuted as
-    /// [`GgufModel::tensor_f32`] does, when its ggml type is one the kernels multiply
-    /// ([`super::GgmlType::quant_format`]); `None` for any other type (read it with
-    /// `tensor_f32`). The blocks are copied out of the file once.
+    /// Matrix `hf_name` (HF shape `[n, k]`) in its block-quantized format, when its ggml type
+    /// is one the kernels multiply ([`super::GgmlType::quant_format`]); `None` for any other
+    /// type (read it with `tensor_f32`). The blocks stay where they lie in the file's map, rows
+    /// llama.cpp permuted included: those carry their order
+    /// ([`QuantMatrix::with_row_order`]), so the matrix's rows by output feature are in Hugging
+    /// Face order as [`GgufModel::tensor_f32`]'s are, without a copy (8.3 MB of SmolLM2-135M's
+    /// q and k would otherwise sit on the heap beside the map's pages).
     pub fn tensor_quantized(&self, hf_name: &str) -> Result<Option<QuantMatrix>> {
         let info = self.info(hf_name)?;
         let shape = info.hf_shape();
         let (Some(format), &[n, k]) = (info.ggml_type.quant_format(), &shape[..]) else {
             return Ok(None);
         };
-        // Rows llama.cpp permuted are copied back into Hugging Face order; every other weight
-        // is multiplied where it lies in the file's map.
-        let data = match self.permuted_heads(hf_name) {
-            Some(_) => {
-                bytes::Bytes::from(self.unpermuted(hf_name, info, &shape, self.file.tensor_bytes(info).to_vec())?)
-            }
-            None => self.file.tensor_shared(info),
-        };
-        QuantMatrix::new(format, n, k, data).map(Some).map_err(|e| GgufError::BadShape {
-            name: info.name.clone(),
-            dims: info.dims.clone(),
-            reason: e.to_string(),
-        })
+        let bad = |reason: String| GgufError::BadShape { name: info.name.clone(), dims: info.dims.clone(), reason };
+        let w = QuantMatrix::new(format, n, k, self.file.tensor_shared(info)).map_err(|e| bad(e.to_string()))?;
+        if self.permuted_heads(hf_name).is_none() {
+            return Ok(Some(w));
+        }
+        // The un-permutation applied to the row indices themselves: `stored_of[feature]`.
+        let stored_of = self.unpermuted(hf_name, info, &shape, (0..n as u32).collect())?;
+        let feature_of = invert(&stored_of);
+        w.with_row_order(feature_of).map(Some).map_err(|e| bad(e.to_string()))
     }
 }

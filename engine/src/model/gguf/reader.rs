@@ -250,6 +250,16 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// A file map that several owners hold: the parsed file's bytes, and [`GgufFile::open`] to
+/// advise on its pages once parsing is done.
+struct SharedMap(std::sync::Arc<memmap2::Mmap>);
+
+impl AsRef<[u8]> for SharedMap {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl GgufFile {
     /// Memory-maps and parses `path`.
     pub fn open(path: &Path) -> Result<Self> {
@@ -259,8 +269,19 @@ impl GgufFile {
         // included) we assume the file is not truncated or rewritten while it is mapped, which
         // is for the life of the weights that use it in place ([`GgufFile::tensor_shared`]);
         // every offset is validated against the mapped length before use.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Self::parse(bytes::Bytes::from_owner(map))
+        let map = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?);
+        let parsed = Self::parse(bytes::Bytes::from_owner(SharedMap(map.clone())))?;
+        // The header (metadata: the vocabulary, merges, chat template; 1.7 MB of SmolLM2's
+        // file) has been parsed into owned values and is not read again; its pages leave this
+        // process's resident set, which parsing put them in. Whole pages only, below the data.
+        let header = (parsed.data_start as usize).min(map.len()) / 4096 * 4096;
+        if header > 0 {
+            // SAFETY: the map is a shared, read-only file mapping: dropping its pages changes no
+            // byte anyone reads (a later read faults them in again from the file). Advisory:
+            // a failure leaves them resident, nothing more.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, header) };
+        }
+        Ok(parsed)
     }
 
     /// Parses a GGUF image held in memory.

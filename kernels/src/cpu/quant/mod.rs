@@ -171,11 +171,21 @@ pub(crate) fn linear_many(
         let mut res = vec![0f32; m * width];
         rows_task(qisa, plan.w, acts, m, j0..j1, &mut res);
         for r in 0..m {
+            let res = &res[r * width..(r + 1) * width];
+            if plan.w.is_reordered() {
+                // Stored rows `j0..j1` are the output features `feature_of(j)`, which no other
+                // task's stored rows are (a permutation).
+                for (j, v) in (j0..j1).zip(res) {
+                    let f = plan.w.feature_of(j);
+                    // SAFETY: as below, for the one element `(r, f)`, `f < n`.
+                    unsafe { *plan.dst.0.add(r * n + f) = v + plan.bias.map_or(0.0, |b| b[f]) };
+                }
+                continue;
+            }
             // SAFETY: this product's `out` is `[m, n]` (checked by the caller); row `r < m`,
             // columns `j0..j1 <= n`. Tasks own disjoint (product, column run) pieces, and
             // nothing reads an `out` until the parallel loop has joined.
             let o = unsafe { std::slice::from_raw_parts_mut(plan.dst.0.add(r * n + j0), j1 - j0) };
-            let res = &res[r * width..(r + 1) * width];
             match plan.bias {
                 Some(b) => o.iter_mut().zip(res).zip(&b[j0..j1]).for_each(|((o, v), b)| *o = v + b),
                 None => o.copy_from_slice(res),

@@ -29,8 +29,8 @@ pub(crate) fn signed(format: QuantFormat) -> bool {
     format == QuantFormat::Q8_0
 }
 
-/// `res[r * width + (j - rows.start)] = x[r] · w[j]` for the weight rows `j` of `rows` and every
-/// activation row `r < m`, without bias.
+/// `res[r * width + (j - rows.start)] = x[r] · w[j]` for the stored weight rows `j` of `rows`
+/// ([`QuantMatrix::stored_row`]) and every activation row `r < m`, without bias.
 pub(super) fn rows_task(
     w: &QuantMatrix,
     acts: &QActs,
@@ -46,7 +46,7 @@ pub(super) fn rows_task(
     for j in rows.clone() {
         for k0 in (0..k).step_by(kc) {
             let k1 = (k0 + kc).min(k);
-            decode(format, &w.row(j)[k0 / bv * bb..k1 / bv * bb], &mut q, &mut ds, &mut wm);
+            decode(format, &w.stored_row(j)[k0 / bv * bb..k1 / bv * bb], &mut q, &mut ds, &mut wm);
             for r in 0..m {
                 let x = acts.row(r);
                 let mut acc = [0f32; 8];

@@ -294,3 +294,53 @@ fn decode_rows_keep_the_integer_kernels_longer_than_prompt_rows() {
         }
     }
 }
+
+/// Rows stored out of order (llama.cpp's q/k layout, multiplied in place) give every path the
+/// same outputs, bit for bit, as the same rows stored in output order, bias included; the
+/// accessors by output feature see the output order.
+#[test]
+fn rows_stored_out_of_order_give_the_outputs_of_rows_in_order() {
+    let pool = pool();
+    for format in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K] {
+        let (n, k) = (24, 2 * 256);
+        let bb = format.block_bytes() * k / format.block_values();
+        let stored = synthetic_blocks(format, n * k / format.block_values(), 9);
+        // Two heads of 12 rows, each head's halves interleaved (stored row h*12 + 2i + half is
+        // feature h*12 + half*6 + i), as convert_hf_to_gguf.py stores q and k.
+        let feature_of: Vec<u32> = (0..n).map(|s| ((s / 12) * 12 + (s % 12 % 2) * 6 + (s % 12) / 2) as u32).collect();
+        let mut in_order = vec![0u8; stored.len()];
+        for (s, &f) in feature_of.iter().enumerate() {
+            in_order[f as usize * bb..(f as usize + 1) * bb].copy_from_slice(&stored[s * bb..(s + 1) * bb]);
+        }
+        let plain = QuantMatrix::new(format, n, k, in_order).unwrap();
+        let moved = QuantMatrix::new(format, n, k, stored).unwrap().with_row_order(feature_of.clone()).unwrap();
+        assert!(moved.is_reordered() && !plain.is_reordered());
+        assert_eq!(moved.to_f32(), plain.to_f32(), "{format}");
+        for j in 0..n {
+            assert_eq!(moved.row(j), plain.row(j), "{format} feature {j}");
+            assert_eq!(moved.stored_row(j), moved.row(moved.feature_of(j)), "{format} stored row {j}");
+        }
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.5 - 3.0).collect();
+        for qisa in QuantIsa::available() {
+            for m in [1, 2, 5, 8, 19] {
+                let x = activations(m, k, m as u64);
+                for (max_m, path) in [(usize::MAX, "integer"), (0, "wide")] {
+                    for b in [None, Some(&bias[..])] {
+                        let what = format!("{format} {} m={m} {path} bias={}", qisa.name(), b.is_some());
+                        assert_eq!(
+                            run(&pool, (qisa, max_m), &moved, &x, m, b),
+                            run(&pool, (qisa, max_m), &plain, &x, m, b),
+                            "{what}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Not a permutation: refused.
+    let w = || QuantMatrix::new(QuantFormat::Q8_0, 3, 32, synthetic_blocks(QuantFormat::Q8_0, 3, 1)).unwrap();
+    assert!(w().with_row_order(vec![0, 1]).is_err());
+    assert!(w().with_row_order(vec![0, 1, 1]).is_err());
+    assert!(w().with_row_order(vec![0, 1, 3]).is_err());
+    assert!(!w().with_row_order(vec![0, 1, 2]).unwrap().is_reordered());
+}

@@ -26,8 +26,8 @@ use crate::quant::{scale_min_k4, QuantFormat, QuantMatrix};
 /// Activation rows per call, most first: `m` is covered by calls of these sizes.
 pub(super) const GROUPS: [usize; 5] = [8, 4, 3, 2, 1];
 
-/// `res[r * width + (j - rows.start)] = x[r0 + r] · w[j]` for the weight rows `j` of `rows` and
-/// `r < rr` (`rr` one of [`GROUPS`]; `acts` is `(acts, r0, rr)`), without bias.
+/// `res[r * width + (j - rows.start)] = x[r0 + r] · w[j]` for the stored weight rows `j` of
+/// `rows` ([`QuantMatrix::stored_row`]) and `r < rr` (`rr` one of [`GROUPS`]; `acts` is `(acts, r0, rr)`), without bias.
 ///
 /// # Panics
 /// If `qisa` is portable, `rr` is not one of [`GROUPS`], the rows or activation rows are out of
@@ -43,7 +43,7 @@ pub(super) fn run(
     assert!(rr == 0 || (r0 + rr) * w.k() <= acts.q.len());
     assert!(rows.len() <= width && (rr == 0 || res.len() >= (rr - 1) * width + rows.len()));
     let job = Job {
-        w: w.row(rows.start).as_ptr(),
+        w: w.stored_row(rows.start).as_ptr(),
         row_bytes: w.row_bytes(),
         rows: rows.len(),
         units: w.k() / 32,
