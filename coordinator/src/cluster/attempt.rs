@@ -154,7 +154,11 @@ struct Remote {
     first_at: Option<Instant>,
     /// Decode events that overtook the first token.
     early: VecDeque<TokenEvent>,
+    /// A decode event arrived after the first token: the decode node has the KV it needed.
     first_step_recorded: bool,
+    /// The prefill node said how its handoff ended (its report, or an error event after the
+    /// first token, which the decode node's lease hears of too).
+    handoff_settled: bool,
 }
 
 /// How an attempt ended.
@@ -166,6 +170,9 @@ enum Outcome {
     /// The decode node failed; tokens sent so far stay sent. `alive`: it said so itself, so it
     /// may serve the retry.
     DecodeFailed { node: NodeRef, cause: AttemptError, alive: bool },
+    /// The prefill node died after its first token, before its handoff was settled and before
+    /// the decode node showed it had the KV: the stream migrates (tokens sent stay sent).
+    HandoffLost { node: NodeRef, cause: AttemptError },
 }
 
 /// One request, from its first plan to its final event.
@@ -392,6 +399,7 @@ impl Journey {
                     first_at: None,
                     early: VecDeque::new(),
                     first_step_recorded: false,
+                    handoff_settled: false,
                 };
                 (decode, Some(remote))
             }
@@ -453,17 +461,26 @@ impl Journey {
                     }
                     return self.next_attempt(now, out);
                 }
-                self.migrations += 1;
-                out.push(Action::Record(Metric::Migration { node: node.name.clone() }));
-                if self.migrations > self.limits.max_migrations {
-                    let migrations = self.migrations - 1;
-                    return self.fail(RequestError::Migrations { migrations, last }, out);
-                }
-                tracing::warn!(node = %node.name, error = %last.cause, sent = self.generated.len(), "decode node failed; migrating the stream");
-                self.last_error = Some(last);
-                self.next_attempt(now, out);
+                self.migrate(now, last, out);
+            }
+            Outcome::HandoffLost { node, cause } => {
+                self.exclude.push(node.id);
+                self.migrate(now, NodeFailure { side: Side::Prefill, node: node.name, cause }, out);
             }
         }
+    }
+
+    /// Continues a stream whose tokens so far were sent, on a new attempt, after `last`.
+    fn migrate(&mut self, now: Instant, last: NodeFailure, out: &mut Vec<Action>) {
+        self.migrations += 1;
+        out.push(Action::Record(Metric::Migration { node: last.node.clone() }));
+        if self.migrations > self.limits.max_migrations {
+            let migrations = self.migrations - 1;
+            return self.fail(RequestError::Migrations { migrations, last }, out);
+        }
+        tracing::warn!(node = %last.node, side = %last.side, error = %last.cause, sent = self.generated.len(), "node failed; migrating the stream");
+        self.last_error = Some(last);
+        self.next_attempt(now, out);
     }
 
     fn fail(&mut self, error: RequestError, out: &mut Vec<Action>) {
@@ -588,6 +605,7 @@ impl Journey {
                     }
                     tracing::debug!(error = %cause, "prefill node failed after the first token");
                     r.prefill_open = false;
+                    r.handoff_settled = true;
                     release_prefill(&mut a.booking, out);
                     return self.resume(now, out);
                 }
@@ -602,6 +620,7 @@ impl Journey {
             ControlMsg::HandoffDone(report) => {
                 out.push(Action::Handoff { report, node: r.prefill.clone(), dispatched: r.dispatched });
                 r.prefill_open = false;
+                r.handoff_settled = true;
                 // The prefill node's part is over (a drain of it need not wait for the stream's
                 // decode).
                 release_prefill(&mut a.booking, out);
@@ -647,17 +666,27 @@ impl Journey {
     }
 
     /// A node of the registry died; only the attempt's decode node, or its prefill node while
-    /// the first token is still to come, matters (a death elsewhere does not restart the
-    /// silence timer).
+    /// the first token is still to come or its handoff unsettled, matters (a death elsewhere
+    /// does not restart the silence timer).
+    ///
+    /// A prefill node that dies after the first token may have sent all of the KV (its report
+    /// lost with it) or none: the decode node cannot tell the second case from a slow sender
+    /// until its lease expires (a minute), when no transfer connection was open to break. So
+    /// unless the decode node has already produced a token (it had the KV), the stream migrates
+    /// now; at worst that re-prefills a prompt whose handoff had in fact completed.
     fn on_died(&mut self, now: Instant, id: u64, out: &mut Vec<Action>) {
         let Some(a) = self.attempt.as_ref() else { return };
         if id == a.decode.id {
             let node = a.decode.clone();
             return self.end(now, Outcome::DecodeFailed { node, cause: AttemptError::NodeDied, alive: false }, out);
         }
-        if let Some(r) = a.remote.as_ref().filter(|r| r.prefill_open && r.first_at.is_none() && r.prefill.id == id) {
-            let node = r.prefill.clone();
-            self.end(now, Outcome::PrefillFailed { node, cause: AttemptError::NodeDied }, out);
+        let Some(r) = a.remote.as_ref().filter(|r| r.prefill.id == id) else { return };
+        let node = r.prefill.clone();
+        let cause = AttemptError::NodeDied;
+        if r.prefill_open && r.first_at.is_none() {
+            self.end(now, Outcome::PrefillFailed { node, cause }, out);
+        } else if r.first_at.is_some() && !r.handoff_settled && !r.first_step_recorded {
+            self.end(now, Outcome::HandoffLost { node, cause }, out);
         }
     }
 

@@ -756,17 +756,59 @@ fn a_prefill_failure_after_the_first_token_only_returns_its_part() {
 }
 
 #[test]
-fn a_prefill_node_dying_after_the_first_token_is_no_failure() {
+fn a_prefill_node_dying_after_the_decode_node_had_the_kv_is_no_failure() {
     let mut h = H::new(4);
     h.first_token();
+    h.token(dec(tok(8)));
     assert!(h.feed(Event::NodeDied(p0().id)).is_empty());
     assert!(h.m.reading(Side::Prefill), "its stream tells the rest");
     assert_eq!(
         kinds(&h.feed(Event::Lost { side: Side::Prefill, cause: AttemptError::StreamClosed })),
         ["ReleasePrefill"]
     );
+    h.token(dec(tok(9)));
+    assert_eq!(h.tokens(), [7, 8, 9]);
+}
+
+#[test]
+fn a_prefill_node_dying_after_its_handoff_report_is_no_failure() {
+    let mut h = H::new(4);
+    h.first_token();
+    h.feed(handoff_done());
+    assert!(h.feed(Event::NodeDied(p0().id)).is_empty());
     h.token(dec(tok(8)));
     assert_eq!(h.tokens(), [7, 8]);
+}
+
+/// The prefill node died between its first token and the end of its handoff: the decode node
+/// may never hear of it before its lease expires (a minute), so the stream migrates at once,
+/// its stream lost first or not.
+#[test]
+fn a_prefill_node_dying_before_its_handoff_was_settled_migrates_the_stream() {
+    for stream_lost_first in [false, true] {
+        let mut h = H::new(4);
+        h.first_token();
+        if stream_lost_first {
+            let lost = h.feed(Event::Lost { side: Side::Prefill, cause: AttemptError::StreamClosed });
+            assert_eq!(kinds(&lost), ["ReleasePrefill"]);
+        }
+        assert!(h.feed(Event::NodeDied(99)).is_empty(), "another node's death");
+        let out = h.feed(Event::NodeDied(p0().id));
+        assert_eq!(
+            kinds(&out),
+            ["CloseStreams", "Release", "Record(Migration)", "Plan"],
+            "lost first: {stream_lost_first}"
+        );
+        let q = the_query(&out);
+        assert_eq!(q.tokens, [&PROMPT[..], &[7]].concat(), "prompt plus the first token");
+        assert_eq!((q.max_tokens, q.force_local, &q.exclude[..]), (3, true, &[p0().id][..]));
+        let out = h.plan(Plan::Local { decode: d0(), reason: LocalReason::Migration });
+        assert_eq!(kinds(&out), ["Routed(migrated)", "Record(RouteDecision)", "Open(local)"]);
+        h.feed(Event::Opened { decode: Ok(()), prefill: None });
+        h.token(dec(tok(8)));
+        h.token(dec(fin(9, FinishReason::Stop)));
+        assert_eq!(h.tokens(), [7, 8, 9]);
+    }
 }
 
 #[test]
