@@ -22,6 +22,9 @@ struct Inner {
     templates: ChatTemplates,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
+    /// `hf.get_vocab_size(true)`, counted once: `tokenizers` answers it by building the whole
+    /// token-to-id map (7 ms for a 49K vocabulary), and the edge asks on every request.
+    vocab_size: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -56,7 +59,8 @@ impl Tokenizer {
                 pad: config.pad_token.clone(),
             },
         );
-        Tokenizer { inner: Arc::new(Inner { hf, config, templates, bos_id, eos_id }) }
+        let vocab_size = hf.get_vocab_size(true);
+        Tokenizer { inner: Arc::new(Inner { hf, config, templates, bos_id, eos_id, vocab_size }) }
     }
 
     /// Loads a Hugging Face model folder: `tokenizer.json` (required),
@@ -108,9 +112,9 @@ impl Tokenizer {
             .map_err(|e| TokenizerError::Decode { len: ids.len(), reason: e.to_string() })
     }
 
-    /// Number of ids, added tokens included.
+    /// Number of ids, added tokens included (counted at construction).
     pub fn vocab_size(&self) -> usize {
-        self.inner.hf.get_vocab_size(true)
+        self.inner.vocab_size
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
