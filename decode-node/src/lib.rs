@@ -391,6 +391,9 @@ impl Shared {
 async fn serve_request(req: DecodeRequest, s: &mut DuplexStream, shared: &Shared) {
     let id = req.work.id;
     let prompt_tokens = req.work.prompt.len() as u32;
+    if req.work.params.constraint.is_some() {
+        shared.engine.prepare_constraints().await;
+    }
     // One reader for the request's life: it keeps a message read halfway when a `select!`
     // below drops its call.
     let mut rx = MsgReader::new(&mut s.recv);

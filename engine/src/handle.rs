@@ -27,7 +27,7 @@ use tokio::sync::oneshot;
 
 use crate::export::KvExport;
 use crate::import::{ImportGrant, ImportStart};
-use crate::runner::{EngineCore, EngineRequest, EngineSnapshot};
+use crate::runner::{ConstraintCompiler, EngineCore, EngineRequest, EngineSnapshot};
 use crate::{EngineError, Result};
 
 /// A new request, of each kind the engine takes.
@@ -103,6 +103,7 @@ pub struct EngineHandle {
     /// Set while a `Wake` for queued imports is pending; the loop clears it before draining.
     wake: Arc<AtomicBool>,
     info: Arc<EngineInfo>,
+    compiler: Arc<ConstraintCompiler>,
 }
 
 /// The engine loop's thread; dropping it (or calling [`EngineThread::shutdown`]) stops the loop
@@ -168,6 +169,25 @@ impl EngineHandle {
     }
 
     /// Facts about the engine (KV layout, model fingerprint, limits).
+    /// Builds the constraint compiler on a thread of its own unless it is built, and waits for
+    /// it: a request handler calls this before it submits a constrained request, so the first
+    /// one does not stall the engine's step for the build (see [`ConstraintCompiler`]).
+    pub async fn prepare_constraints(&self) {
+        if self.compiler.is_built() {
+            return;
+        }
+        let (tx, rx) = oneshot::channel();
+        let compiler = self.compiler.clone();
+        let build = move || {
+            compiler.get();
+            let _ = tx.send(());
+        };
+        // Without a thread the engine builds it when the request arrives, as it would anyway.
+        if std::thread::Builder::new().name("cleave-constraints".into()).spawn(build).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
     pub fn info(&self) -> &EngineInfo {
         &self.info
     }
@@ -344,7 +364,7 @@ impl EngineThread {
                             kv_blocks_total: core.scheduler().kv().num_blocks(),
                             weights: core.weights(),
                         };
-                        let _ = ready_tx.send(Ok(info));
+                        let _ = ready_tx.send(Ok((info, core.constraint_compiler())));
                         core
                     }
                     Err(e) => {
@@ -357,9 +377,10 @@ impl EngineThread {
             })
             .map_err(|e| EngineError::io("engine thread", e))?;
         match ready_rx.recv() {
-            Ok(Ok(info)) => {
-                Ok(Self { handle: EngineHandle { tx, imports, wake, info: Arc::new(info) }, join: Some(join) })
-            }
+            Ok(Ok((info, compiler))) => Ok(Self {
+                handle: EngineHandle { tx, imports, wake, info: Arc::new(info), compiler },
+                join: Some(join),
+            }),
             Ok(Err(e)) => {
                 let _ = join.join();
                 Err(e)

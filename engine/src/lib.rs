@@ -25,4 +25,4 @@ pub use error::{EngineError, Result};
 pub use export::{ExportDone, KvChunk, KvExport, KvExportEvent, SinkError};
 pub use handle::{EngineHandle, EngineInfo, EngineThread, TokenStream};
 pub use import::{ImportGrant, ImportStart};
-pub use runner::{EngineConfig, EngineCore, EngineRequest, EngineSnapshot, EngineStats};
+pub use runner::{ConstraintCompiler, EngineConfig, EngineCore, EngineRequest, EngineSnapshot, EngineStats};

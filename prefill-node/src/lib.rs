@@ -132,6 +132,9 @@ async fn prefill(req: PrefillRequest, s: &mut DuplexStream, shared: &Prefiller) 
     let mut m = Request::new(id, req.work.prompt.len() as u32, submitted);
     let (xtx, xrx) = mpsc::unbounded_channel();
     let w = req.work;
+    if w.params.constraint.is_some() {
+        shared.engine.prepare_constraints().await;
+    }
     let ereq = EngineRequest { id, prompt: w.prompt, params: w.params, stop: w.stop };
     // When the first layer's KV leaves the engine, the request's first chunk is being computed:
     // submit to then is its wait in the engine's queue (plus one layer of compute).

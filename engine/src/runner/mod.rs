@@ -189,12 +189,9 @@ pub struct EngineCore<B: Backend> {
     /// Compiles request constraints against this model's vocabulary; the error says why this
     /// tokenizer cannot be constrained (requests with a constraint are then refused).
     ///
-    /// Built when the first constrained request arrives, not at load: its token tries (most of
-    /// them llguidance's slices for JSON strings) take 17 MB for SmolLM2's 49K-token vocabulary,
-    /// a sixth of that model's file, which a node that is never asked for a constraint should
-    /// not hold. The price is paid once, on the engine thread, by the step that admits that
-    /// request: 130 ms for SmolLM2 on the Intel Xeon VM (2 threads), logged.
-    compiler: std::sync::OnceLock<std::result::Result<Compiler, ConstrainError>>,
+    /// Built when the first constrained request needs it, not at load (see
+    /// [`ConstraintCompiler`]); shared with the engine's handles.
+    compiler: Arc<ConstraintCompiler>,
     /// A logits row with a constraint's mask applied (reused).
     masked: Vec<f32>,
     /// The model's identity with this tokenizer's vocabulary (see
@@ -202,6 +199,44 @@ pub struct EngineCore<B: Backend> {
     identity: u64,
     /// Recent step costs, for pacing.
     costs: CostTracker,
+}
+
+/// The engine's constraint compiler, built once, when the first constrained request needs it.
+///
+/// Not at load: its token tries (most of them llguidance's slices for JSON strings) take 17 MB
+/// for SmolLM2's 49K-token vocabulary, a sixth of that model's file, which a node that is never
+/// asked for a constraint should not hold. Building it takes 130 ms for SmolLM2 on the Intel
+/// Xeon VM; a node's request handler builds it off the engine thread
+/// ([`crate::EngineHandle::prepare_constraints`]) before it submits the first constrained
+/// request, so the engine's step does not wait for it. Whoever asks first builds it; the engine
+/// thread does only when nothing prepared it (a caller that submits directly).
+pub struct ConstraintCompiler {
+    cell: std::sync::OnceLock<std::result::Result<Compiler, ConstrainError>>,
+    tokenizer: Tokenizer,
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
+}
+
+impl ConstraintCompiler {
+    /// The compiler (or why this vocabulary cannot be constrained), built now if it was not:
+    /// this blocks for as long as the build takes, or until another thread's build is done.
+    pub fn get(&self) -> &std::result::Result<Compiler, ConstrainError> {
+        self.cell.get_or_init(|| {
+            let start = Instant::now();
+            let compiler = Compiler::new(&self.tokenizer, self.vocab_size, &self.eos_token_ids);
+            let took_ms = start.elapsed().as_secs_f64() * 1e3;
+            match &compiler {
+                Ok(_) => tracing::info!(took_ms, "constraint compiler built for the first constrained request"),
+                Err(e) => tracing::warn!(error = %e, "requests that constrain their output will be refused"),
+            }
+            compiler
+        })
+    }
+
+    /// Whether [`ConstraintCompiler::get`] would return at once.
+    pub fn is_built(&self) -> bool {
+        self.cell.get().is_some()
+    }
 }
 
 /// Moving averages of what a step costs, from [`EngineCore::note_step_time`]: a decode-only step
@@ -298,6 +333,12 @@ impl<B: Backend> EngineCore<B> {
             KvSpec { num_blocks, block_size: cfg.block_size, dtype: cfg.kv_dtype },
         )?;
         let identity = crate::model::identity::with_vocabulary(model.identity(), &tokenizer);
+        let compiler = Arc::new(ConstraintCompiler {
+            cell: std::sync::OnceLock::new(),
+            tokenizer: tokenizer.clone(),
+            vocab_size: model.config.vocab_size,
+            eos_token_ids: eos_token_ids.clone(),
+        });
         Ok(Self {
             backend,
             model,
@@ -314,11 +355,16 @@ impl<B: Backend> EngineCore<B> {
             parked: VecDeque::new(),
             pending: Vec::new(),
             kv_layers_written: Arc::default(),
-            compiler: std::sync::OnceLock::new(),
+            compiler,
             masked: Vec::new(),
             identity,
             costs: CostTracker::default(),
         })
+    }
+
+    /// The constraint compiler this core uses, for its handles.
+    pub fn constraint_compiler(&self) -> Arc<ConstraintCompiler> {
+        self.compiler.clone()
     }
 
     /// What the weights are: their fingerprint (differs between formats of one model, unlike
@@ -467,17 +513,7 @@ impl<B: Backend> EngineCore<B> {
     /// The constraint state of `req` after `history` (its output so far), when it has one.
     fn start_constraint(&self, req: &EngineRequest, history: &[u32]) -> Result<Option<ConstraintState>> {
         let Some(c) = &req.params.constraint else { return Ok(None) };
-        let compiler = self.compiler.get_or_init(|| {
-            let start = std::time::Instant::now();
-            let compiler = Compiler::new(&self.tokenizer, self.model.config.vocab_size, &self.eos_token_ids);
-            let took_ms = start.elapsed().as_secs_f64() * 1e3;
-            match &compiler {
-                Ok(_) => tracing::info!(took_ms, "constraint compiler built for the first constrained request"),
-                Err(e) => tracing::warn!(error = %e, "requests that constrain their output will be refused"),
-            }
-            compiler
-        });
-        let compiler = compiler.as_ref().map_err(|e| EngineError::Constraint(e.clone()))?;
+        let compiler = self.compiler.get().as_ref().map_err(|e| EngineError::Constraint(e.clone()))?;
         Ok(Some(compiler.start(c, history)?))
     }
 
