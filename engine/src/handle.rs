@@ -188,6 +188,12 @@ impl EngineHandle {
         }
     }
 
+    /// Whether the constraint compiler is built (by [`EngineHandle::prepare_constraints`] or by
+    /// a constrained request).
+    pub fn constraints_built(&self) -> bool {
+        self.compiler.is_built()
+    }
+
     pub fn info(&self) -> &EngineInfo {
         &self.info
     }

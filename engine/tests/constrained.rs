@@ -139,6 +139,21 @@ fn regex_choice_and_json_object_hold_and_an_unconstrained_neighbour_is_unchanged
     }
 }
 
+/// The compiler (17 MB of tries for SmolLM2) is built for the first constrained request, not at
+/// load nor for an unconstrained one, and then kept.
+#[test]
+fn the_constraint_compiler_is_built_for_the_first_constrained_request() {
+    let mut core = engine(&tiny_llama_dir(), config());
+    let compiler = core.constraint_compiler();
+    assert!(!compiler.is_built(), "built at load");
+    let prompt = core.tokenizer().encode("Answer:", true).unwrap();
+    generate(&mut core, &[request(1, prompt.clone(), None, 0.0, 4)]);
+    assert!(!compiler.is_built(), "built for an unconstrained request");
+    let out = generate(&mut core, &[request(2, prompt, Some(Constraint::JsonObject), 0.0, 8)]);
+    assert!(compiler.is_built());
+    assert!(out[0].0.trim_start().starts_with('{'), "{out:?}");
+}
+
 #[test]
 fn a_bad_constraint_is_refused_before_anything_is_queued() {
     let mut core = engine(&tiny_llama_dir(), config());

@@ -21,6 +21,28 @@ fn spawn() -> EngineThread {
     .unwrap()
 }
 
+/// A node's handler builds the constraint compiler off the engine thread before its first
+/// constrained request; the request then runs on it.
+#[tokio::test(flavor = "current_thread")]
+async fn prepare_constraints_builds_the_compiler_before_the_request() {
+    let engine = spawn();
+    let handle = engine.handle();
+    assert!(!handle.constraints_built(), "built at load");
+    handle.prepare_constraints().await;
+    assert!(handle.constraints_built());
+    handle.prepare_constraints().await; // built: returns at once
+    let mut req = greedy_request(7, vec![1, 450, 4996], 8);
+    req.params.constraint = Some(cleave_protocol::Constraint::JsonObject);
+    let mut stream = handle.submit(req).unwrap();
+    let mut tokens = 0;
+    while let Some(ev) = stream.next().await {
+        assert!(ev.error.is_none(), "{ev:?}");
+        tokens += usize::from(ev.token_id.is_some());
+    }
+    assert!(tokens > 0);
+    engine.shutdown().unwrap();
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_streams_match_golden_and_drop_cancels() {
     let engine = spawn();
