@@ -446,6 +446,23 @@ fn release_freed_heap() {
     }
 }
 
+/// How often a serving node hands its freed heap pages back ([`trim_heap_now_and_then`]).
+const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// [`release_freed_heap`] every [`HEAP_TRIM_EVERY`], for the life of the node. Handoffs and
+/// batches free buffers of hundreds of KB to MBs, which glibc keeps in its arenas once its
+/// dynamic mmap threshold has risen past them. In the 5-minute soak every node's RSS less KV
+/// came out 5-7 MiB lower with it; a SmolLM2 node after a first request 133 -> 129 MiB. A trim
+/// takes about a millisecond on a node's heap, on the blocking pool.
+async fn trim_heap_now_and_then() {
+    let mut every = tokio::time::interval(HEAP_TRIM_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let _ = tokio::task::spawn_blocking(release_freed_heap).await;
+    }
+}
+
 pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let default_name = match role {
         RoleArg::Prefill => "prefill",
@@ -473,6 +490,7 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
     let res = rt.block_on(async move {
         let shutdown = shutdown_signal(cmd.net.exit_with_parent);
         let metrics_addr = serve_metrics(cmd.metrics_listen).await?;
+        tokio::spawn(trim_heap_now_and_then());
         let node_role = match role {
             RoleArg::Prefill => NodeRole::Prefill,
             RoleArg::Decode => NodeRole::Decode,
