@@ -240,3 +240,30 @@ fn logits_are_spread_and_depend_on_the_input() {
         assert!(argmax.len() >= 8, "tied={tied}: only {} distinct argmax over 24 positions", argmax.len());
     }
 }
+
+/// The model builds each step's RoPE rows from its positions (it keeps no table of every
+/// position), and still refuses a position past `max_position_embeddings`, with the position
+/// named, where the table used to end.
+#[test]
+fn a_position_past_the_models_positions_is_refused() {
+    use cleave_engine::model::{ForwardBatch, KvSpec, KvStorage, Model};
+    use cleave_kernels::{cpu::CpuBackend, AttnSeq};
+    use cleave_protocol::KvDtype;
+    let dir = TempDir::new("positions");
+    synth::write_model(&tiny(), 1, SynthDtype::F32, &dir.0).unwrap();
+    let backend = CpuBackend::new(Some(1)).unwrap();
+    let config = ModelConfig::from_dir(&dir.0).unwrap();
+    let max = config.max_position_embeddings as u32;
+    let model = Model::load(&backend, config.clone(), &SafetensorsSource::open_dir(&dir.0).unwrap()).unwrap();
+    let spec = KvSpec { num_blocks: 2, block_size: 16, dtype: KvDtype::F32 };
+    let mut kv = KvStorage::new(&backend, &config, spec).unwrap();
+    let table = [0u32, 1];
+    let seqs = [AttnSeq { q_start: 0, q_len: 2, context_len: 2, block_table: &table }];
+    let forward = |kv: &mut KvStorage<CpuBackend>, positions: &[u32]| {
+        let batch = ForwardBatch { tokens: &[5, 6], positions, slots: &[0, 1], seqs: &seqs, logit_rows: &[1] };
+        model.forward(&backend, batch, kv)
+    };
+    assert!(forward(&mut kv, &[max - 2, max - 1]).is_ok());
+    let err = forward(&mut kv, &[max - 1, max]).unwrap_err().to_string();
+    assert!(err.contains(&format!("position {max} of token 1")), "{err}");
+}

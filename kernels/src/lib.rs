@@ -348,3 +348,11 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<
 pub fn rope_table(inv_freq: &[f32], max_positions: usize) -> Vec<f32> {
     reference::rope_table(inv_freq, max_positions)
 }
+
+/// The rows of [`rope_table`] for `positions` only, in their order (row `r` is position
+/// `positions[r]`'s, bit for bit), into `out`: a step's table, which [`Backend::rope`] reads with
+/// the positions `0..positions.len()`. A model keeps no table of every position: at 131,072
+/// positions and a head of 128 that would be 64 MiB.
+pub fn rope_rows(inv_freq: &[f32], positions: &[u32], out: &mut Vec<f32>) {
+    reference::rope_rows(inv_freq, positions, out)
+}

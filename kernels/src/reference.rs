@@ -98,13 +98,33 @@ pub fn rope_table(inv_freq: &[f32], max_positions: usize) -> Vec<f32> {
     let half = inv_freq.len();
     let mut table = vec![0f32; max_positions * 2 * half];
     for (p, row) in table.chunks_exact_mut(2 * half).enumerate() {
-        for (i, &f) in inv_freq.iter().enumerate() {
-            let angle = (p as f32 * f) as f64;
-            row[i] = angle.cos() as f32;
-            row[half + i] = angle.sin() as f32;
-        }
+        rope_row(inv_freq, p as u32, row);
     }
     table
+}
+
+/// The rows of [`rope_table`] for `positions` only, in their order, into `out` (cleared first):
+/// row `r` of `out` is row `positions[r]` of the table, bit for bit.
+pub fn rope_rows(inv_freq: &[f32], positions: &[u32], out: &mut Vec<f32>) {
+    let width = 2 * inv_freq.len();
+    out.clear();
+    out.resize(positions.len() * width, 0.0);
+    if width == 0 {
+        return;
+    }
+    for (&p, row) in positions.iter().zip(out.chunks_exact_mut(width)) {
+        rope_row(inv_freq, p, row);
+    }
+}
+
+/// One row of [`rope_table`]: cos then sin of `p * inv_freq[i]`.
+fn rope_row(inv_freq: &[f32], p: u32, row: &mut [f32]) {
+    let half = inv_freq.len();
+    for (i, &f) in inv_freq.iter().enumerate() {
+        let angle = (p as f32 * f) as f64;
+        row[i] = angle.cos() as f32;
+        row[half + i] = angle.sin() as f32;
+    }
 }
 
 /// In-place rotate-half RoPE on `x: [positions.len(), num_heads, head_dim]`:

@@ -1,6 +1,6 @@
 //! RoPE frequencies, tables and rotation against hand-computed numbers (Python, f64).
 
-use cleave_kernels::{reference, rope_inv_freq, rope_table, Backend, CpuBackend, RopeScaling};
+use cleave_kernels::{reference, rope_inv_freq, rope_rows, rope_table, Backend, CpuBackend, RopeScaling};
 
 fn close(got: &[f32], want: &[f64]) {
     assert_eq!(got.len(), want.len());
@@ -46,6 +46,40 @@ fn table_holds_cos_then_sin() {
     assert!((row7[4 + 1] as f64 - 0.2602124407407033).abs() < 1e-6);
     assert!((t[100 * 8] as f64 - 0.8623188722876839).abs() < 1e-5);
     assert_eq!(&t[..8], &[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+}
+
+/// A step's rows are the table's rows of its positions, bit for bit, in the step's order (the
+/// engine builds them per step instead of keeping the table), and rotating with them at
+/// `0..n` is rotating with the table at the positions.
+#[test]
+fn a_steps_rows_are_the_tables_rows_of_its_positions() {
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    for (hd, theta, scaling) in [(64, 100000.0, RopeScaling::None), (128, 500000.0, scaling)] {
+        let f = rope_inv_freq(hd, theta, &scaling);
+        let table = rope_table(&f, 40_000);
+        let positions = [39_999u32, 0, 7, 7, 31_337, 1, 8191, 8192];
+        let mut rows = vec![1.0; 3]; // stale contents are cleared
+        rope_rows(&f, &positions, &mut rows);
+        assert_eq!(rows.len(), positions.len() * hd);
+        for (r, &p) in positions.iter().enumerate() {
+            let (got, want) = (&rows[r * hd..(r + 1) * hd], &table[p as usize * hd..(p as usize + 1) * hd]);
+            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "row of position {p}");
+        }
+        let (heads, cpu) = (3, CpuBackend::new(Some(1)).unwrap());
+        let x: Vec<f32> = (0..positions.len() * heads * hd).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let mut by_table = cpu.upload(&x).unwrap();
+        cpu.rope(&mut by_table, &positions, heads, hd, &cpu.upload(&table).unwrap()).unwrap();
+        let mut by_rows = cpu.upload(&x).unwrap();
+        let in_order: Vec<u32> = (0..positions.len() as u32).collect();
+        cpu.rope(&mut by_rows, &in_order, heads, hd, &cpu.upload(&rows).unwrap()).unwrap();
+        let (a, b) = (cpu.download(&by_table).unwrap(), cpu.download(&by_rows).unwrap());
+        assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
 }
 
 #[test]

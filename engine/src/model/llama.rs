@@ -39,8 +39,14 @@ pub struct Model<B: Backend> {
     embed: Embeddings<B>,
     layers: Vec<Layer<B>>,
     norm: B::Buf,
-    /// `[max_positions, head_dim]` cos|sin table.
-    rope: B::Buf,
+    /// RoPE's inverse frequencies. Each forward pass builds the cos|sin rows of its own tokens'
+    /// positions from them (`Buffers::rope`) rather than the model keeping a table of every
+    /// position: that table was `max_positions x head_dim` f32s, 2 MiB for SmolLM2's 8192
+    /// positions and 64 MiB for a 131,072-position Llama 3.1, resident in every node, where a
+    /// step's rows cost `tokens x head_dim/2` sines and cosines (0.4 us a token at a head of 64,
+    /// 0.7 at 128, on the Xeon VM of BENCHMARKS.md's resident-memory rows).
+    inv_freq: Vec<f32>,
+    /// Positions at or past this are refused (the table used to end here).
     max_positions: usize,
     /// See [`Model::fingerprint`].
     fingerprint: u64,
@@ -173,10 +179,9 @@ impl<B: Backend> Model<B> {
         };
         let max_positions = c.max_position_embeddings.max(1);
         let inv_freq = cleave_kernels::rope_inv_freq(hd, c.rope_theta, &c.rope_scaling);
-        let rope = backend.upload(&cleave_kernels::rope_table(&inv_freq, max_positions))?;
         let fingerprint = fp.get();
         let identity = super::identity::weights_identity(&config, source)?;
-        Ok(Self { config, embed, layers, norm, rope, max_positions, fingerprint, identity })
+        Ok(Self { config, embed, layers, norm, inv_freq, max_positions, fingerprint, identity })
     }
 
     /// A stable 64-bit fingerprint of these weights: the config ([`ModelConfig::fingerprint`])
@@ -273,8 +278,32 @@ impl<B: Backend> Model<B> {
             block_size: kv.block_size(),
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let Buffers { x, normed, q, k, v, attn, proj, gate, up, act, qk_tmp, logits, logit_rows } =
-            ws.ensure(backend, c, t)?;
+        if let Some((n, &p)) = batch.positions.iter().enumerate().find(|(_, &p)| p as usize >= self.max_positions) {
+            let detail = format!("position {p} of token {n} is past the model's {} positions", self.max_positions);
+            return Err(cleave_kernels::KernelError::Shape { op: "rope", detail }.into());
+        }
+        let Buffers {
+            x,
+            normed,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            act,
+            qk_tmp,
+            logits,
+            logit_rows,
+            rope,
+            rope_host,
+            rows_in_order,
+        } = ws.ensure(backend, c, t)?;
+        // This step's cos|sin rows, row n for token n: the kernel reads them at positions 0..t.
+        cleave_kernels::rope_rows(&self.inv_freq, batch.positions, rope_host);
+        backend.write(rope, 0, rope_host)?;
+        let rope_at = &rows_in_order[..t];
         // A decode step (one new token per sequence) tells the backend so: its rows may take
         // kernels a prompt's may not (see `Rows`).
         let rows = if batch.seqs.iter().all(|s| s.q_len == 1) { Rows::Decode } else { Rows::Prompt };
@@ -297,8 +326,8 @@ impl<B: Backend> Model<B> {
                 backend.copy(k, 0, tmp, 0, t * kvd)?;
                 backend.rms_norm(tmp, kn, c.rms_norm_eps, t * c.num_kv_heads, hd, k)?;
             }
-            backend.rope(q, batch.positions, c.num_heads, hd, &self.rope)?;
-            backend.rope(k, batch.positions, c.num_kv_heads, hd, &self.rope)?;
+            backend.rope(q, rope_at, c.num_heads, hd, rope)?;
+            backend.rope(k, rope_at, c.num_kv_heads, hd, rope)?;
             backend.write_kv(k, v, batch.slots, kvd, &mut kv.k[l], &mut kv.v[l])?;
             on_kv(l, kv)?;
             backend.paged_attention(q, &kv.k[l], &kv.v[l], batch.seqs, shape, attn)?;
@@ -394,6 +423,12 @@ struct Buffers<B: Backend> {
     /// `[logit_rows, vocab]`, grown to the most sampled rows seen.
     logits: B::Buf,
     logit_rows: usize,
+    /// `[tokens, head_dim]`: the step's cos|sin rows (see [`Model`]'s `inv_freq`), built on the
+    /// host in `rope_host` and written here.
+    rope: B::Buf,
+    rope_host: Vec<f32>,
+    /// `0, 1, 2, ...`: the positions the kernel reads `rope` at.
+    rows_in_order: Vec<u32>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -416,6 +451,9 @@ impl<B: Backend> Workspace<B> {
                 qk_tmp: if c.qk_norm { Some(backend.alloc_zeros(t * qd)?) } else { None },
                 logits: backend.alloc_zeros(0)?,
                 logit_rows: 0,
+                rope: backend.alloc_zeros(t * c.head_dim)?,
+                rope_host: Vec::with_capacity(t * c.head_dim),
+                rows_in_order: (0..t as u32).collect(),
             });
             self.tokens = t;
         }
