@@ -38,12 +38,10 @@ pub fn token_trie(
     model_vocab: usize,
     eos: &[u32],
 ) -> Result<TokTrie, ConstrainError> {
-    let hf = tokenizer.hf();
-    let encoding = encoding(hf.get_decoder())?;
-    let tok_vocab = hf.get_vocab_size(true);
+    let encoding = encoding(tokenizer.decoder())?;
+    let tok_vocab = tokenizer.vocab_size();
     let n = model_vocab.max(tok_vocab);
-    let special: HashMap<u32, String> =
-        hf.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (id, t.content)).collect();
+    let special: HashMap<u32, String> = tokenizer.special_tokens().into_iter().collect();
     let byte_of: HashMap<char, u8> = byte_level_chars().into_iter().map(|(b, c)| (c, b)).collect();
     let mut words = vec![Vec::new(); n];
     for (id, word) in words.iter_mut().enumerate().take(tok_vocab) {
@@ -53,7 +51,7 @@ pub fn token_trie(
             word.extend_from_slice(name.as_bytes());
             continue;
         }
-        let Some(s) = hf.id_to_token(id) else { continue };
+        let Some(s) = tokenizer.id_to_token(id) else { continue };
         *word = match encoding {
             Encoding::ByteLevel => match s.chars().map(|c| byte_of.get(&c).copied()).collect::<Option<Vec<u8>>>() {
                 Some(b) => b,

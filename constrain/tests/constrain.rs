@@ -34,7 +34,7 @@ fn the_trie_spells_every_token_as_the_tokenizer_decodes_it() {
 #[test]
 fn an_added_token_not_marked_special_spells_its_text_for_the_grammar() {
     let base = tokenizer();
-    let mut hf = base.hf().clone();
+    let mut hf = base.hf().unwrap().clone();
     hf.add_tokens(&[tokenizers::AddedToken::from("<tool_call>", false)]);
     let tok = Tokenizer::from_hf(hf, base.config().clone());
     let id = tok.token_to_id("<tool_call>").unwrap();

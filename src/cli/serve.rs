@@ -470,7 +470,12 @@ pub fn run_node(role: RoleArg, cmd: NodeCmd) -> anyhow::Result<()> {
         RoleArg::Both => "node",
     };
     let (net, name) = cmd.net.net_config(default_name)?;
-    let files = ModelFiles::open(&cmd.model).with_context(|| format!("opening model {}", cmd.model.display()))?;
+    let mut files = ModelFiles::open(&cmd.model).with_context(|| format!("opening model {}", cmd.model.display()))?;
+    // A node gets token ids and only turns them into text: it keeps what decoding reads
+    // (SmolLM2's tokenizer is 9.0 MiB of heap whole, 0.6 MiB so). The whole one is dropped
+    // here, before the weights load, and `release_freed_heap` after the load hands its pages
+    // back.
+    files.tokenizer = files.tokenizer.for_decoding().context("slimming the tokenizer for decoding")?;
     let cfg = cmd.engine.to_config();
     /// Starts the engine thread on the backend `--device` picks (the node above it is the same
     /// for every backend: it talks to the thread through its handle).

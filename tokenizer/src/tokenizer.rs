@@ -17,7 +17,7 @@ pub struct Tokenizer {
 }
 
 struct Inner {
-    hf: tokenizers::Tokenizer,
+    vocab: Vocab,
     config: TokenizerConfig,
     templates: ChatTemplates,
     bos_id: Option<u32>,
@@ -25,6 +25,83 @@ struct Inner {
     /// `hf.get_vocab_size(true)`, counted once: `tokenizers` answers it by building the whole
     /// token-to-id map (7 ms for a 49K vocabulary), and the edge asks on every request.
     vocab_size: usize,
+}
+
+/// What turns text into ids and back.
+enum Vocab {
+    /// The whole `tokenizers` tokenizer: encodes and decodes.
+    Whole(tokenizers::Tokenizer),
+    /// Only what decoding reads (see [`Tokenizer::for_decoding`]).
+    Spelled(Spelling),
+}
+
+/// Every id's token string and the decoder: what `tokenizers`' `decode` reads, and nothing of
+/// what encoding needs (the token-to-id map, the merges, the pre-tokenizer's regexes). A
+/// SmolLM2 tokenizer holds 9.0 MiB of heap whole and 0.6 MiB so (glibc's `mallinfo2`).
+///
+/// Invariant: `ends.len() == known.len() + 1`; id `i`'s string is `text[ends[i]..ends[i + 1]]`
+/// when `known[i]`, and is what `tokenizers::Tokenizer::id_to_token(i)` returns (an added
+/// token's content, else the model's token); ids past `known` have none.
+struct Spelling {
+    text: String,
+    ends: Vec<u32>,
+    known: Vec<bool>,
+    /// The contents of the added tokens marked special: `tokenizers` skips a token by its
+    /// string, so these are strings too.
+    special: std::collections::HashSet<String>,
+    /// The same tokens by id, in id order.
+    special_ids: Vec<(u32, String)>,
+    decoder: Option<tokenizers::DecoderWrapper>,
+}
+
+impl Spelling {
+    fn of(hf: &tokenizers::Tokenizer) -> Result<Self> {
+        let ids = hf.get_vocab(true).into_values().max().map_or(0, |m| m as usize + 1);
+        let (mut text, mut ends, mut known) = (String::new(), Vec::with_capacity(ids + 1), Vec::with_capacity(ids));
+        ends.push(0);
+        for id in 0..ids as u32 {
+            let token = hf.id_to_token(id);
+            known.push(token.is_some());
+            text.push_str(token.as_deref().unwrap_or(""));
+            let end = u32::try_from(text.len()).map_err(|_| TokenizerError::Decode {
+                len: ids,
+                reason: "the vocabulary's strings pass 4 GiB".into(),
+            })?;
+            ends.push(end);
+        }
+        text.shrink_to_fit();
+        let mut special_ids: Vec<(u32, String)> = hf
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        special_ids.sort_unstable();
+        let special = special_ids.iter().map(|(_, s)| s.clone()).collect();
+        Ok(Self { text, ends, known, special, special_ids, decoder: hf.get_decoder().cloned() })
+    }
+
+    fn token(&self, id: u32) -> Option<&str> {
+        let i = id as usize;
+        (*self.known.get(i)?).then(|| &self.text[self.ends[i] as usize..self.ends[i + 1] as usize])
+    }
+
+    /// `tokenizers::Tokenizer::decode`, step for step: each id's string (ids without one
+    /// dropped), special ones left out when asked, then the decoder (or a space between
+    /// tokens when there is none).
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> tokenizers::Result<String> {
+        use tokenizers::Decoder;
+        let tokens: Vec<String> = ids
+            .iter()
+            .filter_map(|&id| self.token(id))
+            .filter(|t| !skip_special_tokens || !self.special.contains(*t))
+            .map(str::to_string)
+            .collect();
+        match &self.decoder {
+            Some(d) => d.decode(tokens),
+            None => Ok(tokens.join(" ")),
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -60,7 +137,44 @@ impl Tokenizer {
             },
         );
         let vocab_size = hf.get_vocab_size(true);
-        Tokenizer { inner: Arc::new(Inner { hf, config, templates, bos_id, eos_id, vocab_size }) }
+        let vocab = Vocab::Whole(hf);
+        Tokenizer { inner: Arc::new(Inner { vocab, config, templates, bos_id, eos_id, vocab_size }) }
+    }
+
+    /// A copy that decodes exactly as this one does and cannot encode: it keeps each id's
+    /// string and the decoder, not the token-to-id map, the merges or the pre-tokenizer. For
+    /// a node, which gets token ids and only turns them into text (stop strings, the
+    /// constraint compiler's trie, the model identity's vocabulary part); the edge encodes.
+    /// SmolLM2's tokenizer is 9.0 MiB of heap whole and 0.6 MiB so.
+    pub fn for_decoding(&self) -> Result<Tokenizer> {
+        let vocab = match &self.inner.vocab {
+            Vocab::Whole(hf) => Vocab::Spelled(Spelling::of(hf)?),
+            Vocab::Spelled(_) => return Ok(self.clone()),
+        };
+        let i = &self.inner;
+        let templates = ChatTemplates::new(
+            &i.config.chat_templates,
+            TemplateTokens {
+                bos: i.config.bos_token.clone(),
+                eos: i.config.eos_token.clone(),
+                unk: i.config.unk_token.clone(),
+                pad: i.config.pad_token.clone(),
+            },
+        );
+        let inner = Inner {
+            vocab,
+            config: i.config.clone(),
+            templates,
+            bos_id: i.bos_id,
+            eos_id: i.eos_id,
+            vocab_size: i.vocab_size,
+        };
+        Ok(Tokenizer { inner: Arc::new(inner) })
+    }
+
+    /// False for a tokenizer made by [`Tokenizer::for_decoding`].
+    pub fn can_encode(&self) -> bool {
+        matches!(self.inner.vocab, Vocab::Whole(_))
     }
 
     /// Loads a Hugging Face model folder: `tokenizer.json` (required),
@@ -95,9 +209,11 @@ impl Tokenizer {
     /// post-processor (e.g. prepends BOS for Llama); chat-rendered prompts already
     /// contain their special tokens and want `false`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .hf
+        let Vocab::Whole(hf) = &self.inner.vocab else {
+            let reason = "this tokenizer keeps only what decoding needs (Tokenizer::for_decoding)".into();
+            return Err(TokenizerError::Encode { len_bytes: text.len(), reason });
+        };
+        let encoding = hf
             .encode_fast(text, add_special_tokens)
             .map_err(|e| TokenizerError::Encode { len_bytes: text.len(), reason: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
@@ -106,10 +222,11 @@ impl Tokenizer {
     /// Text of `ids`, exactly as `tokenizers`' `decode` (ids outside the vocabulary are
     /// dropped, as HF does). Incomplete UTF-8 from byte-fallback tokens becomes U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .hf
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode { len: ids.len(), reason: e.to_string() })
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => hf.decode(ids, skip_special_tokens),
+            Vocab::Spelled(s) => s.decode(ids, skip_special_tokens),
+        }
+        .map_err(|e| TokenizerError::Decode { len: ids.len(), reason: e.to_string() })
     }
 
     /// Number of ids, added tokens included (counted at construction).
@@ -117,12 +234,49 @@ impl Tokenizer {
         self.inner.vocab_size
     }
 
+    /// The id of `token`. A decode-only tokenizer tries the special tokens, then searches its
+    /// strings for the lowest id spelled so (a model's ids are looked up by string at
+    /// construction, not per request).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.hf.token_to_id(token)
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => hf.token_to_id(token),
+            Vocab::Spelled(s) => {
+                let added = s.special_ids.iter().find(|(_, t)| t == token).map(|&(id, _)| id);
+                added.or_else(|| (0..s.known.len() as u32).find(|&id| s.token(id) == Some(token)))
+            }
+        }
     }
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.hf.id_to_token(id)
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => hf.id_to_token(id),
+            Vocab::Spelled(s) => s.token(id).map(str::to_string),
+        }
+    }
+
+    /// The decoder of `tokenizer.json`, if it has one: how token strings spell bytes.
+    pub fn decoder(&self) -> Option<&tokenizers::DecoderWrapper> {
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => hf.get_decoder(),
+            Vocab::Spelled(s) => s.decoder.as_ref(),
+        }
+    }
+
+    /// The added tokens marked special, by id, in id order.
+    pub fn special_tokens(&self) -> Vec<(u32, String)> {
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => {
+                let mut v: Vec<(u32, String)> = hf
+                    .get_added_tokens_decoder()
+                    .into_iter()
+                    .filter(|(_, t)| t.special)
+                    .map(|(id, t)| (id, t.content))
+                    .collect();
+                v.sort_unstable();
+                v
+            }
+            Vocab::Spelled(s) => s.special_ids.clone(),
+        }
     }
 
     pub fn bos_token(&self) -> Option<&str> {
@@ -145,9 +299,13 @@ impl Tokenizer {
         &self.inner.config
     }
 
-    /// The underlying `tokenizers` object, for anything not wrapped here.
-    pub fn hf(&self) -> &tokenizers::Tokenizer {
-        &self.inner.hf
+    /// The underlying `tokenizers` object, for anything not wrapped here; `None` for a
+    /// tokenizer made by [`Tokenizer::for_decoding`].
+    pub fn hf(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.inner.vocab {
+            Vocab::Whole(hf) => Some(hf),
+            Vocab::Spelled(_) => None,
+        }
     }
 
     /// Renders `messages` with the model's default chat template (or the ChatML

@@ -217,7 +217,7 @@ fn tiny_llama_template_rejects_system_role() {
 const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 fn with_template(template: &str) -> Tokenizer {
-    let hf = tokenizer().hf().clone();
+    let hf = tokenizer().hf().unwrap().clone();
     let mut config = TokenizerConfig {
         bos_token: Some("<|im_start|>".into()),
         eos_token: Some("<|im_end|>".into()),

@@ -206,7 +206,7 @@ fn vocabulary(dir: &Path, files: &ModelFiles) -> Result<Vec<(String, MetaValue)>
             .collect::<Result<_>>()?,
         None => return Err(err("the BPE model has no `merges` list".into())),
     };
-    let hf = files.tokenizer.hf();
+    let hf = files.tokenizer.hf().ok_or_else(|| err("the tokenizer keeps only what decoding needs".into()))?;
     let n = files.config.vocab_size;
     let mut tokens: Vec<Option<String>> = vec![None; n];
     let mut types = vec![token_type::NORMAL; n];
