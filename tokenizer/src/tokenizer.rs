@@ -70,13 +70,7 @@ impl Spelling {
             ends.push(end);
         }
         text.shrink_to_fit();
-        let mut special_ids: Vec<(u32, String)> = hf
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, t)| t.special)
-            .map(|(id, t)| (id, t.content))
-            .collect();
-        special_ids.sort_unstable();
+        let special_ids = special_tokens_of(hf);
         let special = special_ids.iter().map(|(_, s)| s.clone()).collect();
         Ok(Self { text, ends, known, special, special_ids, decoder: hf.get_decoder().cloned() })
     }
@@ -127,15 +121,7 @@ impl Tokenizer {
     pub fn from_hf(hf: tokenizers::Tokenizer, config: TokenizerConfig) -> Self {
         let bos_id = config.bos_token.as_deref().and_then(|t| hf.token_to_id(t));
         let eos_id = config.eos_token.as_deref().and_then(|t| hf.token_to_id(t));
-        let templates = ChatTemplates::new(
-            &config.chat_templates,
-            TemplateTokens {
-                bos: config.bos_token.clone(),
-                eos: config.eos_token.clone(),
-                unk: config.unk_token.clone(),
-                pad: config.pad_token.clone(),
-            },
-        );
+        let templates = templates_of(&config);
         let vocab_size = hf.get_vocab_size(true);
         let vocab = Vocab::Whole(hf);
         Tokenizer { inner: Arc::new(Inner { vocab, config, templates, bos_id, eos_id, vocab_size }) }
@@ -152,19 +138,10 @@ impl Tokenizer {
             Vocab::Spelled(_) => return Ok(self.clone()),
         };
         let i = &self.inner;
-        let templates = ChatTemplates::new(
-            &i.config.chat_templates,
-            TemplateTokens {
-                bos: i.config.bos_token.clone(),
-                eos: i.config.eos_token.clone(),
-                unk: i.config.unk_token.clone(),
-                pad: i.config.pad_token.clone(),
-            },
-        );
         let inner = Inner {
             vocab,
             config: i.config.clone(),
-            templates,
+            templates: templates_of(&i.config),
             bos_id: i.bos_id,
             eos_id: i.eos_id,
             vocab_size: i.vocab_size,
@@ -265,16 +242,7 @@ impl Tokenizer {
     /// The added tokens marked special, by id, in id order.
     pub fn special_tokens(&self) -> Vec<(u32, String)> {
         match &self.inner.vocab {
-            Vocab::Whole(hf) => {
-                let mut v: Vec<(u32, String)> = hf
-                    .get_added_tokens_decoder()
-                    .into_iter()
-                    .filter(|(_, t)| t.special)
-                    .map(|(id, t)| (id, t.content))
-                    .collect();
-                v.sort_unstable();
-                v
-            }
+            Vocab::Whole(hf) => special_tokens_of(hf),
             Vocab::Spelled(s) => s.special_ids.clone(),
         }
     }
@@ -337,6 +305,25 @@ impl Tokenizer {
     pub fn has_chat_template(&self) -> bool {
         !self.inner.templates.is_fallback()
     }
+}
+
+/// The chat templates of `config`, compiled.
+fn templates_of(config: &TokenizerConfig) -> ChatTemplates {
+    let tokens = TemplateTokens {
+        bos: config.bos_token.clone(),
+        eos: config.eos_token.clone(),
+        unk: config.unk_token.clone(),
+        pad: config.pad_token.clone(),
+    };
+    ChatTemplates::new(&config.chat_templates, tokens)
+}
+
+/// The added tokens of `hf` marked special, by id, in id order.
+fn special_tokens_of(hf: &tokenizers::Tokenizer) -> Vec<(u32, String)> {
+    let mut v: Vec<(u32, String)> =
+        hf.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (id, t.content)).collect();
+    v.sort_unstable();
+    v
 }
 
 /// Reads and parses a `tokenizer.json`, naming the file in every error.
