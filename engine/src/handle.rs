@@ -96,6 +96,10 @@ pub struct EngineInfo {
     pub weights: cleave_protocol::WeightsInfo,
 }
 
+/// How long after its last step the loop lets the core give back a large activation
+/// workspace ([`EngineCore::on_idle`]).
+const IDLE_RELEASE: Duration = Duration::from_secs(5);
+
 /// How many commands may wait for the engine loop before `submit` reports the queue full.
 pub const COMMAND_QUEUE: usize = 4096;
 
@@ -453,11 +457,18 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, inbox: &Inbox) -> Result<()> {
     let mut senders: std::collections::HashMap<RequestId, UnboundedSender<TokenEvent>> = Default::default();
     // Prefill-only requests: their stream closes after their one event.
     let mut handoff: HashSet<RequestId> = HashSet::new();
+    // When the last step ran, and whether the core has been told of the idle spell since. Time
+    // since a step, not since a command: a node asks for a snapshot several times a second.
+    let (mut stepped_at, mut told_idle) = (Instant::now(), false);
     loop {
         // Block while idle; otherwise only drain what is already queued.
         let first = if core.has_work() {
             None
         } else {
+            if !told_idle && stepped_at.elapsed() >= IDLE_RELEASE {
+                core.on_idle();
+                told_idle = true;
+            }
             match rx.recv_timeout(Duration::from_secs(1)) {
                 Ok(c) => Some(c),
                 Err(RecvTimeoutError::Timeout) => continue,
@@ -508,6 +519,7 @@ fn drive<B: Backend>(core: &mut EngineCore<B>, inbox: &Inbox) -> Result<()> {
         let started = Instant::now();
         let stepped = core.step(started);
         core.note_step_time(started.elapsed());
+        (stepped_at, told_idle) = (Instant::now(), false);
         let events = match stepped {
             Ok(events) => events,
             Err(e) => {

@@ -432,6 +432,15 @@ struct Buffers<B: Backend> {
 }
 
 impl<B: Backend> Workspace<B> {
+    /// Tokens the buffers are sized for (0 when none are allocated).
+    pub fn tokens(&self) -> usize {
+        if self.bufs.is_some() {
+            self.tokens
+        } else {
+            0
+        }
+    }
+
     fn ensure(&mut self, backend: &B, c: &ModelConfig, t: usize) -> Result<&mut Buffers<B>> {
         if self.bufs.is_none() || t > self.tokens {
             let (h, i, qd, kvd) = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_width());

@@ -201,6 +201,10 @@ pub struct EngineCore<B: Backend> {
     costs: CostTracker,
 }
 
+/// A workspace for at most this many tokens is kept through idle spells ([`EngineCore::on_idle`]):
+/// decode batches and short prompts reuse it without a page fault.
+pub const IDLE_KEEP_ROWS: usize = 256;
+
 /// The engine's constraint compiler, built once, when the first constrained request needs it.
 ///
 /// Not at load: its token tries (most of them llguidance's slices for JSON strings) take 17 MB
@@ -487,6 +491,25 @@ impl<B: Backend> EngineCore<B> {
 
     pub fn max_model_len(&self) -> usize {
         self.sched.config().max_model_len
+    }
+
+    /// Called by the engine loop once it has been idle a while: gives back the activation
+    /// workspace if it was grown past [`IDLE_KEEP_ROWS`] tokens. The workspace keeps the
+    /// largest step's size (one 2048-token prefill step of SmolLM2: about 64 MB, most of it
+    /// the MLP's three `tokens x 1536` buffers), which a node would otherwise hold for good
+    /// after one long prompt. The next step that needs it pays its page faults again (a few
+    /// milliseconds beside a prefill of that size).
+    pub fn on_idle(&mut self) {
+        let rows = self.workspace.tokens();
+        if rows > IDLE_KEEP_ROWS {
+            self.workspace = Workspace::default();
+            tracing::debug!(rows, "idle: released the activation workspace");
+        }
+    }
+
+    /// Tokens the activation workspace is sized for (0 when it holds nothing).
+    pub fn workspace_rows(&self) -> usize {
+        self.workspace.tokens()
     }
 
     /// Whether a step would do anything.
