@@ -275,8 +275,10 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
     ) -> Result<()>;
     /// In-place RoPE in Hugging Face's rotate-half form on `x: [num_tokens, num_heads, head_dim]`.
-    /// `cos_sin` is `[max_positions, head_dim]`: the first `head_dim/2` entries of a row are cos,
-    /// the last `head_dim/2` are sin (see [`rope_table`]).
+    /// Token `t` rotates by row `positions[t]` of `cos_sin`, `[rows, head_dim]`: the first
+    /// `head_dim/2` entries of a row are cos, the last `head_dim/2` are sin. The table of every
+    /// position ([`rope_table`]) read at the tokens' positions, or a step's own rows
+    /// ([`rope_rows`]) read at `0..num_tokens`, which is what the engine passes.
     fn rope(
         &self,
         x: &mut Self::Buf,
