@@ -316,3 +316,73 @@ fn compare_sweep_replays_a_recorded_run() {
     assert!(m.attainment > 0.0 && m.attainment < 1.0, "the SLO splits the run: {}", m.attainment);
     assert!(validate::table(&rows).contains("1p1d"));
 }
+
+// ---- SLO admission and the edge's latency ----
+
+use cleave_bench::sim::search::meets;
+use cleave_planner::admission::Admission;
+
+#[test]
+fn the_edge_latency_adds_to_ttft_and_end_to_end_only() {
+    let c = cost(1e-4, 0.01);
+    let req = SimRequest { arrival_s: 2.0, input_len: 512, output_len: 11 };
+    let plain = simulate(&cluster("1p1d", &c), &c, &[req]).unwrap()[0];
+    let edged = simulate(&cluster("1p1d", &c).with_edge(0.1), &c, &[req]).unwrap()[0];
+    assert!(close(edged.ttft_s, plain.ttft_s + 0.1), "{edged:?}");
+    assert!(close(edged.e2el_s, plain.e2el_s + 0.1), "{edged:?}");
+    assert!(close(edged.tpot_s, plain.tpot_s));
+    assert_eq!(cluster("1c", &c).with_edge(f64::NAN).edge_s, 0.0);
+    assert_eq!(cluster("1c", &c).with_edge(-1.0).edge_s, 0.0);
+}
+
+/// Share of `recs` meeting `slo`.
+fn attained(recs: &[SimRecord], slo: &Slo) -> f64 {
+    recs.iter().filter(|r| meets(slo, r)).count() as f64 / recs.len() as f64
+}
+
+#[test]
+fn admission_holds_a_node_to_the_tpot_target_and_sheds_what_waited_too_long() {
+    // A decode step of 20 ms at batch 1, 20.3 ms more per sequence over 63: the 25 ms target
+    // (21.25 at the 0.85 margin) holds about 4 streams. Offered: 20 req/s of 100-token replies,
+    // some 40 streams at once, ten times what fits.
+    let c = cost(1e-5, 0.02);
+    let reqs: Vec<SimRequest> =
+        (0..600).map(|i| SimRequest { arrival_s: i as f64 * 0.05, input_len: 16, output_len: 100 }).collect();
+    let slo = Slo { ttft_ms: Some(2000.0), tpot_ms: Some(25.0), e2el_ms: None };
+    let open = simulate(&cluster("1c", &c), &c, &reqs).unwrap();
+    let cfg = cluster("1c", &c).admitted(Some(Admission::from_target_ms(2000.0, 25.0)));
+    let held = simulate(&cfg, &c, &reqs).unwrap();
+    let shed = held.iter().filter(|r| r.shed).count();
+    let (a_open, a_held) = (attained(&open, &slo), attained(&held, &slo));
+    assert!(a_open < 0.05, "without admission every stream runs over the target: {a_open}");
+    assert!(a_held > 0.1 && a_held > 3.0 * a_open, "admission serves what fits: {a_held} vs {a_open}");
+    assert!(shed > 300, "{shed} shed");
+    for r in held.iter().filter(|r| r.shed) {
+        // Shed after its wait for a seat (half the TTFT target), never later.
+        assert!(r.ttft_s <= 1.0 + 1e-9 && r.e2el_s == r.ttft_s && !meets(&slo, r), "{r:?}");
+    }
+    // Once the cap is read, what is served holds the target.
+    let late: Vec<_> = held.iter().filter(|r| !r.shed && r.arrival_s > 10.0).collect();
+    assert!(late.len() > 20, "{} served late in the run", late.len());
+    let ok = late.iter().filter(|r| r.tpot_s <= 0.025).count() as f64 / late.len() as f64;
+    assert!(ok > 0.9, "{ok} of the streams seated after 10 s hold the TPOT target");
+}
+
+#[test]
+fn admission_sheds_at_once_a_prompt_that_would_start_past_the_ttft_target() {
+    // One prefill node at 1 ms a token, 1000-token prompts every 0.6 s: 1.67x its capacity.
+    let c = cost(1e-3, 0.005);
+    let reqs: Vec<SimRequest> =
+        (0..100).map(|i| SimRequest { arrival_s: i as f64 * 0.6, input_len: 1000, output_len: 2 }).collect();
+    let open = simulate(&cluster("1p1d", &c), &c, &reqs).unwrap();
+    let worst = open.iter().map(|r| r.ttft_s).fold(0.0, f64::max);
+    assert!(worst > 15.0, "without admission the queue grows: {worst} s");
+    let cfg = cluster("1p1d", &c).admitted(Some(Admission::from_target_ms(3000.0, 100.0)));
+    let held = simulate(&cfg, &c, &reqs).unwrap();
+    let shed: Vec<_> = held.iter().filter(|r| r.shed).collect();
+    assert!(shed.len() > 20, "{} shed", shed.len());
+    assert!(shed.iter().all(|r| r.ttft_s == 0.0), "shed on arrival, not after a wait");
+    let served: Vec<f64> = held.iter().filter(|r| !r.shed).map(|r| r.ttft_s).collect();
+    let p90 = Dist::of(served.clone()).p90;
+    assert!(p90 <= 3.2, "what is served starts within the target: p90 {p90} s");
+}

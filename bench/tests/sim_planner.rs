@@ -58,14 +58,15 @@ fn with_the_planner_off_or_advising_the_records_are_the_fixed_topologys() {
     let w = WorkloadSpec { num_requests: 600, input_len: (16, 2048), output_len: (1, 64), burstiness: 0.5, seed: 3 };
     let reqs = w.generate(40.0).unwrap();
     let slo = Slo { ttft_ms: Some(300.0), tpot_ms: Some(15.0), e2el_ms: None };
-    for topo in ["3p5d", "4c", "1p1d"] {
-        let mut cfg = cluster(topo, &c);
+    let admission = [None, Some(cleave_planner::admission::Admission::from_target_ms(300.0, 15.0))];
+    for (topo, admission) in ["3p5d", "4c", "1p1d"].into_iter().flat_map(|t| admission.map(|a| (t, a))) {
+        let mut cfg = cluster(topo, &c).admitted(admission);
         cfg.local_prefill_below = 100;
         let fixed = simulate(&cfg, &c, &reqs).unwrap();
         for mode in [Mode::Off, Mode::Advise] {
             let spec = PlannedSpec::new(planner(mode, 300.0, 15.0, 8, true, true));
             let run = simulate_planned(&cfg, &c, &reqs, &spec).unwrap();
-            assert_eq!(run.records, fixed, "{topo} {mode:?}");
+            assert_eq!(run.records, fixed, "{topo} {mode:?} {admission:?}");
             assert_eq!(run.counts, ActionCounts::default());
         }
         let want = summarize(&fixed, Some(&slo)).attainment;

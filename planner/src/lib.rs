@@ -11,7 +11,8 @@
 //! Snapshot (nodes) ─────┘   Planner::estimate(Snapshot) ──▶ Estimate (any mode)
 //! ```
 //!
-//! Modules: [`config`] (settings, updates, validation), [`costs`] (the step-cost trait and a
+//! Modules: [`admission`] (SLO admission's seat caps and prompt rates, which the coordinator
+//! routes by and the simulator mirrors), [`config`] (settings, updates, validation), [`costs`] (the step-cost trait and a
 //! linear model with calibration), [`profile`] (`cleave bench profile`'s measurements) and
 //! [`profiled`] (the model fitted from them, which the simulator runs and the planner predicts
 //! with when given a profile), [`types`] (observations and outputs), `window` (sliding
@@ -192,6 +193,7 @@
 //! stops for the rest when `can_add_nodes`, and step budgets for colocated nodes whose budget
 //! differs; nodes draining, switching or starting are never named (see `cluster`).
 
+pub mod admission;
 pub mod config;
 pub mod costs;
 pub mod error;

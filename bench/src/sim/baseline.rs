@@ -62,6 +62,9 @@ pub struct BaselineSpec<'a> {
     pub local_prefill_below: usize,
     /// Nodes pace to this TPOT (s), as the planner's run did (`ClusterConfig::paced`).
     pub pacing_tpot_s: Option<f64>,
+    /// SLO admission and the edge's latency, as the planner's run had them.
+    pub admission: Option<cleave_planner::admission::Admission>,
+    pub edge_s: f64,
     pub cost: &'a CostModel,
     pub requests: &'a [SimRequest],
     pub slo: &'a Slo,
@@ -77,7 +80,10 @@ pub struct BaselineSpec<'a> {
 
 impl BaselineSpec<'_> {
     fn run(&self, t: Topology, stop_early: bool) -> Result<StaticRun> {
-        let mut cfg = ClusterConfig::new(t, self.limits).paced(self.pacing_tpot_s);
+        let mut cfg = ClusterConfig::new(t, self.limits)
+            .paced(self.pacing_tpot_s)
+            .admitted(self.admission)
+            .with_edge(self.edge_s);
         if matches!(t, Topology::Disaggregated { .. }) {
             cfg.local_prefill_below = self.local_prefill_below;
         }

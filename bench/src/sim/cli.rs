@@ -66,6 +66,15 @@ pub struct SimulateArgs {
     /// whose TTFT binds (BENCHMARKS.md, "Pacing").
     #[arg(long)]
     pub pacing: bool,
+    /// Planner mode: SLO admission (`cleave coordinator --slo-admission`) to the targets, by the
+    /// coordinator's rules: seat caps per decoding node, requests held for a seat and shed after
+    /// half the TTFT target, prompts that would start past it shed at once.
+    #[arg(long, requires = "planner")]
+    pub slo_admission: bool,
+    /// Planner mode: milliseconds the edge adds to every served request's TTFT (HTTP, tokenization, routing,
+    /// the tokens' trip back), which the profile's step costs leave out.
+    #[arg(long, default_value_t = 0.0, value_parser = non_negative_ms, requires = "planner")]
+    pub edge_latency_ms: f64,
     /// Override the profile's per-node max_num_seqs.
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
@@ -153,6 +162,14 @@ pub struct SimulateArgs {
     /// STEM-nodes.{png,svg}.
     #[arg(long, value_name = "STEM")]
     pub plot: Option<PathBuf>,
+}
+
+/// A finite, non-negative number of milliseconds.
+fn non_negative_ms(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("`{s}`: expected a finite number of milliseconds, 0 or more")),
+    }
 }
 
 /// Parses `N` or `MIN..MAX` (also `MIN..=MAX`).

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use cleave_planner::admission::Admission;
 use serde::{Deserialize, Serialize};
 
 use crate::error::BenchError;
@@ -93,11 +94,37 @@ pub struct ClusterConfig {
     /// `cleave_engine::sched::pacing` does to the coordinator's target); None: the step budget
     /// alone sizes chunks.
     pub pacing_tpot_s: Option<f64>,
+    /// SLO admission (`cleave coordinator --slo-admission`), by the coordinator's own rules
+    /// ([`cleave_planner::admission`]): each decoding node takes no new stream while it holds
+    /// its seat cap, requests wait at the edge for a seat up to `max_wait` and are then shed,
+    /// and a prompt whose node has more prompt work queued than it gets through before the TTFT
+    /// target is shed at once. None: every request is routed at once.
+    #[serde(default)]
+    pub admission: Option<Admission>,
+    /// Seconds every request's first token (and so its end) takes beyond what the nodes do:
+    /// the HTTP edge, tokenization, routing and the tokens' trip back to the client, which a
+    /// measured TTFT includes and the step costs do not (BENCHMARKS.md, "Simulated against
+    /// measured"). 0: none.
+    #[serde(default)]
+    pub edge_s: f64,
 }
 
 impl ClusterConfig {
     pub fn new(topology: Topology, limits: NodeLimits) -> Self {
-        Self { topology, limits, local_prefill_below: 0, pacing_tpot_s: None }
+        Self { topology, limits, local_prefill_below: 0, pacing_tpot_s: None, admission: None, edge_s: 0.0 }
+    }
+
+    /// SLO admission to these targets (see [`Self::admission`]).
+    pub fn admitted(mut self, admission: Option<Admission>) -> Self {
+        self.admission = admission;
+        self
+    }
+
+    /// The edge's own latency, seconds (see [`Self::edge_s`]); a negative or non-finite one
+    /// is 0.
+    pub fn with_edge(mut self, edge_s: f64) -> Self {
+        self.edge_s = if edge_s.is_finite() { edge_s.max(0.0) } else { 0.0 };
+        self
     }
 
     /// Paces prompt chunks to `tpot_s` (see [`Self::pacing_tpot_s`]).

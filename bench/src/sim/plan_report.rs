@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use cleave_planner::admission::Admission;
 use cleave_planner::{Limits, Mode, PlannerConfig, PlannerUpdate, Targets};
 use serde::Serialize;
 
@@ -18,6 +19,7 @@ use super::baseline::{best_static, Baseline, BaselineSpec};
 use super::cli::SimulateArgs;
 use super::cluster::{ClusterConfig, NodeLimits, Topology};
 use super::cost::CostModel;
+use super::engine::SimRecord;
 use super::planned::{
     node_seconds, simulate_planned, ActionKind, DecisionRecord, NodeSeconds, PlannedRun, PlannedSpec,
 };
@@ -25,6 +27,7 @@ use super::search::{meets, Dist, Slo};
 use super::trace::{Phase, Preset, Trace};
 use super::workload::SimRequest;
 use crate::error::{BenchError, Result};
+use crate::metrics::RequestRecord;
 
 /// One report window (requests by arrival time, nodes by time).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -36,6 +39,9 @@ pub struct WindowReport {
     pub met: usize,
     /// `met / arrivals` (None without arrivals).
     pub attainment: Option<f64>,
+    /// Of the arrivals, requests SLO admission shed (they count as misses, and their latencies
+    /// are left out of the percentiles, as `bench timeline` leaves out failed requests).
+    pub shed: usize,
     pub rate: f64,
     pub mean_input: f64,
     pub mean_output: f64,
@@ -73,8 +79,11 @@ pub struct PlannerSummary {
     pub stops_per_hour: f64,
     pub decisions: usize,
     pub ticks: usize,
-    /// Requests that waited at the edge because no active node could take them.
+    /// Requests that waited at the edge because no active node could take them (or, under SLO
+    /// admission, for a seat).
     pub held_at_edge: usize,
+    /// Requests SLO admission shed (misses; left out of `ttft` and `tpot`).
+    pub shed: usize,
 }
 
 /// The planner against the best static topology.
@@ -104,6 +113,9 @@ pub struct PlannerReport {
     pub window_s: f64,
     pub summary: PlannerSummary,
     pub windows: Vec<WindowReport>,
+    /// With `--replay`: the run's phases, measured against simulated.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseComparison>,
     pub decisions: Vec<DecisionRecord>,
     pub baseline: Option<Baseline>,
     pub versus: Versus,
@@ -164,6 +176,11 @@ pub fn load_trace(args: &SimulateArgs, cost: &CostModel, nodes: usize) -> Result
 /// was scheduled, with its prompt length and the output length its phase asked for (every run
 /// ignores EOS, so that is what a successful request generated).
 pub fn replay(path: &Path) -> Result<(Trace, Vec<SimRequest>)> {
+    replay_measured(path).map(|(trace, requests, _)| (trace, requests))
+}
+
+/// [`replay`], with the measured records in the requests' order (by send time).
+pub fn replay_measured(path: &Path) -> Result<(Trace, Vec<SimRequest>, Vec<RequestRecord>)> {
     let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
     let bad = |why: String| BenchError::InvalidArg(format!("--replay {}: {why}", path.display()));
@@ -183,7 +200,9 @@ pub fn replay(path: &Path) -> Result<(Trace, Vec<SimRequest>)> {
             .collect(),
     };
     trace.validate()?;
-    let mut requests: Vec<SimRequest> = records
+    let mut records = records;
+    records.sort_by(|a, b| a.scheduled_s.total_cmp(&b.scheduled_s));
+    let requests: Vec<SimRequest> = records
         .iter()
         .map(|r| {
             let phase = &trace.phases[trace.phase_at(r.scheduled_s)];
@@ -194,8 +213,98 @@ pub fn replay(path: &Path) -> Result<(Trace, Vec<SimRequest>)> {
             }
         })
         .collect();
-    requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
-    Ok((trace, requests))
+    Ok((trace, requests, records))
+}
+
+/// One phase of a replayed run, measured and simulated, judged by the same SLO.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PhaseComparison {
+    pub phase: usize,
+    pub requests: usize,
+    /// Shares meeting every target.
+    pub measured: f64,
+    pub simulated: f64,
+    /// Requests that failed (measured: refused by SLO admission or otherwise) or were shed.
+    pub measured_failed: usize,
+    pub simulated_shed: usize,
+    /// p90 latencies (ms) of the requests served, as `bench timeline` reports them.
+    pub ttft_p90_ms: (Option<f64>, Option<f64>),
+    pub tpot_p90_ms: (Option<f64>, Option<f64>),
+    /// Median of measured minus simulated TTFT (ms) over the requests served on both sides:
+    /// what the run took beyond the simulated nodes (the edge, the load generator, noise).
+    pub ttft_gap_p50_ms: Option<f64>,
+}
+
+/// The replayed run's phases, measured against simulated (`measured[i]` is `sim[i]`'s request).
+pub fn compare_phases(trace: &Trace, measured: &[RequestRecord], sim: &[SimRecord], slo: &Slo) -> Vec<PhaseComparison> {
+    let p90 = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| crate::metrics::percentile_sorted(&v, 90.0) * 1e3)
+    };
+    let mut from = 0.0;
+    let mut out = Vec::with_capacity(trace.phases.len());
+    for (i, p) in trace.phases.iter().enumerate() {
+        let to = from + p.duration_s;
+        let idx: Vec<usize> = (0..measured.len().min(sim.len()))
+            .filter(|&j| measured[j].scheduled_s >= from && measured[j].scheduled_s < to)
+            .collect();
+        from = to;
+        let n = idx.len();
+        let share = |k: usize| if n == 0 { 0.0 } else { k as f64 / n as f64 };
+        let (m, s) = (|j: &usize| &measured[*j], |j: &usize| &sim[*j]);
+        let mut gaps: Vec<f64> = idx
+            .iter()
+            .filter(|j| m(j).success && !s(j).shed)
+            .filter_map(|j| m(j).ttft_s.map(|t| t - s(j).ttft_s))
+            .collect();
+        gaps.sort_by(f64::total_cmp);
+        out.push(PhaseComparison {
+            phase: i + 1,
+            requests: n,
+            measured: share(idx.iter().filter(|j| slo.met_by(m(j))).count()),
+            simulated: share(idx.iter().filter(|j| meets(slo, s(j))).count()),
+            measured_failed: idx.iter().filter(|j| !m(j).success).count(),
+            simulated_shed: idx.iter().filter(|j| s(j).shed).count(),
+            ttft_p90_ms: (
+                p90(idx.iter().filter(|j| m(j).success).filter_map(|j| m(j).ttft_s).collect()),
+                p90(idx.iter().filter(|j| !s(j).shed).map(|j| s(j).ttft_s).collect()),
+            ),
+            tpot_p90_ms: (
+                p90(idx.iter().filter(|j| m(j).success).filter_map(|j| m(j).tpot_s).collect()),
+                p90(idx.iter().filter(|j| !s(j).shed && s(j).output_len > 1).map(|j| s(j).tpot_s).collect()),
+            ),
+            ttft_gap_p50_ms: (!gaps.is_empty()).then(|| crate::metrics::percentile_sorted(&gaps, 50.0) * 1e3),
+        });
+    }
+    out
+}
+
+fn print_phases(rows: &[PhaseComparison]) {
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.0}"));
+    println!(
+        "{:>5} {:>5} | {:>13} | {:>9} | {:>13} | {:>11} | {:>7}",
+        "phase", "reqs", "attain m / s", "fail m/s", "p90 TTFT m/s", "p90 TPOT m/s", "gap p50"
+    );
+    for r in rows {
+        println!(
+            "{:>5} {:>5} | {:>5.1} / {:>5.1} | {:>4} / {:<3} | {:>6} / {:<5} | {:>5} / {:<4} | {:>7}",
+            r.phase,
+            r.requests,
+            r.measured * 100.0,
+            r.simulated * 100.0,
+            r.measured_failed,
+            r.simulated_shed,
+            ms(r.ttft_p90_ms.0),
+            ms(r.ttft_p90_ms.1),
+            ms(r.tpot_p90_ms.0),
+            ms(r.tpot_p90_ms.1),
+            ms(r.ttft_gap_p50_ms),
+        );
+    }
+    println!(
+        "(per phase of the replayed run: m measured, s simulated; fail: measured failures (SLO admission's 503s) and \
+         simulated sheds; p90s of the requests served; gap: median measured minus simulated TTFT, ms)"
+    );
 }
 
 /// Runs planner mode (see the module docs); prints the tables and returns the report.
@@ -206,17 +315,21 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
     let initial: Topology = args.initial.parse()?;
     let planner = planner_config(args, mode, budget)?;
     let slo = Slo { ttft_ms: Some(planner.targets.ttft_ms), tpot_ms: Some(planner.targets.tpot_ms), e2el_ms: None };
-    let (trace, requests) = match &args.replay {
-        Some(path) => replay(path)?,
+    let (trace, requests, measured) = match &args.replay {
+        Some(path) => replay_measured(path)?,
         None => {
             let trace = load_trace(args, cost, max_nodes)?;
             let requests = trace.generate(args.burstiness, args.seed)?;
-            (trace, requests)
+            (trace, requests, Vec::new())
         }
     };
     // Nodes pace prompt chunks to the TPOT target (the coordinator sends it whatever the mode).
     let paced = args.pacing.then_some(planner.targets.tpot_ms / 1e3);
-    let mut cfg = ClusterConfig::new(initial, limits).paced(paced);
+    // SLO admission holds the planner's targets, as the coordinator's does.
+    let admission =
+        args.slo_admission.then(|| Admission::from_target_ms(planner.targets.ttft_ms, planner.targets.tpot_ms));
+    let edge_s = args.edge_latency_ms / 1e3;
+    let mut cfg = ClusterConfig::new(initial, limits).paced(paced).admitted(admission).with_edge(edge_s);
     cfg.local_prefill_below = args.local_prefill_below;
     let spec =
         PlannedSpec { tick_s: args.planner_tick_s, start_delay_s: args.start_delay_s, ..PlannedSpec::new(planner) };
@@ -244,10 +357,16 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
     let summary = summarize(&run, &slo, horizon);
     let windows = windows(&run, &slo, window_s, horizon);
     print_windows(&windows, window_s, spec.planner.targets.attainment);
+    let phases = if measured.is_empty() { Vec::new() } else { compare_phases(&trace, &measured, &run.records, &slo) };
+    if !phases.is_empty() {
+        print_phases(&phases);
+        let (m, s) = (measured.iter().filter(|r| slo.met_by(r)).count(), summary.attainment);
+        println!("replayed run: attainment measured {:.4}, simulated {s:.4}", m as f64 / measured.len() as f64);
+    }
     println!(
         "planner: attainment {:.4}, {:.1} nodes on average ({} at peak), {:.0} node-seconds; {} role changes \
-         ({:.1}/h), {} starts ({:.1}/h), {} stops ({:.1}/h), {} decisions, {} requests held at the edge; \
-         wall {wall_planner_s:.1} s",
+         ({:.1}/h), {} starts ({:.1}/h), {} stops ({:.1}/h), {} decisions, {} requests held at the edge, \
+         {} shed; wall {wall_planner_s:.1} s",
         summary.attainment,
         summary.mean_nodes,
         summary.peak_nodes,
@@ -260,6 +379,7 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
         summary.stops_per_hour,
         summary.decisions,
         summary.held_at_edge,
+        summary.shed,
     );
     let started = Instant::now();
     let baseline = if args.no_baseline {
@@ -272,6 +392,8 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
             limits,
             local_prefill_below: args.local_prefill_below,
             pacing_tpot_s: paced,
+            admission,
+            edge_s,
             cost,
             requests: &requests,
             slo: &slo,
@@ -329,6 +451,7 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
         window_s,
         summary,
         windows,
+        phases,
         decisions: run.decisions,
         baseline,
         versus,
@@ -358,8 +481,8 @@ pub fn summarize(run: &PlannedRun, slo: &Slo, horizon_s: f64) -> PlannerSummary 
         requests: recs.len(),
         duration_s: horizon_s,
         attainment: if recs.is_empty() { 1.0 } else { met as f64 / recs.len() as f64 },
-        ttft: Dist::of(recs.iter().map(|r| r.ttft_s).collect()),
-        tpot: Dist::of(recs.iter().filter(|r| r.output_len > 1).map(|r| r.tpot_s).collect()),
+        ttft: Dist::of(recs.iter().filter(|r| !r.shed).map(|r| r.ttft_s).collect()),
+        tpot: Dist::of(recs.iter().filter(|r| r.output_len > 1 && !r.shed).map(|r| r.tpot_s).collect()),
         node_seconds: total.total,
         mean_nodes: total.total / horizon_s,
         peak_nodes: run.peak_nodes,
@@ -375,6 +498,7 @@ pub fn summarize(run: &PlannedRun, slo: &Slo, horizon_s: f64) -> PlannerSummary 
         decisions: run.decisions.len(),
         ticks: run.ticks,
         held_at_edge: run.held_at_edge,
+        shed: run.shed,
     }
 }
 
@@ -397,6 +521,7 @@ pub fn windows(run: &PlannedRun, slo: &Slo, window_s: f64, horizon_s: f64) -> Ve
                 arrivals: 0,
                 met: 0,
                 attainment: None,
+                shed: 0,
                 rate: 0.0,
                 mean_input: 0.0,
                 mean_output: 0.0,
@@ -416,6 +541,10 @@ pub fn windows(run: &PlannedRun, slo: &Slo, window_s: f64, horizon_s: f64) -> Ve
         w.met += usize::from(meets(slo, r));
         w.mean_input += r.input_len as f64;
         w.mean_output += r.output_len as f64;
+        if r.shed {
+            w.shed += 1;
+            continue;
+        }
         ttft[i].push(r.ttft_s);
         if r.output_len > 1 {
             tpot[i].push(r.tpot_s);
@@ -436,6 +565,8 @@ pub fn windows(run: &PlannedRun, slo: &Slo, window_s: f64, horizon_s: f64) -> Ve
             w.attainment = Some(w.met as f64 / a);
             w.mean_input /= a;
             w.mean_output /= a;
+        }
+        if !ttft[i].is_empty() {
             w.ttft_p90_ms = Some(Dist::of(std::mem::take(&mut ttft[i])).p90 * 1e3);
         }
         if !tpot[i].is_empty() {
@@ -456,10 +587,11 @@ fn print_windows(ws: &[WindowReport], window_s: f64, target: f64) {
     let hours = ws.last().is_some_and(|w| w.end_s > 7200.0);
     let (unit, scale) = if hours { ("h", 3600.0) } else { ("min", 60.0) };
     println!(
-        "{:>8} {:>8} {:>7} {:>6} {:>6} {:>8} {:>10} {:>10} {:>6} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
+        "{:>8} {:>8} {:>7} {:>5} {:>6} {:>6} {:>8} {:>10} {:>10} {:>6} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
         format!("from_{unit}"),
         "req/s",
         "attain",
+        "shed",
         "in",
         "out",
         "met_tgt",
@@ -491,10 +623,11 @@ fn print_windows(ws: &[WindowReport], window_s: f64, target: f64) {
             }
         };
         println!(
-            "{:>8.2} {:>8.2} {:>7} {:>6.0} {:>6.0} {:>8} {:>10} {:>10} {:>6.1} {:>5.1} {:>5.1} {:>5.1} {:>5} {:>5} {:>5}",
+            "{:>8.2} {:>8.2} {:>7} {:>5} {:>6.0} {:>6.0} {:>8} {:>10} {:>10} {:>6.1} {:>5.1} {:>5.1} {:>5.1} {:>5} {:>5} {:>5}",
             rows[0].start_s / scale,
             arrivals as f64 / span.max(f64::MIN_POSITIVE),
             attain.map_or_else(|| "-".to_string(), |a| format!("{a:.3}")),
+            rows.iter().map(|w| w.shed).sum::<usize>(),
             weighted(|w| w.mean_input),
             weighted(|w| w.mean_output),
             attain.map_or("-", |a| if a >= target { "yes" } else { "no" }),

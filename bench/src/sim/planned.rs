@@ -99,8 +99,11 @@ pub struct PlannedRun {
     pub transitions: Vec<Transition>,
     /// Most nodes holding a machine at once (loading, active, switching or stopping).
     pub peak_nodes: usize,
-    /// Requests that waited at the edge because no active node could take them (or their KV).
+    /// Requests that waited at the edge because no active node could take them (or their KV),
+    /// or, under SLO admission, for a seat.
     pub held_at_edge: usize,
+    /// Requests SLO admission shed.
+    pub shed: usize,
     /// Planner ticks run.
     pub ticks: usize,
 }
@@ -132,6 +135,18 @@ impl Control for Driver {
     }
 
     fn completion(&mut self, rec: &SimRecord, t: f64) -> bool {
+        if rec.shed {
+            // As the coordinator tells it: a failure after the time it waited, nothing sent.
+            self.planner.on_completion(Completion {
+                at: dur(t),
+                ttft: dur(rec.ttft_s),
+                tpot: None,
+                output_tokens: 0,
+                max_tokens: u32::try_from(rec.output_len).unwrap_or(u32::MAX),
+                ok: false,
+            });
+            return true;
+        }
         self.planner.on_completion(Completion {
             at: dur(t),
             ttft: dur(rec.ttft_s),
@@ -256,6 +271,7 @@ pub fn simulate_planned(
         transitions: std::mem::take(&mut sim.transitions),
         peak_nodes: sim.peak_holding,
         held_at_edge: sim.held_at_edge,
+        shed: sim.shed,
         ticks: driver.ticks,
     })
 }
@@ -490,7 +506,10 @@ mod tests {
                 WorkloadSpec { num_requests: 400, input_len: (1, 1500), output_len: (1, 40), burstiness: 0.7, seed };
             let reqs = w.generate(30.0).unwrap();
             let topology = ["1p1d", "2c", "2p1d", "1p3d"][seed as usize % 4].parse().unwrap();
-            let mut cfg = ClusterConfig::new(topology, limits);
+            // Every third seed under SLO admission, to targets that bind (seats, and prompts
+            // refused for their TTFT).
+            let admission = (seed % 3 == 0).then(|| cleave_planner::admission::Admission::from_target_ms(1500.0, 12.0));
+            let mut cfg = ClusterConfig::new(topology, limits).admitted(admission);
             cfg.local_prefill_below = [0, 200][seed as usize % 2];
             let dynamics = Dynamics { max_nodes: 5, start_delay_s: 0.3 };
             let mut sim = Sim::new(&cfg, &cost, &reqs, Some(dynamics)).unwrap();
@@ -511,7 +530,10 @@ mod tests {
             let switches = sim.transitions.iter().filter(|t| matches!(t.life, Life::Switching { .. })).count();
             assert!(switches > 10, "seed {seed}: {switches} switches");
             for r in sim.records() {
-                assert!(r.ttft_s > 0.0 && r.e2el_s >= r.ttft_s && r.tpot_s >= 0.0, "{r:?}");
+                assert!((r.shed || r.ttft_s > 0.0) && r.e2el_s >= r.ttft_s && r.tpot_s >= 0.0, "{r:?}");
+            }
+            if admission.is_some() {
+                assert!(sim.shed > 0, "seed {seed}: the targets should bind");
             }
         }
     }

@@ -17,10 +17,10 @@ use crate::error::{BenchError, Result};
 /// measured run are judged by one definition.
 pub use crate::metrics::Slo;
 
-/// Whether a simulated request meets every objective that is set.
+/// Whether a simulated request meets every objective that is set (a shed one meets none).
 pub fn meets(slo: &Slo, r: &SimRecord) -> bool {
     let within = |limit_ms: Option<f64>, v_s: f64| limit_ms.is_none_or(|ms| v_s * 1e3 <= ms);
-    within(slo.ttft_ms, r.ttft_s) && within(slo.tpot_ms, r.tpot_s) && within(slo.e2el_ms, r.e2el_s)
+    !r.shed && within(slo.ttft_ms, r.ttft_s) && within(slo.tpot_ms, r.tpot_s) && within(slo.e2el_ms, r.e2el_s)
 }
 
 /// Mean and percentiles of one latency, seconds.

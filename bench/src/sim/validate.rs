@@ -43,6 +43,7 @@ fn measured_records(v: &serde_json::Value) -> Result<(Vec<SimRecord>, usize)> {
             e2el_s: r.e2el_s.unwrap_or(f64::INFINITY),
             prefill_node: None,
             decode_node: 0,
+            shed: false,
         })
         .collect();
     Ok((out, failed))

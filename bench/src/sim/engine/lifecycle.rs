@@ -220,6 +220,17 @@ impl Sim<'_> {
         for &r in self.edge.iter().chain(self.parked.iter().map(|(r, _)| r)) {
             places[r] += 1;
         }
+        if self.cfg.admission.is_some() {
+            let remote: usize = self.nodes.iter().map(|n| n.remote.len()).sum();
+            if remote as u64 != self.pending_remote {
+                return Err(format!("{remote} prompts queued for handoff, {} counted", self.pending_remote));
+            }
+        }
+        for &r in &self.edge {
+            if !self.state[r].at_edge || self.state[r].shed {
+                return Err(format!("request {r} at the edge is marked otherwise"));
+            }
+        }
         let pooled: usize = self.pools.iter().map(|p| p.set.len()).sum();
         if pooled != active {
             return Err(format!("{pooled} nodes routed, {active} active"));

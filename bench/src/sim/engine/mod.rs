@@ -20,6 +20,24 @@
 //! - Conditional disaggregation: a prompt shorter than `local_prefill_below` goes straight to a
 //!   decode node and is prefilled there as above.
 //! - TPOT = (finish − first token) / (output_len − 1), 0 for one-token outputs.
+//! - The edge's own latency (`ClusterConfig::edge_s`) is added to every served request's TTFT
+//!   and end-to-end latency; the nodes never see it.
+//!
+//! # SLO admission (`ClusterConfig::admission`)
+//!
+//! The coordinator's rules, from the same code ([`cleave_planner::admission`]): every decoding
+//! node files its steps' totals as the engine does (a step that decoded, mixed or not, as time
+//! its sequences waited; prompt tokens of prefill-only steps as the prompt rate) and "reports"
+//! them at its first step end [`REPORT_S`] after the last, when its seat cap and prompt rate
+//! are read. Routing then skips a node that holds its cap (its outstanding requests); a
+//! request that goes to a prefill node needs a free seat in the pool it will decode in (the
+//! caps left over the pool, net of prompts on their way to it: the coordinator books the seat
+//! at routing, here the decode node is chosen at handoff, on the same count). A request with no
+//! seat waits at the edge, in order, and is retried when a stream ends or a cap is read; once it
+//! has waited `max_wait` since it was first told to, it is shed. A request whose prefill (on its
+//! prefill node, or where it decodes) would wait behind more prompt work than the node's
+//! prompt rate gets through before the TTFT target (counting the time it waited already) is
+//! shed at once. A shed request is done at that instant, as a miss (`SimRecord::shed`).
 //!
 //! Routing keeps each role's active nodes in a `BTreeSet` keyed by load (O(log n)): prefill
 //! nodes by queued prompt tokens, decode and colocated nodes by outstanding requests. A request
@@ -47,6 +65,7 @@
 //! flight, or done); nodes holding a machine (loading, active, switching, stopping) never
 //! exceed the node budget; a node is in its role's routing set iff it is active.
 
+use cleave_planner::admission::{PromptRate, Seats, StepTotals};
 use cleave_planner::Role;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
@@ -64,6 +83,9 @@ pub use lifecycle::{Life, Transition};
 
 /// Shortest step, seconds: keeps time moving if a cost model extrapolates to 0.
 const MIN_STEP_S: f64 = 1e-9;
+/// Seconds between a node's load reports (the node's `report_interval`): SLO admission reads
+/// its step totals no more often.
+pub const REPORT_S: f64 = 0.2;
 
 /// What happened to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -82,6 +104,10 @@ pub struct SimRecord {
     /// reaches a decode node). Nodes are numbered prefill first, then decode, then in the
     /// order they were started.
     pub decode_node: usize,
+    /// SLO admission shed it (a 503 at `arrival_s + ttft_s`, nothing generated): it met no
+    /// target, and its latencies are not a served request's.
+    #[serde(default)]
+    pub shed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -97,6 +123,8 @@ enum Event {
     Ready(usize),
     /// The controller's turn (planner mode only).
     Tick,
+    /// A request held for a seat has waited as long as SLO admission allows.
+    SeatDeadline(usize),
 }
 
 struct Timed {
@@ -198,6 +226,14 @@ struct Node {
     stamp: u64,
     /// Prompt tokens of requests decoding here not yet prefilled.
     unprefilled_local: u64,
+    /// When the step in flight started.
+    step_started: f64,
+    /// SLO admission: the node's cumulative step totals, when they were last read, its seat
+    /// cap and prompt rate as read from them.
+    totals: StepTotals,
+    reported_s: f64,
+    seats: Seats,
+    prompts: PromptRate,
 }
 
 impl Node {
@@ -224,6 +260,11 @@ impl Node {
             outstanding: 0,
             stamp: 0,
             unprefilled_local: 0,
+            step_started: 0.0,
+            totals: StepTotals::default(),
+            reported_s: 0.0,
+            seats: Seats::default(),
+            prompts: PromptRate::default(),
         }
     }
 
@@ -248,6 +289,23 @@ struct ReqState {
     finish_s: f64,
     prefill_node: Option<usize>,
     decode_node: usize,
+    /// Waiting at the edge (in `Sim::edge`).
+    at_edge: bool,
+    /// SLO admission: shed, and when it was first told to wait for a seat.
+    shed: bool,
+    seat_wait_since: Option<f64>,
+}
+
+/// Where a request went when routed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Routed {
+    Yes,
+    /// No active node can take it: it waits at the edge.
+    NoNode,
+    /// SLO admission: every decoding node holds its seat cap; it waits at the edge.
+    NoSeat,
+    /// SLO admission: its prefill would start past the TTFT target.
+    Shed,
 }
 
 /// The simulator's caller in planner mode: it sees arrivals and completions and gets a turn at
@@ -294,6 +352,11 @@ pub(super) struct Sim<'a> {
     pub(super) peak_holding: usize,
     /// Requests that waited at the edge (arrivals and handoffs).
     pub(super) held_at_edge: usize,
+    /// Requests SLO admission shed.
+    pub(super) shed: usize,
+    /// Prompts routed to a prefill node and not yet handed off (SLO admission counts their
+    /// seats as taken in the pool they will decode in).
+    pending_remote: u64,
     pub(super) transitions: Vec<Transition>,
 }
 
@@ -368,6 +431,8 @@ impl<'a> Sim<'a> {
             finished: if dynamics.is_some() { vec![false; requests.len()] } else { Vec::new() },
             peak_holding: np + nd,
             held_at_edge: 0,
+            shed: 0,
+            pending_remote: 0,
             transitions: Vec::new(),
         };
         for n in 0..np + nd {
@@ -386,9 +451,28 @@ impl<'a> Sim<'a> {
                     if let Some(c) = ctl.as_deref_mut() {
                         c.arrival(&self.reqs[r], t);
                     }
-                    if !self.route(r, t) {
-                        self.edge.push_back(r);
-                        self.held_at_edge += 1;
+                    match self.route(r, t) {
+                        Routed::Yes => {}
+                        Routed::Shed => self.shed(r, t),
+                        wait => {
+                            if wait == Routed::NoSeat {
+                                self.wait_for_seat(r, t);
+                            }
+                            self.state[r].at_edge = true;
+                            self.edge.push_back(r);
+                            self.held_at_edge += 1;
+                        }
+                    }
+                }
+                Event::SeatDeadline(r) => {
+                    if self.state[r].at_edge {
+                        if let Some(i) = self.edge.iter().position(|&x| x == r) {
+                            self.edge.remove(i);
+                        }
+                        self.state[r].at_edge = false;
+                        self.shed(r, t);
+                        // It may have held up the requests behind it.
+                        self.flush(t);
                     }
                 }
                 Event::StepDone(n) => self.step_done(n, t),
@@ -518,18 +602,69 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Sends an arrival to a node; false when no node is active.
-    fn route(&mut self, r: usize, t: f64) -> bool {
+    /// Whether SLO admission keeps node `n` from taking a new stream (it holds its seat cap).
+    fn full(&self, n: usize) -> bool {
+        self.cfg.admission.is_some()
+            && self.nodes[n].seats.is_full(u32::try_from(self.nodes[n].outstanding).unwrap_or(u32::MAX))
+    }
+
+    /// The least-loaded node of decoding pool `i` that has a seat (under SLO admission).
+    fn seated(&self, i: usize) -> Option<(u64, usize)> {
+        if self.cfg.admission.is_none() {
+            return self.pools[i].first();
+        }
+        self.pools[i].set.iter().map(|&(l, _, n)| (l, n)).find(|&(_, n)| !self.full(n))
+    }
+
+    /// SLO admission: whether the pool a handoff decodes in has a seat left for one more
+    /// prompt, counting those on their way to it. True when no decoding node is active (the
+    /// handoff will wait for one, as without admission).
+    fn remote_seat(&self) -> bool {
+        if self.cfg.admission.is_none() {
+            return true;
+        }
+        let pool = if self.pools[1].set.is_empty() { &self.pools[2] } else { &self.pools[1] };
+        if pool.set.is_empty() {
+            return true;
+        }
+        let mut free = 0u64;
+        for &(load, _, n) in &pool.set {
+            match self.nodes[n].seats.cap() {
+                None => return true,
+                Some(c) => free += u64::from(c).saturating_sub(load),
+            }
+        }
+        free > self.pending_remote
+    }
+
+    /// SLO admission's TTFT half: whether request `r`'s prefill on node `n` would start past
+    /// the TTFT target (its wait so far, plus the prompt work queued there and its own, at the
+    /// node's prompt rate once one was read).
+    fn past_ttft(&self, r: usize, n: usize, t: f64) -> bool {
+        let (Some(a), Some(rate)) = (self.cfg.admission, self.nodes[n].prompts.tokens_per_s()) else {
+            return false;
+        };
+        let node = &self.nodes[n];
+        let queued = node.queued + node.unprefilled_local + self.reqs[r].input_len as u64;
+        (t - self.reqs[r].arrival_s) + queued as f64 / rate > a.ttft_target.as_secs_f64()
+    }
+
+    /// Sends an arrival to a node (see [`Routed`]).
+    fn route(&mut self, r: usize, t: f64) -> Routed {
         let len = self.reqs[r].input_len;
         let local = len < self.cfg.local_prefill_below;
-        let decoder = match (self.pools[1].first(), self.pools[2].first()) {
+        let decoder = match (self.seated(1), self.seated(2)) {
             (Some(d), Some(b)) => Some(if b.0 <= d.0 { b.1 } else { d.1 }),
             (d, b) => d.or(b).map(|x| x.1),
         };
         let prefill = self.pools[0].first().map(|x| x.1);
         let local_on = decoder.filter(|&n| self.nodes[n].role == Role::Both || local || prefill.is_none());
+        let any_decoder = !self.pools[1].set.is_empty() || !self.pools[2].set.is_empty();
         match (local_on, prefill) {
             (Some(n), _) => {
+                if self.past_ttft(r, n, t) {
+                    return Routed::Shed;
+                }
                 self.adjust(n, Counter::Outstanding, 1, true);
                 self.state[r].decode_node = n;
                 self.nodes[n].unprefilled_local += len as u64;
@@ -537,19 +672,52 @@ impl<'a> Sim<'a> {
                 self.kick(n, t);
             }
             (None, Some(p)) => {
+                // Every decoding node holds its cap (the coordinator books a decode seat for
+                // every request, prefilled where it may be), or the pool's seats are all
+                // promised to prompts on their way.
+                if (any_decoder && decoder.is_none()) || !self.remote_seat() {
+                    return Routed::NoSeat;
+                }
+                if self.past_ttft(r, p, t) {
+                    return Routed::Shed;
+                }
                 self.adjust(p, Counter::Queued, len as i64, true);
                 self.state[r].prefill_node = Some(p);
                 self.nodes[p].remote.push_back(r);
+                if self.cfg.admission.is_some() {
+                    self.pending_remote += 1;
+                }
                 self.kick(p, t);
             }
-            (None, None) => return false,
+            (None, None) if any_decoder => return Routed::NoSeat,
+            (None, None) => return Routed::NoNode,
         }
-        true
+        Routed::Yes
     }
 
-    /// Where a prefilled request decodes: decode nodes first, then colocated ones.
+    /// SLO admission: request `r` waits for a seat, at most `max_wait` from the first time.
+    fn wait_for_seat(&mut self, r: usize, t: f64) {
+        let Some(a) = self.cfg.admission else { return };
+        if self.state[r].seat_wait_since.is_none() {
+            self.state[r].seat_wait_since = Some(t);
+            self.push(t + a.max_wait.as_secs_f64().min(1e12), Event::SeatDeadline(r));
+        }
+    }
+
+    /// SLO admission sheds request `r` at `t`: a miss, done now.
+    fn shed(&mut self, r: usize, t: f64) {
+        let s = &mut self.state[r];
+        s.shed = true;
+        s.first_token_s = t;
+        s.finish_s = t;
+        self.shed += 1;
+        self.finish(r);
+    }
+
+    /// Where a prefilled request decodes: decode nodes first, then colocated ones (under SLO
+    /// admission one with a seat first).
     fn handoff_target(&self) -> Option<usize> {
-        self.pools[1].first().or(self.pools[2].first()).map(|x| x.1)
+        self.seated(1).or(self.seated(2)).or(self.pools[1].first()).or(self.pools[2].first()).map(|x| x.1)
     }
 
     fn send_handoff(&mut self, r: usize, d: usize, land: f64) {
@@ -562,6 +730,9 @@ impl<'a> Sim<'a> {
     /// A remote prompt's last chunk ran on node `n` at `t`: its KV leaves for a decoding node.
     fn hand_off(&mut self, r: usize, n: usize, t: f64) {
         self.state[r].generated = 1;
+        if self.cfg.admission.is_some() {
+            self.pending_remote -= 1;
+        }
         let land = t + self.cost.handoff_time(self.reqs[r].input_len);
         if self.reqs[r].output_len == 1 {
             self.state[r].first_token_s = land;
@@ -590,10 +761,17 @@ impl<'a> Sim<'a> {
             self.send_handoff(r, d, land.max(t));
         }
         while let Some(&r) = self.edge.front() {
-            if !self.route(r, t) {
-                break;
+            match self.route(r, t) {
+                Routed::Yes => {}
+                Routed::Shed => self.shed(r, t),
+                Routed::NoSeat => {
+                    self.wait_for_seat(r, t);
+                    break;
+                }
+                Routed::NoNode => break,
             }
             self.edge.pop_front();
+            self.state[r].at_edge = false;
         }
     }
 
@@ -621,6 +799,7 @@ impl<'a> Sim<'a> {
         if let Some(d) = dur {
             self.nodes[n].busy = true;
             self.nodes[n].step = kind;
+            self.nodes[n].step_started = now;
             self.push(now + d.max(MIN_STEP_S), Event::StepDone(n));
         }
     }
@@ -752,14 +931,60 @@ impl<'a> Sim<'a> {
 
     fn step_done(&mut self, n: usize, t: f64) {
         self.nodes[n].busy = false;
-        match self.nodes[n].step {
-            StepKind::Prefill => self.prefill_done(n, t),
-            StepKind::Mixed => self.mixed_done(n, t),
+        if self.cfg.admission.is_some() {
+            self.file_step(n, t);
         }
+        let ended = match self.nodes[n].step {
+            StepKind::Prefill => {
+                self.prefill_done(n, t);
+                false
+            }
+            StepKind::Mixed => self.mixed_done(n, t),
+        };
         if self.nodes[n].life != Life::Active {
             self.check_drain(n, t);
         }
+        if self.cfg.admission.is_some() {
+            let read = self.report(n, t);
+            if (ended || read) && !self.edge.is_empty() {
+                // A seat freed, or a cap was read: the requests waiting for one try again (and
+                // may join this node's next step).
+                self.flush(t);
+            }
+        }
         self.try_start(n, t);
+    }
+
+    /// Files the step just ended in node `n`'s totals as the engine does: a step that decoded
+    /// (a chunk beside or not) as time its sequences waited, a prompt-only step as prompt rate.
+    fn file_step(&mut self, n: usize, t: f64) {
+        let node = &mut self.nodes[n];
+        let us = ((t - node.step_started).max(0.0) * 1e6) as u64;
+        let decodes = if node.step == StepKind::Mixed { node.decodes as u64 } else { 0 };
+        let tokens: u64 = node.chunks.iter().map(|&(_, k)| k as u64).sum();
+        let tot = &mut node.totals;
+        if decodes > 0 {
+            tot.decode_steps += 1;
+            tot.decode_seqs += decodes;
+            tot.decode_us += us;
+        } else if tokens > 0 {
+            tot.prefill_tokens += tokens;
+            tot.prefill_us += us;
+        }
+    }
+
+    /// Node `n` "reports" its totals if [`REPORT_S`] passed since its last report; true when
+    /// it did.
+    fn report(&mut self, n: usize, t: f64) -> bool {
+        let Some(a) = self.cfg.admission else { return false };
+        let node = &mut self.nodes[n];
+        if t - node.reported_s < REPORT_S {
+            return false;
+        }
+        node.reported_s = t;
+        node.seats.observe(&node.totals, a.tpot_target);
+        node.prompts.observe(&node.totals);
+        true
     }
 
     fn prefill_done(&mut self, n: usize, t: f64) {
@@ -781,7 +1006,8 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn mixed_done(&mut self, n: usize, t: f64) {
+    /// The mixed step on node `n` ended; true when a stream finished on it.
+    fn mixed_done(&mut self, n: usize, t: f64) -> bool {
         let mut finished = Vec::new();
         let remote;
         {
@@ -820,7 +1046,7 @@ impl<'a> Sim<'a> {
             self.nodes[n].chunks = chunks;
         }
         if finished.is_empty() {
-            return;
+            return false;
         }
         let node = &mut self.nodes[n];
         for &r in &finished {
@@ -834,23 +1060,28 @@ impl<'a> Sim<'a> {
             self.adjust(n, Counter::Outstanding, -1, false);
             self.finish(r);
         }
+        true
     }
 
     // ---- results ----
 
     fn record(&self, id: usize) -> SimRecord {
         let (r, s) = (&self.reqs[id], &self.state[id]);
-        let tpot_s = if r.output_len > 1 { (s.finish_s - s.first_token_s) / (r.output_len - 1) as f64 } else { 0.0 };
+        let tpot_s =
+            if r.output_len > 1 && !s.shed { (s.finish_s - s.first_token_s) / (r.output_len - 1) as f64 } else { 0.0 };
+        // A shed request's answer is the edge's own 503: no trip through the nodes.
+        let edge = if s.shed { 0.0 } else { self.cfg.edge_s };
         SimRecord {
             id,
             arrival_s: r.arrival_s,
             input_len: r.input_len,
             output_len: r.output_len,
-            ttft_s: s.first_token_s - r.arrival_s,
+            ttft_s: s.first_token_s - r.arrival_s + edge,
             tpot_s,
-            e2el_s: s.finish_s - r.arrival_s,
+            e2el_s: s.finish_s - r.arrival_s + edge,
             prefill_node: s.prefill_node,
             decode_node: s.decode_node,
+            shed: s.shed,
         }
     }
 

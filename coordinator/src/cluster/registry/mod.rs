@@ -32,7 +32,8 @@ use cleave_protocol::KvLayout;
 
 mod seats;
 mod state;
-pub use seats::Admission;
+pub use cleave_planner::admission::Admission;
+use cleave_planner::admission::{PromptRate, Seats};
 pub use state::{NodeState, PoolLoad, PoolSummary};
 
 /// Routing thresholds (conditional disaggregation).
@@ -220,9 +221,9 @@ struct Node {
     /// reservation, or its release): only a report resets it.
     inflight_reserve: u64,
     /// SLO admission's cap on the streams it decodes at once, and the rate it prefills at (see
-    /// [`seats`]).
-    seats: seats::Seats,
-    prompts: seats::PromptRate,
+    /// [`cleave_planner::admission`]).
+    seats: Seats,
+    prompts: PromptRate,
 }
 
 impl Node {
@@ -538,8 +539,9 @@ impl Registry {
         let Some(n) = self.nodes.get_mut(&id) else { return false };
         n.prefix = load.prefix_hashes.iter().copied().collect();
         if let Some(a) = self.admission {
-            n.seats.observe(&load.steps, a.tpot_target);
-            n.prompts.observe(&load.steps);
+            let totals = seats::admission_totals(&load.steps);
+            n.seats.observe(&totals, a.tpot_target);
+            n.prompts.observe(&totals);
         }
         // The node's own word on its step budget wins over what it was asked for.
         if load.step_budget.is_some() {
