@@ -213,6 +213,10 @@ struct Node {
     load: LoadReport,
     prefix: HashSet<u64>,
     inflight_prefill_tokens: u64,
+    /// Prompt tokens of the remote prefills routed here whose prefill has not ended: unlike the
+    /// in-flight estimate, not reset by a report (one snapshotted before a prompt arrived would
+    /// otherwise hide it), so a floor under the queue a prefill node holds.
+    open_prefill_tokens: u64,
     inflight_seqs: u32,
     inflight_blocks: u64,
     /// Blocks the remote attempts booked here since the last report reserve at once (their
@@ -314,7 +318,7 @@ impl Node {
     }
 
     fn queued_prefill(&self) -> u64 {
-        self.load.queued_prefill_tokens + self.inflight_prefill_tokens
+        (self.load.queued_prefill_tokens + self.inflight_prefill_tokens).max(self.open_prefill_tokens)
     }
 }
 
@@ -523,6 +527,7 @@ impl Registry {
                 load,
                 prefix: HashSet::new(),
                 inflight_prefill_tokens: 0,
+                open_prefill_tokens: 0,
                 inflight_seqs: 0,
                 inflight_blocks: 0,
                 inflight_reserve: 0,
@@ -587,8 +592,9 @@ impl Registry {
         let mut full = Vec::new();
 
         // Decode side: room to reserve the prompt now, then most free KV after its in-flight
-        // work, fewest running sequences, then prefix overlap (saved prefill), then the lowest
-        // id (deterministic).
+        // work, fewest sequences (those it reports, or the streams routed to it and not ended,
+        // whichever is more), then prefix overlap (saved prefill), then the lowest id
+        // (deterministic).
         let decode = self
             .nodes
             .iter()
@@ -605,7 +611,12 @@ impl Registry {
                 let free = u64::from(n.load.free_blocks + n.load.cached_blocks).saturating_sub(n.inflight_blocks);
                 let fits = free >= need_blocks;
                 let overlap = n.overlap(&hashes) as u64;
-                let busy = u64::from(n.load.running_seqs + n.load.waiting_seqs + n.inflight_seqs);
+                // At least the streams routed here and not ended: a report snapshotted before a
+                // stream reached the node resets the in-flight count without counting it, and
+                // two nodes would then look equally idle (the lowest id took every prompt that
+                // arrived while the other sat idle).
+                let reported = n.load.running_seqs.saturating_add(n.load.waiting_seqs).saturating_add(n.inflight_seqs);
+                let busy = u64::from(reported.max(n.active_decode));
                 // Score: fitting first, then free blocks net of load and the overlap's worth.
                 let score = free as i64 + (overlap * 4) as i64 - (busy * need_blocks.max(1)) as i64;
                 (n.room_now() >= reserve_blocks, fits, score, std::cmp::Reverse(**id))
@@ -739,6 +750,7 @@ impl Registry {
         if let Some((pid, work)) = assignment.prefill {
             if let Some(p) = self.nodes.get_mut(&pid) {
                 p.inflight_prefill_tokens += work;
+                p.open_prefill_tokens += work;
                 p.active_prefill += 1;
             }
         }
@@ -780,6 +792,7 @@ impl Registry {
         if let Some((pid, work)) = a.prefill.take() {
             if let Some(p) = self.nodes.get_mut(&pid) {
                 p.inflight_prefill_tokens = p.inflight_prefill_tokens.saturating_sub(work);
+                p.open_prefill_tokens = p.open_prefill_tokens.saturating_sub(work);
                 p.active_prefill = p.active_prefill.saturating_sub(1);
                 if p.active_prefill == 0 {
                     p.quiet_since = Some(now);

@@ -502,3 +502,52 @@ fn slo_admission_refuses_a_prompt_that_would_wait_past_the_ttft_target() {
     r.report(p, prefill(&tp, 1500), t);
     assert!(r.plan(&q(200)).unwrap_err().shed);
 }
+
+#[test]
+fn a_report_that_predates_a_stream_does_not_make_its_node_look_idle() {
+    // Two idle colocated nodes; a prompt goes to the first. Its node's next report was
+    // snapshotted before the prompt reached it (it says nothing runs): the next prompt must
+    // still go to the other node, not queue behind the first.
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let a = r.register(reg("a", NodeRole::Both, 1, 1), t).unwrap();
+    let b = r.register(reg("b", NodeRole::Both, 1, 2), t).unwrap();
+    let idle = LoadReport { total_blocks: 100, free_blocks: 100, ..Default::default() };
+    r.report(a, idle.clone(), t);
+    r.report(b, idle.clone(), t);
+    let (first, booked) = r.plan(&q(40)).unwrap();
+    let Plan::Local { decode: ref d1, .. } = first else { panic!("{first:?}") };
+    r.report(d1.id, idle.clone(), t + Duration::from_millis(200));
+    let (second, _) = r.plan(&q(40)).unwrap();
+    let Plan::Local { decode: ref d2, .. } = second else { panic!("{second:?}") };
+    assert_ne!(d1.id, d2.id, "both prompts went to {}", d1.name);
+    // Once the first stream ended, its node is as good as new.
+    r.release(&booked, t + Duration::from_secs(1));
+    r.report(d1.id, idle, t + Duration::from_secs(1));
+    let (third, _) = r.plan(&q(40)).unwrap();
+    let Plan::Local { decode: ref d3, .. } = third else { panic!("{third:?}") };
+    assert_eq!(d3.id, d1.id, "the idle node takes the third");
+}
+
+#[test]
+fn a_report_that_predates_a_prompt_does_not_empty_its_prefill_nodes_queue() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p1 = r.register(reg("p1", NodeRole::Prefill, 1, 1), t).unwrap();
+    let p2 = r.register(reg("p2", NodeRole::Prefill, 1, 2), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 3), t).unwrap();
+    r.report(d, LoadReport { total_blocks: 1000, free_blocks: 1000, ..Default::default() }, t);
+    let (first, mut booked) = r.plan(&q(200)).unwrap();
+    let Plan::Remote { prefill: ref a, .. } = first else { panic!("{first:?}") };
+    // Its node's report says nothing is queued: it was taken before the prompt arrived.
+    r.report(a.id, LoadReport::default(), t + Duration::from_millis(200));
+    let (second, _) = r.plan(&q(200)).unwrap();
+    let Plan::Remote { prefill: ref b, .. } = second else { panic!("{second:?}") };
+    assert_ne!(a.id, b.id, "both prompts queued on {}", a.name);
+    assert_eq!(HashSet::from([a.id, b.id]), HashSet::from([p1, p2]));
+    // Its handoff done, the first node's queue is empty again.
+    r.release_prefill(&mut booked, t + Duration::from_secs(1));
+    let (third, _) = r.plan(&q(200)).unwrap();
+    let Plan::Remote { prefill: ref c, .. } = third else { panic!("{third:?}") };
+    assert_eq!(c.id, a.id);
+}
