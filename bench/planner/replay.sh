@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Simulated against measured (BENCHMARKS.md, "Simulated against measured, with admission"):
+# Simulated against measured (BENCHMARKS.md, "Simulated against measured, with SLO admission"):
 # replays measured `bench serve --phases` runs through `cleave bench simulate` on the same
 # profile, targets, pacing and SLO admission, and prints each run's phases side by side.
 #
@@ -8,8 +8,9 @@
 # RUN is a result file of bench/planner/shift.sh; CONFIG is how that run's cluster was set up:
 # `auto` (the planner from its default start: 2 colocated nodes at a 256-token budget) or
 # `static:BUDGET` (2 colocated nodes at that budget, no planner). TTFT_MS and TPOT_MS are the
-# run's targets (default 3000 and 100); EDGE_MS the edge's latency to add (default 0); EXTRA
-# more flags for `cleave bench simulate`. A run's NAME.nodes.json, when there, scales the
+# run's targets (default 3000 and 100); EDGE_MS the edge's latency to add (default 0);
+# ADMISSION=0 replays without SLO admission in the simulator (to see what leaving it out of the
+# model costs: the measured runs all had it); EXTRA more flags for `cleave bench simulate`. A run's NAME.nodes.json, when there, scales the
 # profile to the speed its nodes had (--scale-to-nodes). Needs target/release/cleave.
 set -euo pipefail
 profile="${1:?profile (cleave bench profile output)}"
@@ -18,6 +19,8 @@ exe="$(cd "$(dirname "$0")/../.." && pwd)/target/release/cleave"
 ttft="${TTFT_MS:-3000}"
 tpot="${TPOT_MS:-100}"
 edge="${EDGE_MS:-0}"
+admission=(--slo-admission)
+if [ "${ADMISSION:-1}" = 0 ]; then admission=(); fi
 for spec in "$@"; do
   run="${spec%%=*}"
   config="${spec#*=}"
@@ -32,7 +35,7 @@ for spec in "$@"; do
   echo "== $run ($config)"
   # shellcheck disable=SC2086
   "$exe" bench simulate --profile "$profile" --ttft-target-ms "$ttft" --tpot-target-ms "$tpot" \
-      --max-nodes 2 --fixed-nodes --initial 2c --pacing --slo-admission --edge-latency-ms "$edge" \
+      --max-nodes 2 --fixed-nodes --initial 2c --pacing "${admission[@]}" --edge-latency-ms "$edge" \
       --no-baseline --report-window-s 80 --replay "$run" "${scale[@]}" "${flags[@]}" ${EXTRA:-} \
     | sed -n '/^phase/,/^replayed run/p'
 done

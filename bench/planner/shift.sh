@@ -12,12 +12,13 @@
 # for the planner's cost model. While each run lasts, the planner's view (`GET /admin/planner`:
 # its inputs and predictions for the current configuration) is recorded every 2 s to
 # NAME.planner.jsonl. Afterwards `cleave bench timeline` compares the runs. Needs
-# target/release/cleave.
+# target/release/cleave, or CLEAVE_EXE naming another build of it (to compare two builds on
+# one load: run this once per build into one OUT_DIR, then `cleave bench timeline` over both).
 set -euo pipefail
 model="${1:?model (HF folder or .gguf)}"
 out="${2:?output folder}"
 shift 2
-exe="$(cd "$(dirname "$0")/../.." && pwd)/target/release/cleave"
+exe="${CLEAVE_EXE:-$(cd "$(dirname "$0")/../.." && pwd)/target/release/cleave}"
 ttft="${TTFT_MS:-3000}"
 tpot="${TPOT_MS:-100}"
 seed="${SEED:-0}"
