@@ -10,8 +10,10 @@
 # `static:BUDGET` (2 colocated nodes at that budget, no planner). TTFT_MS and TPOT_MS are the
 # run's targets (default 3000 and 100); EDGE_MS the edge's latency to add (default 0);
 # ADMISSION=0 replays without SLO admission in the simulator (to see what leaving it out of the
-# model costs: the measured runs all had it); EXTRA more flags for `cleave bench simulate`. A run's NAME.nodes.json, when there, scales the
-# profile to the speed its nodes had (--scale-to-nodes). Needs target/release/cleave.
+# model costs: the measured runs all had it); EXTRA more flags for `cleave bench simulate`. A
+# run's NAME.nodes.json, when there, scales the profile to the speed its nodes had
+# (--scale-to-nodes). After the runs, the p90 latencies within 20% over all of them. Needs
+# target/release/cleave.
 set -euo pipefail
 profile="${1:?profile (cleave bench profile output)}"
 shift
@@ -21,6 +23,8 @@ tpot="${TPOT_MS:-100}"
 edge="${EDGE_MS:-0}"
 admission=(--slo-admission)
 if [ "${ADMISSION:-1}" = 0 ]; then admission=(); fi
+within=0
+of=0
 for spec in "$@"; do
   run="${spec%%=*}"
   config="${spec#*=}"
@@ -34,8 +38,13 @@ for spec in "$@"; do
   if [ -f "$nodes" ]; then scale=(--scale-to-nodes "$nodes"); fi
   echo "== $run ($config)"
   # shellcheck disable=SC2086
-  "$exe" bench simulate --profile "$profile" --ttft-target-ms "$ttft" --tpot-target-ms "$tpot" \
+  table=$("$exe" bench simulate --profile "$profile" --ttft-target-ms "$ttft" --tpot-target-ms "$tpot" \
       --max-nodes 2 --fixed-nodes --initial 2c --pacing "${admission[@]}" --edge-latency-ms "$edge" \
       --no-baseline --report-window-s 80 --replay "$run" "${scale[@]}" "${flags[@]}" ${EXTRA:-} \
-    | sed -n '/^phase/,/^replayed run/p'
+    | sed -n '/^speed of/p; /^phase/,/^replayed run: p90/p')
+  echo "$table"
+  read -r w o < <(echo "$table" | sed -n 's/^replayed run: p90 latencies within 20% of the measured: \([0-9]*\) of \([0-9]*\)$/\1 \2/p')
+  within=$((within + ${w:?no p90 count in the replay}))
+  of=$((of + o))
 done
+echo "p90 latencies within 20% of the measured over $# runs: $within of $of"

@@ -235,6 +235,18 @@ pub struct PhaseComparison {
     pub ttft_gap_p50_ms: Option<f64>,
 }
 
+impl PhaseComparison {
+    /// Of this phase's p90 latencies (TTFT, TPOT) measured on both sides, how many the simulator
+    /// got within `share` of the measured figure, and how many there are: the issue's
+    /// "simulated against measured within 20%" asked of latencies.
+    pub fn p90s_within(&self, share: f64) -> (usize, usize) {
+        [self.ttft_p90_ms, self.tpot_p90_ms].iter().fold((0, 0), |(within, of), pair| match *pair {
+            (Some(m), Some(s)) if m > 0.0 => (within + usize::from((s - m).abs() <= share * m), of + 1),
+            _ => (within, of),
+        })
+    }
+}
+
 /// The replayed run's phases, measured against simulated (`measured[i]` is `sim[i]`'s request).
 pub fn compare_phases(trace: &Trace, measured: &[RequestRecord], sim: &[SimRecord], slo: &Slo) -> Vec<PhaseComparison> {
     let p90 = |mut v: Vec<f64>| {
@@ -362,6 +374,8 @@ pub fn run(args: &SimulateArgs, cost: &CostModel, limits: NodeLimits) -> Result<
         print_phases(&phases);
         let (m, s) = (measured.iter().filter(|r| slo.met_by(r)).count(), summary.attainment);
         println!("replayed run: attainment measured {:.4}, simulated {s:.4}", m as f64 / measured.len() as f64);
+        let (within, of) = phases.iter().map(|p| p.p90s_within(0.2)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        println!("replayed run: p90 latencies within 20% of the measured: {within} of {of}");
     }
     println!(
         "planner: attainment {:.4}, {:.1} nodes on average ({} at peak), {:.0} node-seconds; {} role changes \
@@ -737,4 +751,36 @@ fn plot(
         None,
     )?);
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PhaseComparison;
+
+    fn phase(ttft: (Option<f64>, Option<f64>), tpot: (Option<f64>, Option<f64>)) -> PhaseComparison {
+        PhaseComparison {
+            phase: 1,
+            requests: 10,
+            measured: 0.9,
+            simulated: 0.9,
+            measured_failed: 0,
+            simulated_shed: 0,
+            ttft_p90_ms: ttft,
+            tpot_p90_ms: tpot,
+            ttft_gap_p50_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_p90_counts_as_within_up_to_the_share_of_the_measured_figure_either_way() {
+        // 2400 is 20% under 3000: within; 121 is 21% over 100: not.
+        assert_eq!(phase((Some(3000.0), Some(2400.0)), (Some(100.0), Some(121.0))).p90s_within(0.2), (1, 2));
+        assert_eq!(phase((Some(3000.0), Some(3600.0)), (Some(100.0), Some(80.0))).p90s_within(0.2), (2, 2));
+    }
+
+    #[test]
+    fn a_p90_missing_on_either_side_or_measured_at_zero_is_not_counted() {
+        assert_eq!(phase((Some(3000.0), None), (None, Some(80.0))).p90s_within(0.2), (0, 0));
+        assert_eq!(phase((Some(0.0), Some(0.0)), (Some(100.0), Some(100.0))).p90s_within(0.2), (1, 1));
+    }
 }
