@@ -6,8 +6,9 @@
 #   bench/planner/replay.sh PROFILE RUN=CONFIG [RUN=CONFIG ...]
 #
 # RUN is a result file of bench/planner/shift.sh; CONFIG is how that run's cluster was set up:
-# `auto` (the planner from its default start: 2 colocated nodes at a 256-token budget) or
-# `static:BUDGET` (2 colocated nodes at that budget, no planner). TTFT_MS and TPOT_MS are the
+# `auto` (the planner from its default start: 2 colocated nodes at a 128-token budget),
+# `auto:BUDGET` (the planner started at that budget: runs before 2026-12-07's start change
+# started at 256) or `static:BUDGET` (2 colocated nodes at that budget, no planner). TTFT_MS and TPOT_MS are the
 # run's targets (default 3000 and 100); EDGE_MS the edge's latency to add (default 0);
 # ADMISSION=0 replays without SLO admission in the simulator (to see what leaving it out of the
 # model costs: the measured runs all had it); EXTRA more flags for `cleave bench simulate`. A
@@ -29,9 +30,10 @@ for spec in "$@"; do
   run="${spec%%=*}"
   config="${spec#*=}"
   case "$config" in
-    auto) flags=(--planner auto --max-num-batched-tokens 256) ;;
+    auto) flags=(--planner auto --max-num-batched-tokens 128) ;;
+    auto:*) flags=(--planner auto --max-num-batched-tokens "${config#auto:}") ;;
     static:*) flags=(--planner off --max-num-batched-tokens "${config#static:}") ;;
-    *) echo "config $config: expected auto or static:BUDGET" >&2; exit 2 ;;
+    *) echo "config $config: expected auto, auto:BUDGET or static:BUDGET" >&2; exit 2 ;;
   esac
   nodes="${run%.json}.nodes.json"
   scale=()

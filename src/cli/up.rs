@@ -45,7 +45,7 @@ pub struct UpArgs {
     /// Colocated nodes that prefill and decode their own requests (a conventional engine each).
     ///
     /// With no --prefill, --decode or --colocated: 1 prefill + 1 decode node, except with
-    /// `--planner auto --pacing`, which starts 2 colocated nodes at a 256-token step budget
+    /// `--planner auto --pacing`, which starts 2 colocated nodes at a 128-token step budget
     /// (unless --node-arg sets one) and leaves the split to the planner.
     #[arg(long)]
     pub colocated: Option<usize>,
@@ -221,7 +221,7 @@ pub fn default_model() -> anyhow::Result<PathBuf> {
 }
 
 /// Step budget of the colocated nodes `cleave up --planner auto --pacing` starts with.
-const PLANNER_START_BUDGET: usize = 256;
+const PLANNER_START_BUDGET: usize = 128;
 
 /// The nodes `cleave up` starts, and the step budget it gives its colocated nodes (None: the
 /// node's default or what --node-arg says).
@@ -237,9 +237,12 @@ struct Shape {
 /// planner in auto mode with paced nodes starts from 2 colocated nodes: they serve any mix
 /// while the planner has no demand to go on, where a split's lone prefill core queues a
 /// prompt-heavy start for the planner's whole first window (BENCHMARKS.md, "Step budgets by time").
-/// Their budget, [`PLANNER_START_BUDGET`], is the middle of the planner's step budgets: a short
-/// prompt in one step, a long one in a few chunks, without whole-prompt steps that batch a
-/// queue; the planner moves it from there.
+/// Their budget, [`PLANNER_START_BUDGET`], is the one two paced colocated nodes served best at
+/// every TPOT target measured (70, 100 and 150 ms: level with or above 256 and 2048 on the mean
+/// of each, on both machines; BENCHMARKS.md, "The planner's starting budget"): chunks small
+/// enough that a prompt arriving mid-step waits little, without whole-prompt steps that batch a
+/// queue. The planner's model rates 128-512 about alike, so a start of 256 stayed at 256 and
+/// trailed static 128; the planner moves the budget from here when its model predicts a gain.
 fn start_shape(args: &UpArgs) -> Shape {
     let planner_start = args.planner == super::serve::PlannerModeArg::Auto
         && args.pacing
@@ -738,7 +741,7 @@ mod tests {
         assert_eq!(shape(&[]), split);
         assert_eq!(shape(&["--planner", "auto"]), split, "unpaced colocation stalls decodes");
         assert_eq!(shape(&["--planner", "advise", "--pacing"]), split, "advise acts on nothing");
-        let start = Shape { prefill: 0, decode: 0, colocated: 2, start_budget: Some(256) };
+        let start = Shape { prefill: 0, decode: 0, colocated: 2, start_budget: Some(128) };
         assert_eq!(shape(&["--planner", "auto", "--pacing"]), start);
         let given = shape(&["--planner", "auto", "--pacing", "--node-arg=--max-num-batched-tokens=128"]);
         assert_eq!(given, Shape { start_budget: None, ..start });
