@@ -356,7 +356,10 @@ fn role(r: NodeRole) -> Role {
     }
 }
 
-/// What the planner sees of the nodes: parked and leaving nodes are not capacity.
+/// What the planner sees of the nodes: parked and leaving nodes are not capacity. Queues and
+/// running sequences are counted as routing counts them ([`NodeState::queued_prefill`],
+/// [`NodeState::routed_seqs`]): a report snapshotted before a prompt or a stream reached its
+/// node would otherwise show a node just given work as idle.
 pub(super) fn snapshot(states: &[NodeState], now: Duration) -> Snapshot {
     let nodes = states
         .iter()
@@ -375,9 +378,9 @@ pub(super) fn snapshot(states: &[NodeState], now: Duration) -> Snapshot {
                 id: n.node.id,
                 role: role(n.node.role),
                 state,
-                queued_prefill_tokens: l.queued_prefill_tokens,
+                queued_prefill_tokens: n.queued_prefill,
                 waiting_seqs: l.waiting_seqs,
-                running_seqs: l.running_seqs,
+                running_seqs: n.routed_seqs.saturating_sub(l.waiting_seqs).max(l.running_seqs),
                 kv_used_ratio: if l.total_blocks == 0 { 0.0 } else { f64::from(used) / f64::from(l.total_blocks) },
                 step_budget: n.step_budget,
                 paced: l.tpot_target_us.is_some(),

@@ -317,8 +317,19 @@ impl Node {
         u64::from(self.load.free_blocks + self.load.cached_blocks).saturating_sub(self.inflight_reserve)
     }
 
+    /// Prompt tokens queued here as routing counts them: the last report's, plus those routed
+    /// since, and at least those of the remote prefills routed here and not ended.
     fn queued_prefill(&self) -> u64 {
         (self.load.queued_prefill_tokens + self.inflight_prefill_tokens).max(self.open_prefill_tokens)
+    }
+
+    /// Sequences here as routing counts them: the last report's running and waiting ones plus
+    /// those routed since, and at least the streams routed here and not ended (a report
+    /// snapshotted before a stream reached the node resets the in-flight count without
+    /// counting it).
+    fn routed_seqs(&self) -> u32 {
+        let reported = self.load.running_seqs.saturating_add(self.load.waiting_seqs).saturating_add(self.inflight_seqs);
+        reported.max(self.active_decode)
     }
 }
 
@@ -615,8 +626,7 @@ impl Registry {
                 // stream reached the node resets the in-flight count without counting it, and
                 // two nodes would then look equally idle (the lowest id took every prompt that
                 // arrived while the other sat idle).
-                let reported = n.load.running_seqs.saturating_add(n.load.waiting_seqs).saturating_add(n.inflight_seqs);
-                let busy = u64::from(reported.max(n.active_decode));
+                let busy = u64::from(n.routed_seqs());
                 // Score: fitting first, then free blocks net of load and the overlap's worth.
                 let score = free as i64 + (overlap * 4) as i64 - (busy * need_blocks.max(1)) as i64;
                 (n.room_now() >= reserve_blocks, fits, score, std::cmp::Reverse(**id))
@@ -916,6 +926,8 @@ impl Registry {
                 metrics_addr: n.reg.metrics_addr,
                 weights: n.reg.weights.clone(),
                 load: LoadReport { prefix_hashes: Vec::new(), ..n.load.clone() },
+                queued_prefill: n.queued_prefill(),
+                routed_seqs: n.routed_seqs(),
                 cached_prefix_blocks: n.prefix.len(),
                 report_age: now.saturating_duration_since(n.last_report),
             })

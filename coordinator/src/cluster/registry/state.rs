@@ -28,6 +28,13 @@ pub struct NodeState {
     pub weights: cleave_protocol::WeightsInfo,
     /// The last report, without its prefix hashes.
     pub load: LoadReport,
+    /// Prompt tokens queued on the node as routing counts them: the report's, plus those routed
+    /// since it, and at least those of the remote prefills routed to it and not ended. What the
+    /// planner reads: a report snapshotted before a prompt arrived says nothing is queued.
+    pub queued_prefill: u64,
+    /// Sequences on the node as routing counts them: the report's running and waiting ones plus
+    /// those routed since, and at least the streams routed to it and not ended.
+    pub routed_seqs: u32,
     pub cached_prefix_blocks: usize,
     pub report_age: Duration,
 }
@@ -46,6 +53,8 @@ impl NodeState {
             model_name: "m".into(),
             metrics_addr: None,
             weights: Default::default(),
+            queued_prefill: load.queued_prefill_tokens,
+            routed_seqs: load.running_seqs + load.waiting_seqs,
             load,
             cached_prefix_blocks: 0,
             report_age: Duration::ZERO,

@@ -551,3 +551,39 @@ fn a_report_that_predates_a_prompt_does_not_empty_its_prefill_nodes_queue() {
     let Plan::Remote { prefill: ref c, .. } = third else { panic!("{third:?}") };
     assert_eq!(c.id, a.id);
 }
+
+#[test]
+fn the_planner_sees_work_routed_since_a_report_that_predates_it() {
+    // A stream on a colocated node and a prompt on a prefill node, each node's next report
+    // snapshotted before its work arrived: the planner's snapshot still counts both, as
+    // routing does (it read the reports alone, and saw the nodes idle).
+    let t = Instant::now();
+    let at = |d: u64| t + Duration::from_millis(d);
+    let plan_view = |r: &Registry, now: Instant| crate::cluster::planning::snapshot(&r.node_states(now), now - t);
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let c = r.register(reg("c", NodeRole::Both, 1, 1), t).unwrap();
+    let idle = LoadReport { total_blocks: 100, free_blocks: 100, ..Default::default() };
+    r.report(c, idle.clone(), t);
+    let (local, booked) = r.plan(&q(40)).unwrap();
+    assert!(matches!(local, Plan::Local { .. }), "{local:?}");
+    r.report(c, idle.clone(), at(200));
+    let snap = plan_view(&r, at(200));
+    assert_eq!(snap.nodes[0].running_seqs, 1, "{snap:?}");
+    r.release(&booked, at(300));
+    r.report(c, idle.clone(), at(300));
+    assert_eq!(plan_view(&r, at(300)).nodes[0].running_seqs, 0);
+
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let p = r.register(reg("p", NodeRole::Prefill, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    r.report(d, LoadReport { total_blocks: 1000, free_blocks: 1000, ..Default::default() }, t);
+    let (remote, mut booked) = r.plan(&q(200)).unwrap();
+    assert!(matches!(remote, Plan::Remote { .. }), "{remote:?}");
+    r.report(p, LoadReport::default(), at(200));
+    let snap = plan_view(&r, at(200));
+    let queued =
+        |s: &cleave_planner::Snapshot, id: u64| s.nodes.iter().find(|n| n.id == id).unwrap().queued_prefill_tokens;
+    assert_eq!(queued(&snap, p), 200, "{snap:?}");
+    r.release_prefill(&mut booked, at(300));
+    assert_eq!(queued(&plan_view(&r, at(300)), p), 0);
+}
