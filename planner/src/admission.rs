@@ -69,8 +69,11 @@ pub struct Admission {
     /// A request predicted past it (its wait so far, plus the prompt work queued ahead of it on
     /// its prefill node at that node's measured rate) is refused at once.
     pub ttft_target: Duration,
-    /// The time per output token a node's streams are held to.
+    /// The time per output token a prefill or decode node's streams are held to.
     pub tpot_target: Duration,
+    /// The time per output token a colocated node's streams are held to: the planner's hold
+    /// ([`crate::Planner::colocated_tpot_ms`]), at most `tpot_target`.
+    pub colocated_tpot_target: Duration,
     /// How long a request may wait for a seat before it is refused: what is left of the TTFT
     /// target for its prefill after that.
     pub max_wait: Duration,
@@ -79,7 +82,22 @@ pub struct Admission {
 impl Admission {
     /// From the targets: a request may wait half its TTFT target for a seat.
     pub fn from_targets(ttft_target: Duration, tpot_target: Duration) -> Self {
-        Self { ttft_target, tpot_target, max_wait: ttft_target / 2 }
+        Self { ttft_target, tpot_target, colocated_tpot_target: tpot_target, max_wait: ttft_target / 2 }
+    }
+
+    /// Colocated nodes held to `hold` instead (at most the TPOT target).
+    pub fn holding_colocated(mut self, hold: Duration) -> Self {
+        self.colocated_tpot_target = hold.min(self.tpot_target);
+        self
+    }
+
+    /// The time per token a node's seats are sized to: colocated nodes' hold, else the target.
+    pub fn tpot_target_for(&self, colocated: bool) -> Duration {
+        if colocated {
+            self.colocated_tpot_target
+        } else {
+            self.tpot_target
+        }
     }
 
     /// From the planner's targets in milliseconds (validated finite and positive, but not

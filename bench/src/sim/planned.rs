@@ -169,7 +169,10 @@ impl Control for Driver {
         }
         self.ticks += 1;
         let snap = sim.snapshot(t);
-        if let Some(d) = self.planner.tick(&snap) {
+        let decision = self.planner.tick(&snap);
+        // What the coordinator's planner actor sends colocated nodes after each tick.
+        sim.set_colocated_hold(Some(self.planner.colocated_tpot_ms() / 1e3));
+        if let Some(d) = decision {
             let mut refused = 0;
             if d.applied {
                 for a in &d.actions {

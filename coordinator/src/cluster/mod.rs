@@ -190,8 +190,8 @@ enum Cmd {
     ReleasePrefill(Assignment),
     Op(NodeOp, oneshot::Sender<Result<(), NodeOpError>>),
     Bridge(Option<u64>),
-    /// The time per output token nodes pace prompt chunks to (microseconds).
-    Pacing(Option<u32>),
+    /// The times per output token nodes pace prompt chunks to.
+    Pacing(Option<Pacing>),
     /// SLO admission's targets (None: off).
     Admission(Option<Admission>),
     Pools(oneshot::Sender<(PoolSummary, Vec<NodeRef>)>),
@@ -280,10 +280,10 @@ impl ClusterHandle {
         let _ = self.tx.send(Cmd::Bridge(tokens)).await;
     }
 
-    /// Sets the time per output token every node paces its prompt chunks to (sent to the live
-    /// nodes now, and to each node that registers later).
-    pub async fn set_pacing(&self, tpot_target_us: Option<u32>) {
-        let _ = self.tx.send(Cmd::Pacing(tpot_target_us)).await;
+    /// Sets the times per output token nodes pace their prompt chunks to (sent to the live
+    /// nodes now, to each node that registers later, and with each role switch).
+    pub async fn set_pacing(&self, pacing: Option<Pacing>) {
+        let _ = self.tx.send(Cmd::Pacing(pacing)).await;
     }
 
     /// Turns SLO admission on with these targets, or off (see [`Registry::set_admission`]).
@@ -401,6 +401,25 @@ impl Cluster {
     }
 }
 
+/// The times per output token nodes pace prompt chunks to, in microseconds: colocated nodes
+/// are held to the planner's hold (at most the target), every other node to the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    pub tpot_us: u32,
+    pub colocated_us: u32,
+}
+
+impl Pacing {
+    /// What a node in `role` paces to.
+    pub fn for_role(&self, role: NodeRole) -> u32 {
+        if role == NodeRole::Both {
+            self.colocated_us.min(self.tpot_us)
+        } else {
+            self.tpot_us
+        }
+    }
+}
+
 async fn registry_actor(
     mut reg: Registry,
     mut rx: mpsc::Receiver<Cmd>,
@@ -411,10 +430,12 @@ async fn registry_actor(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Each registered node's control-stream outbox (what [`Effect`]s are written to).
     let mut outboxes: std::collections::HashMap<u64, mpsc::Sender<ControlMsg>> = Default::default();
-    // The pacing target nodes are told (a node hears it right after its registration reply).
-    let mut pacing: Option<u32> = None;
-    let pace =
-        |role: NodeRole, us: u32| ControlMsg::SetRole(SetRole { role, step_budget: None, tpot_target_us: Some(us) });
+    // The pacing targets nodes are told (a node hears its own right after its registration
+    // reply, and again with each role switch: a colocated node's differs).
+    let mut pacing: Option<Pacing> = None;
+    let pace = |role: NodeRole, p: Pacing| {
+        ControlMsg::SetRole(SetRole { role, step_budget: None, tpot_target_us: Some(p.for_role(role)) })
+    };
     loop {
         tokio::select! {
             cmd = rx.recv() => {
@@ -427,9 +448,9 @@ async fn registry_actor(
                         match &res {
                             Ok(id) => {
                                 tracing::info!(node_id = id, %name, role = role.as_str(), "node registered");
-                                if let Some(us) = pacing {
+                                if let Some(p) = pacing {
                                     // Queued: the stream's writer starts after the reply.
-                                    let _ = outbox.try_send(pace(role, us));
+                                    let _ = outbox.try_send(pace(role, p));
                                 }
                                 outboxes.insert(*id, outbox);
                             }
@@ -468,15 +489,19 @@ async fn registry_actor(
                         let _ = reply.send(r);
                         publish_pools(&reg, &ready);
                     }
-                    Cmd::Pacing(us) => {
-                        pacing = us;
-                        if let Some(us) = us {
-                            tracing::info!(tpot_target_us = us, "nodes pace prompt chunks to the TPOT target");
+                    Cmd::Pacing(p) => {
+                        pacing = p;
+                        if let Some(p) = p {
+                            tracing::info!(
+                                tpot_target_us = p.tpot_us,
+                                colocated_us = p.colocated_us,
+                                "nodes pace prompt chunks to the TPOT target (colocated nodes to the hold)"
+                            );
                             // The role each node registered (or last switched to): a node in
                             // a switch keeps its old role until the switch's own SetRole.
                             for n in reg.nodes() {
                                 if let Some(outbox) = outboxes.get(&n.id) {
-                                    let _ = outbox.try_send(pace(n.role, us));
+                                    let _ = outbox.try_send(pace(n.role, p));
                                 }
                             }
                         }
@@ -514,7 +539,9 @@ async fn registry_actor(
             let (node, msg) = match e {
                 Effect::SetRole { node, role, step_budget } => {
                     tracing::info!(node_id = node, role = role.as_str(), ?step_budget, "node takes its new role");
-                    (node, ControlMsg::SetRole(SetRole { role, step_budget, tpot_target_us: None }))
+                    // The new role's pacing target with it (a colocated node's is the hold).
+                    let tpot_target_us = pacing.map(|p| p.for_role(role));
+                    (node, ControlMsg::SetRole(SetRole { role, step_budget, tpot_target_us }))
                 }
                 Effect::Leave { node, reason } => {
                     tracing::info!(node_id = node, %reason, "node drained; telling it to leave");

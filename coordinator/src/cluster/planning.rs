@@ -132,8 +132,8 @@ struct Actor {
     bridge: Option<u64>,
     /// Nodes are told to pace to the TPOT target (`--pacing`).
     pace: bool,
-    /// The pacing target last sent to the registry (microseconds per output token).
-    pacing: Option<u32>,
+    /// The pacing targets last sent to the registry.
+    pacing: Option<super::Pacing>,
     /// SLO admission is on (`--slo-admission`), and the settings last sent to the registry.
     admit: bool,
     admission: Option<Admission>,
@@ -302,27 +302,46 @@ impl Actor {
     /// With `--pacing`, keeps the nodes' pacing at the TPOT target, whatever the mode: a
     /// colocated node's prompt chunks are sized to keep its running decodes within it
     /// (`cleave_engine::sched::pacing`), which is the operator's target whether or not the
-    /// planner moves nodes.
+    /// planner moves nodes. In auto mode colocated nodes pace to the planner's hold instead
+    /// ([`Planner::colocated_tpot_ms`], at most the target).
     async fn pacing(&mut self) {
         if !self.pace {
             return;
         }
-        let ms = self.planner.config().targets.tpot_ms;
-        let want = (ms.is_finite() && ms > 0.0).then(|| (ms * 1e3).round().min(f64::from(u32::MAX)) as u32);
+        let us = |ms: f64| (ms.is_finite() && ms > 0.0).then(|| (ms * 1e3).round().min(f64::from(u32::MAX)) as u32);
+        let want = us(self.planner.config().targets.tpot_ms).map(|tpot_us| super::Pacing {
+            tpot_us,
+            colocated_us: us(self.planner.colocated_tpot_ms()).unwrap_or(tpot_us).min(tpot_us),
+        });
         if want != self.pacing && want.is_some() {
+            if let (Some(w), Some(old)) = (want, self.pacing) {
+                if w.colocated_us != old.colocated_us {
+                    tracing::info!(
+                        from_us = old.colocated_us,
+                        to_us = w.colocated_us,
+                        "the planner moved the colocated hold"
+                    );
+                }
+            }
             self.pacing = want;
             self.cluster.set_pacing(want).await;
         }
     }
 
     /// With `--slo-admission`, keeps the registry's seat caps on the targets, whatever the
-    /// mode (they are the operator's targets whether or not the planner moves nodes).
+    /// mode (they are the operator's targets whether or not the planner moves nodes); a
+    /// colocated node's seats on the planner's hold in auto mode.
     async fn admission(&mut self) {
         if !self.admit {
             return;
         }
         let t = &self.planner.config().targets;
-        let want = Some(Admission::from_target_ms(t.ttft_ms, t.tpot_ms));
+        let hold = Duration::try_from_secs_f64(self.planner.colocated_tpot_ms() / 1e3).ok();
+        let a = Admission::from_target_ms(t.ttft_ms, t.tpot_ms);
+        let want = Some(match hold {
+            Some(h) => a.holding_colocated(h),
+            None => a,
+        });
         if want != self.admission {
             self.admission = want;
             self.cluster.set_admission(want).await;

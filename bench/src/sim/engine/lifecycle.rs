@@ -86,6 +86,13 @@ impl Sim<'_> {
         ok
     }
 
+    /// Holds colocated nodes' streams to `tpot_s` (their pacing, when the cluster paces, and
+    /// their seats, under SLO admission), at most the TPOT target; None: to the target. What
+    /// the coordinator sends colocated nodes from the planner's hold.
+    pub(in crate::sim) fn set_colocated_hold(&mut self, tpot_s: Option<f64>) {
+        self.colocated_hold_s = tpot_s.filter(|t| t.is_finite() && *t > 0.0);
+    }
+
     /// Asks for a new node in `role` (colocated: with `budget` tokens per step); it loads once a
     /// slot of the node budget is free. Returns its id.
     pub(in crate::sim) fn start_node(&mut self, role: Role, budget: Option<usize>, t: f64) -> usize {

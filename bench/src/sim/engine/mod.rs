@@ -358,6 +358,9 @@ pub(super) struct Sim<'a> {
     /// seats as taken in the pool they will decode in).
     pending_remote: u64,
     pub(super) transitions: Vec<Transition>,
+    /// The TPOT colocated nodes are held to when the planner holds them below the target
+    /// ([`Sim::set_colocated_hold`]).
+    colocated_hold_s: Option<f64>,
 }
 
 /// Runs the requests through the cluster and returns one record per request, in input order.
@@ -434,6 +437,7 @@ impl<'a> Sim<'a> {
             shed: 0,
             pending_remote: 0,
             transitions: Vec::new(),
+            colocated_hold_s: None,
         };
         for n in 0..np + nd {
             sim.join(n);
@@ -854,6 +858,7 @@ impl<'a> Sim<'a> {
     /// handoff) in the remaining budget; None when idle.
     fn plan_mixed(&mut self, n: usize, now: f64) -> Option<f64> {
         self.admit(n, now);
+        let paced = self.cfg.pacing_tpot_s.map(|t| self.held_tpot(n, t));
         let node = &mut self.nodes[n];
         for r in node.ready.drain(..) {
             node.context += self.reqs[r].input_len + self.state[r].generated;
@@ -862,7 +867,7 @@ impl<'a> Sim<'a> {
         node.decodes = node.running.len();
         node.chunks.clear();
         let mut budget = node.budget.saturating_sub(node.decodes);
-        if let Some(tpot) = self.cfg.pacing_tpot_s {
+        if let Some(tpot) = paced {
             let waiting = !node.prefilling.is_empty() || !node.remote.is_empty();
             if node.decodes > 0 && waiting {
                 budget = self.paced_budget(n, tpot, budget, now);
@@ -902,6 +907,15 @@ impl<'a> Sim<'a> {
     /// step last `margin * tpot * generated - (now - first token)` (its mean within the target
     /// were it to end after this step); the largest chunk whose step fits the least of those,
     /// at least the floor. The engine measures its costs; here they are the cost model's.
+    /// The TPOT node `n` is held to where the cluster's target is `target_s`: a colocated
+    /// node's hold when the planner set one below it.
+    fn held_tpot(&self, n: usize, target_s: f64) -> f64 {
+        match self.colocated_hold_s {
+            Some(h) if self.nodes[n].role == Role::Both => h.min(target_s),
+            _ => target_s,
+        }
+    }
+
     fn paced_budget(&self, n: usize, tpot: f64, budget: usize, now: f64) -> usize {
         use cleave_planner::{MIN_PACED_CHUNK, PACING_MARGIN};
         let node = &self.nodes[n];
@@ -977,12 +991,17 @@ impl<'a> Sim<'a> {
     /// it did.
     fn report(&mut self, n: usize, t: f64) -> bool {
         let Some(a) = self.cfg.admission else { return false };
+        let colocated = self.nodes[n].role == Role::Both;
+        let target = match self.colocated_hold_s {
+            Some(h) if colocated => a.tpot_target.min(std::time::Duration::from_secs_f64(h)),
+            _ => a.tpot_target_for(colocated),
+        };
         let node = &mut self.nodes[n];
         if t - node.reported_s < REPORT_S {
             return false;
         }
         node.reported_s = t;
-        node.seats.observe(&node.totals, a.tpot_target);
+        node.seats.observe(&node.totals, target);
         node.prompts.observe(&node.totals);
         true
     }

@@ -556,7 +556,9 @@ impl Registry {
         n.prefix = load.prefix_hashes.iter().copied().collect();
         if let Some(a) = self.admission {
             let totals = seats::admission_totals(&load.steps);
-            n.seats.observe(&totals, a.tpot_target);
+            // A colocated node's seats are sized to the planner's hold (prompts prefill beside
+            // its streams), any other's to the target.
+            n.seats.observe(&totals, a.tpot_target_for(n.reg.role == NodeRole::Both));
             n.prompts.observe(&totals);
         }
         // The node's own word on its step budget wins over what it was asked for.
