@@ -427,6 +427,51 @@ fn colocated_nodes_pace_prompt_chunks_to_the_tpot_target_without_changing_text()
     });
 }
 
+/// In auto mode the planner holds a colocated node below a loose TPOT target (its decode
+/// rate stops growing much with the batch well before it: `cleave_planner::colocated_hold_s`),
+/// from the costs the nodes' own steps calibrate; a decode node keeps the target. The node
+/// paces to the hold the planner's status shows, and text is unchanged.
+#[test]
+fn the_planner_holds_colocated_nodes_below_a_loose_tpot_target() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let c = TestCluster::start(&tiny_llama(), &["both", "decode"], &["--pacing"]);
+    let c = &c;
+    runtime().block_on(async {
+        c.wait_nodes(2).await;
+        // The pools as they are: the planner may move nothing, only hold.
+        let limits = json!({"min_prefill": 0, "max_prefill": 0, "min_decode": 1, "max_decode": 1,
+            "min_colocated": 1, "max_colocated": 1});
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"limits": limits}))).await;
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"mode": "auto"}))).await;
+        // Steps for the calibration: the tiny model's take well under a millisecond, so the
+        // hold lands far under the 100 ms target.
+        for (prompt, want) in load(3) {
+            let text = c.complete(greedy(&prompt, 32)).await["choices"][0]["text"].as_str().unwrap().to_string();
+            assert_eq!(text, want);
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let nodes = c.nodes_state().await;
+            let both = node_by_name(&nodes, "node-0")["pacing"]["tpot_target_ms"].as_f64();
+            let decode = node_by_name(&nodes, "node-1")["pacing"]["tpot_target_ms"].as_f64();
+            let status = c.admin(reqwest::Method::GET, "/admin/planner", None).await;
+            let hold = status["estimate"]["hold_tpot_ms"].as_f64();
+            if let (Some(b), Some(h)) = (both, hold) {
+                // The node hears the hold rounded to the microsecond.
+                if b < 100.0 && (b - h).abs() < 0.002 {
+                    assert_eq!(decode, Some(100.0), "the decode node keeps the target: {nodes:?}");
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the colocated node was never held below 100 ms: {both:?}, {hold:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Held, it still serves transformers' text.
+        check_golden(c).await;
+        c.wait_blocks_free().await;
+    });
+}
+
 /// The coordinator's counter `name` (summed over its labels).
 async fn counter(c: &TestCluster, name: &str) -> f64 {
     let text = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();

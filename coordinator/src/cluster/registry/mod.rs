@@ -642,11 +642,20 @@ impl Registry {
                     }
                 }
                 return Err(NoRoute {
-                    reason: format!(
-                        "every decode node holds as many streams as keep the {} ms TPOT target \
-                         (SLO admission)",
-                        a.tpot_target.as_secs_f64() * 1e3
-                    ),
+                    reason: if a.colocated_tpot_target < a.tpot_target {
+                        format!(
+                            "every decode node holds as many streams as keep the {} ms TPOT target \
+                             ({} ms on colocated nodes: the planner's hold; SLO admission)",
+                            a.tpot_target.as_secs_f64() * 1e3,
+                            (a.colocated_tpot_target.as_secs_f64() * 1e4).round() / 10.0
+                        )
+                    } else {
+                        format!(
+                            "every decode node holds as many streams as keep the {} ms TPOT target \
+                             (SLO admission)",
+                            a.tpot_target.as_secs_f64() * 1e3
+                        )
+                    },
                     wait: Some(Wait::Seats { max_wait: a.max_wait }),
                     shed: false,
                 });

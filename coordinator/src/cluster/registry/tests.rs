@@ -441,6 +441,31 @@ fn slo_admission_holds_requests_for_a_seat_once_every_node_runs_over_the_tpot_ta
     assert!(r.node_states(t).iter().all(|s| s.seat_cap.is_none()));
 }
 
+/// The planner's hold sizes a colocated node's seats; a decode node's stay on the target.
+#[test]
+fn a_colocated_nodes_seats_follow_the_hold_and_a_decode_nodes_the_target() {
+    let t = Instant::now();
+    let mut r = Registry::new(RoutingConfig::default(), None);
+    let c = r.register(reg("c", NodeRole::Both, 1, 1), t).unwrap();
+    let d = r.register(reg("d", NodeRole::Decode, 1, 2), t).unwrap();
+    let a = Admission::from_targets(Duration::from_secs(2), Duration::from_millis(100))
+        .holding_colocated(Duration::from_millis(50));
+    r.set_admission(Some(a));
+    let (mut tc, mut td) = Default::default();
+    r.report(c, ran(&mut tc, 0, 0, 0), t);
+    r.report(d, ran(&mut td, 0, 0, 0), t);
+    // Both run 8 sequences at 80 ms a step: within the target (85 ms), past the hold (42.5 ms).
+    r.report(c, ran(&mut tc, 20, 8, 80), t);
+    r.report(d, ran(&mut td, 20, 8, 80), t);
+    let cap = |id: u64| r.node_states(t).into_iter().find(|s| s.node.id == id).unwrap().seat_cap;
+    // 8 x 42.5 / 80 = 4.25.
+    assert_eq!((cap(c), cap(d)), (Some(4), None));
+    // A hold above the target is the target.
+    let loose = Admission::from_targets(Duration::from_secs(2), Duration::from_millis(100))
+        .holding_colocated(Duration::from_millis(500));
+    assert_eq!(loose.tpot_target_for(true), Duration::from_millis(100));
+}
+
 #[test]
 fn a_seat_cap_that_turned_requests_away_grows_while_the_node_keeps_up() {
     let t = Instant::now();
