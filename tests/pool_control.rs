@@ -427,46 +427,39 @@ fn colocated_nodes_pace_prompt_chunks_to_the_tpot_target_without_changing_text()
     });
 }
 
-/// In auto mode the planner holds a colocated node below a loose TPOT target (its decode
-/// rate stops growing much with the batch well before it: `cleave_planner::colocated_hold_s`),
-/// from the costs the nodes' own steps calibrate; a decode node keeps the target. The node
-/// paces to the hold the planner's status shows, and text is unchanged.
+/// `--colocated-tpot-target-ms`: a colocated node paces to its hold, a decode node to the
+/// target; `PUT /admin/planner` moves the hold or clears it (0), and the nodes hear it at
+/// once; text is unchanged.
 #[test]
-fn the_planner_holds_colocated_nodes_below_a_loose_tpot_target() {
+fn colocated_nodes_pace_to_their_hold_and_decode_nodes_to_the_target() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let c = TestCluster::start(&tiny_llama(), &["both", "decode"], &["--pacing"]);
+    let c = TestCluster::start(&tiny_llama(), &["both", "decode"], &["--pacing", "--colocated-tpot-target-ms", "40"]);
     let c = &c;
     runtime().block_on(async {
         c.wait_nodes(2).await;
-        // The pools as they are: the planner may move nothing, only hold.
-        let limits = json!({"min_prefill": 0, "max_prefill": 0, "min_decode": 1, "max_decode": 1,
-            "min_colocated": 1, "max_colocated": 1});
-        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"limits": limits}))).await;
-        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"mode": "auto"}))).await;
-        // Steps for the calibration: the tiny model's take well under a millisecond, so the
-        // hold lands far under the 100 ms target.
-        for (prompt, want) in load(3) {
-            let text = c.complete(greedy(&prompt, 32)).await["choices"][0]["text"].as_str().unwrap().to_string();
-            assert_eq!(text, want);
-        }
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let nodes = c.nodes_state().await;
-            let both = node_by_name(&nodes, "node-0")["pacing"]["tpot_target_ms"].as_f64();
-            let decode = node_by_name(&nodes, "node-1")["pacing"]["tpot_target_ms"].as_f64();
-            let status = c.admin(reqwest::Method::GET, "/admin/planner", None).await;
-            let hold = status["estimate"]["hold_tpot_ms"].as_f64();
-            if let (Some(b), Some(h)) = (both, hold) {
-                // The node hears the hold rounded to the microsecond.
-                if b < 100.0 && (b - h).abs() < 0.002 {
-                    assert_eq!(decode, Some(100.0), "the decode node keeps the target: {nodes:?}");
-                    break;
+        let paced = |both: f64, decode: f64| async move {
+            let deadline = Instant::now() + WAIT;
+            loop {
+                let nodes = c.nodes_state().await;
+                let got = ["node-0", "node-1"].map(|n| node_by_name(&nodes, n)["pacing"]["tpot_target_ms"].as_f64());
+                if got == [Some(both), Some(decode)] {
+                    return;
                 }
+                assert!(Instant::now() < deadline, "never paced to {both} / {decode} ms: {got:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            assert!(Instant::now() < deadline, "the colocated node was never held below 100 ms: {both:?}, {hold:?}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        // Held, it still serves transformers' text.
+        };
+        paced(40.0, 100.0).await;
+        let cfg = c.admin(reqwest::Method::GET, "/admin/planner", None).await;
+        assert_eq!(cfg["config"]["targets"]["colocated_tpot_ms"], 40.0, "{cfg}");
+        check_golden(c).await;
+        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"targets": {"colocated_tpot_ms": 25.0}}))).await;
+        paced(25.0, 100.0).await;
+        // Cleared: the target for every node.
+        let cfg =
+            c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"targets": {"colocated_tpot_ms": 0}}))).await;
+        assert!(cfg["targets"].get("colocated_tpot_ms").is_none(), "{cfg}");
+        paced(100.0, 100.0).await;
         check_golden(c).await;
         c.wait_blocks_free().await;
     });

@@ -71,8 +71,8 @@ pub struct Admission {
     pub ttft_target: Duration,
     /// The time per output token a prefill or decode node's streams are held to.
     pub tpot_target: Duration,
-    /// The time per output token a colocated node's streams are held to: the planner's hold
-    /// ([`crate::Planner::colocated_tpot_ms`]), at most `tpot_target`.
+    /// The time per output token a colocated node's streams are held to: its hold
+    /// ([`crate::Targets::colocated_tpot_ms`]), at most `tpot_target`.
     pub colocated_tpot_target: Duration,
     /// How long a request may wait for a seat before it is refused: what is left of the TTFT
     /// target for its prefill after that.

@@ -80,11 +80,28 @@ pub struct Targets {
     /// Share of requests that must meet both targets, in (0, 1). The planner refuses to remove
     /// nodes while the observed share is below it.
     pub attainment: f64,
+    /// The time per output token (ms) colocated nodes are held to, when tighter than
+    /// `tpot_ms`: their pacing target and the time per token their admission seats are sized
+    /// to (prefill and decode nodes keep `tpot_ms`). None: `tpot_ms`. A colocated node's
+    /// streams share its steps with the prompts it prefills, and fewer, faster streams leave
+    /// less for a burst of long prompts to queue behind; whether that wins depends on the
+    /// machine and the load (on one machine a 150-ms SLO was served best held to 70 ms, on
+    /// a 2.2x faster one with twice the load held to 150: BENCHMARKS.md, "Holding colocated
+    /// nodes below the TPOT target"), so it is the operator's to set, from measurement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub colocated_tpot_ms: Option<f64>,
 }
 
 impl Default for Targets {
     fn default() -> Self {
-        Self { ttft_ms: 3000.0, tpot_ms: 100.0, quantile: 0.9, attainment: 0.9 }
+        Self { ttft_ms: 3000.0, tpot_ms: 100.0, quantile: 0.9, attainment: 0.9, colocated_tpot_ms: None }
+    }
+}
+
+impl Targets {
+    /// What colocated nodes are held to (ms): `colocated_tpot_ms`, at most `tpot_ms`.
+    pub fn colocated_ms(&self) -> f64 {
+        self.colocated_tpot_ms.map_or(self.tpot_ms, |c| c.min(self.tpot_ms))
     }
 }
 
@@ -232,6 +249,9 @@ pub struct TargetsUpdate {
     pub quantile: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attainment: Option<f64>,
+    /// Sets [`Targets::colocated_tpot_ms`]; 0 clears it (colocated nodes held to `tpot_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub colocated_tpot_ms: Option<f64>,
 }
 
 /// A partial change of [`Limits`].
@@ -272,6 +292,9 @@ impl PlannerConfig {
             set(&mut next.targets.tpot_ms, &t.tpot_ms);
             set(&mut next.targets.quantile, &t.quantile);
             set(&mut next.targets.attainment, &t.attainment);
+            if let Some(c) = t.colocated_tpot_ms {
+                next.targets.colocated_tpot_ms = (c != 0.0).then_some(c);
+            }
         }
         if let Some(l) = &u.limits {
             let n = &mut next.limits;
@@ -302,6 +325,9 @@ impl PlannerConfig {
         positive("targets.tpot_ms", t.tpot_ms)?;
         open_unit("targets.quantile", t.quantile)?;
         open_unit("targets.attainment", t.attainment)?;
+        if let Some(c) = t.colocated_tpot_ms {
+            positive("targets.colocated_tpot_ms", c)?;
+        }
         if self.window.is_zero() {
             return Err(invalid("window_s", 0.0, "must be > 0"));
         }

@@ -211,9 +211,9 @@ mod window;
 pub use config::{Limits, LimitsUpdate, Mode, PlannerConfig, PlannerUpdate, Role, Targets, TargetsUpdate};
 pub use costs::{Calibration, LinearCosts, StepCosts, StepStats};
 pub use error::PlannerError;
-pub use model::{colocated_hold_s, HOLD_RATE_SHARE, MIN_PACED_CHUNK, PACING_MARGIN};
+pub use model::{MIN_PACED_CHUNK, PACING_MARGIN};
 pub use planner::{
-    Planner, CALIBRATION_WINDOW, CORRECTION_RANGE, DECISION_LOG, HOLD_BAND, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES,
+    Planner, CALIBRATION_WINDOW, CORRECTION_RANGE, DECISION_LOG, MIN_CORRECTION_SAMPLES, MIN_OUTPUT_SAMPLES,
 };
 pub use profile::{DecodePoint, MixedPoint, PrefillPoint, Profile, PROFILE_VERSION};
 pub use profiled::{CostModel, HandoffCost};

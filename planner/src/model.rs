@@ -314,48 +314,6 @@ pub const PACING_MARGIN: f64 = 0.9;
 /// The fewest prompt tokens a paced step carries (`cleave_engine::sched::pacing::MIN_PACED_CHUNK`).
 pub const MIN_PACED_CHUNK: f64 = 4.0;
 
-/// Share of its asymptotic decode rate (tokens a second as the batch grows without bound) a
-/// colocated node is held at: see [`colocated_hold_s`].
-pub const HOLD_RATE_SHARE: f64 = 0.8;
-
-/// The TPOT a colocated node is held to (its pacing target and its admission seats), at most
-/// `target_s`: the time per token at which its decode steps, seats full, run at
-/// [`HOLD_RATE_SHARE`] of the node's asymptotic decode rate, at `ctx_per_seq` tokens of context
-/// a sequence.
-///
-/// Why hold below the target: a decode step costs a fixed part `a` plus about `c` per sequence,
-/// so a batch of `b` decodes `b / (a + c b)` tokens a second, which approaches `1 / c`. Once the
-/// fixed part is a small share of the step, more seats buy little rate, while the streams in
-/// flight at a given rate grow with their time per token (Little's law) and every step they
-/// fill is one a prompt cannot use. A colocated node whose seats fill to a loose target
-/// (150 ms) carried twice the streams of one held to 70 ms for about the same rate, and when
-/// long prompts followed, they prefilled in the small chunks left beside those streams and
-/// missed TTFT (BENCHMARKS.md, "The planner's starting budget"). At share `s` the step is
-/// `a / (1 - s)`; admission fills seats until the mean step is [`crate::admission::MARGIN`]
-/// of the hold, hence the division. `a` and `c` come from the calibrated costs (the steps of 1
-/// and 16 sequences), so the hold follows the nodes' measured speed. Never below what two
-/// decoding sequences take (a node always decodes some batch), never above `target_s`.
-pub fn colocated_hold_s(costs: &dyn StepCosts, ctx_per_seq: f64, target_s: f64) -> f64 {
-    // An infinite target clamps nothing (what the planner asks for, before its own clamp).
-    if !(target_s > 0.0) {
-        return target_s;
-    }
-    let ctx = ctx_per_seq.max(1.0);
-    let step = |b: usize| costs.decode_step_time(b, tokens(b as f64 * ctx));
-    let (one, two, many) = (step(1), step(2), step(HOLD_FIT_BATCH));
-    let per_seq = (many - one) / (HOLD_FIT_BATCH - 1) as f64;
-    let fixed = one - per_seq;
-    if ![one, two, many, per_seq, fixed].iter().all(|x| x.is_finite()) || fixed <= 0.0 || per_seq <= 0.0 {
-        return target_s;
-    }
-    let margin = crate::admission::MARGIN;
-    let hold = (fixed / (1.0 - HOLD_RATE_SHARE)).max(two) / margin;
-    hold.min(target_s)
-}
-
-/// The batch the hold's affine fit reaches to (the largest the shipped profiles measure).
-const HOLD_FIT_BATCH: usize = 16;
-
 fn tokens(x: f64) -> usize {
     x.round().max(0.0) as usize
 }
@@ -954,50 +912,5 @@ mod tests {
         // Not draining: everyone waits at least the head.
         assert_eq!(backlog_wait(1000.0, 500.0, 600.0, 30.0, 0.9), 2.0);
         assert_eq!(backlog_wait(0.0, 500.0, 600.0, 30.0, 0.9), 0.0);
-    }
-
-    /// A step of 12 ms plus 3.5 ms a sequence (SmolLM2 Q4_1 on one core, about): the hold
-    /// puts the full-seat step at 12 / (1 - 0.8) = 60 ms, 70.6 ms of TPOT at admission's
-    /// margin; never above the target, and twice as slow nodes are held twice as long.
-    #[test]
-    fn colocated_hold_sits_where_the_batch_stops_buying_rate() {
-        let c = |fixed: f64, per_seq: f64| LinearCosts {
-            decode_fixed_s: fixed,
-            decode_s_per_seq: per_seq,
-            decode_s_per_context_token: 0.0,
-            ..LinearCosts::default()
-        };
-        let smol = c(0.012, 0.0035);
-        let hold = colocated_hold_s(&smol, 200.0, 0.150);
-        let want = 0.012 / (1.0 - HOLD_RATE_SHARE) / crate::admission::MARGIN;
-        assert!((hold - want).abs() < 1e-9, "{hold} vs {want}");
-        assert!((hold - 0.0706).abs() < 1e-3, "{hold}");
-        // At the full-seat step the batch decodes at the share of its asymptotic rate.
-        let step = hold * crate::admission::MARGIN;
-        let batch = (step - 0.012) / 0.0035;
-        assert!((batch / step * 0.0035 - HOLD_RATE_SHARE).abs() < 1e-9);
-        // A tighter target binds.
-        assert_eq!(colocated_hold_s(&smol, 200.0, 0.050), 0.050);
-        // Slower nodes (what calibration says) are held proportionally longer.
-        let slow = colocated_hold_s(&c(0.024, 0.007), 200.0, 1.0);
-        assert!((slow - 2.0 * hold).abs() < 1e-9, "{slow}");
-        // Never under what two sequences' step takes (a fixed cost of 0 would say 0).
-        let flat = colocated_hold_s(&c(0.0001, 0.010), 200.0, 1.0);
-        assert!((flat - 0.0201 / crate::admission::MARGIN).abs() < 1e-9, "{flat}");
-        // No usable target: returned as it is.
-        assert!(colocated_hold_s(&smol, 200.0, f64::NAN).is_nan());
-    }
-
-    /// The shipped SmolLM2 Q4_1 profile: the hold it gives at the shifting load's two contexts.
-    #[test]
-    fn colocated_hold_on_the_shipped_profile() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profiles/smollm2-q4_1-quantized-1thread.json");
-        let p: crate::Profile = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let m = crate::CostModel::from_profile(&p, crate::HandoffCost::default()).unwrap();
-        for ctx in [160.0, 388.0] {
-            let h = colocated_hold_s(&m, ctx, 0.150);
-            eprintln!("ctx {ctx}: hold {h}");
-            assert!((0.060..0.085).contains(&h), "ctx {ctx}: hold {h}");
-        }
     }
 }

@@ -19,7 +19,7 @@ use crate::cluster::{plan_actions, ClusterView};
 use crate::config::{Mode, PlannerConfig, PlannerUpdate};
 use crate::costs::{StepCosts, StepStats};
 use crate::error::PlannerError;
-use crate::model::{colocated_hold_s, Factors, Family, FamilyFactors, Load, Model, Raw};
+use crate::model::{Factors, Family, FamilyFactors, Load, Model, Raw};
 use crate::search::{Candidate, Move, MoveKind, Policy, Search, SearchInput, ATTAIN_GAIN};
 use crate::types::{Arrival, Completion, Decision, Estimate, Inputs, PoolTarget, Prediction, Reason, Snapshot};
 use crate::window::{shifted, ArrivalWindow, CompletionStats, CompletionWindow};
@@ -38,10 +38,6 @@ pub const CALIBRATION_WINDOW: Duration = Duration::from_secs(60);
 pub const MIN_FINITE_SHARE: f64 = 0.75;
 /// Bounds of the observed/predicted correction factors.
 pub const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
-/// The colocated hold ([`Planner::colocated_tpot_ms`]) moves only when what the costs give
-/// differs from it by more than this share: the calibration follows every window's steps, and
-/// each move re-sizes every colocated node's seats and chunks.
-pub const HOLD_BAND: f64 = 0.1;
 
 /// Demand means that outlive an empty window (so that a quiet window still predicts what one
 /// request would see).
@@ -93,9 +89,6 @@ pub struct Planner {
     log: VecDeque<Decision>,
     /// Nodes' step timings by when they were filed (the last [`CALIBRATION_WINDOW`]).
     step_parts: VecDeque<(Duration, StepStats)>,
-    /// The TPOT (seconds) colocated nodes are held to in auto mode, as last chosen (advise:
-    /// would be held to); None before the first tick. See [`Planner::colocated_tpot_ms`].
-    hold_s: Option<f64>,
 }
 
 impl std::fmt::Debug for Planner {
@@ -123,48 +116,18 @@ fn probe(probe: &'static str, value: f64) -> Result<(), PlannerError> {
 }
 
 impl Planner {
-    /// The TPOT target colocated nodes pace their prompt chunks to (seconds), when the nodes
+    /// The TPOT colocated nodes pace their prompt chunks to (seconds: their hold), when the nodes
     /// say they pace (the coordinator sends its target to every node; a node started with
     /// `--no-pacing` ignores it).
-    ///
-    /// Colocated nodes are predicted at the planner's hold in advise mode too: advise records
-    /// what auto would decide, and auto would hold them there.
     fn paced_s(&self, a: &Assessment) -> Option<f64> {
-        a.paced.then(|| self.hold_tpot_ms().unwrap_or(self.cfg.targets.tpot_ms) / 1e3)
+        a.paced.then(|| self.colocated_tpot_ms() / 1e3)
     }
 
-    /// The TPOT (ms) colocated nodes are held to: their pacing target and the time per token
-    /// their admission seats are sized to. In auto mode the hold the planner chose
-    /// ([`colocated_hold_s`]: where the node's decode rate stops growing much with its batch),
-    /// never above the TPOT target; otherwise the target. Prefill and decode nodes are held to
-    /// the target (a decode node's streams block no prompt, so the seats the target allows
-    /// are all rate).
+    /// The TPOT (ms) colocated nodes are held to, in every mode (like the target, it is the
+    /// operator's): [`crate::Targets::colocated_tpot_ms`], at most the TPOT target. Prefill and
+    /// decode nodes are held to the target.
     pub fn colocated_tpot_ms(&self) -> f64 {
-        let target = self.cfg.targets.tpot_ms;
-        match self.hold_s {
-            Some(h) if self.cfg.mode == Mode::Auto => (h * 1e3).min(target),
-            _ => target,
-        }
-    }
-
-    /// The hold the planner chose (auto) or would choose (advise), ms; None before its first
-    /// tick and in off mode.
-    pub fn hold_tpot_ms(&self) -> Option<f64> {
-        (self.cfg.mode != Mode::Off).then_some(self.hold_s?).map(|h| (h * 1e3).min(self.cfg.targets.tpot_ms))
-    }
-
-    /// Re-chooses the colocated hold from the calibrated costs at the load's mean context,
-    /// moving it only past [`HOLD_BAND`].
-    fn update_hold(&mut self, a: &Assessment) {
-        let ctx = a.load.prompt.max(1.0) + a.load.output.max(1.0) / 2.0;
-        let new = colocated_hold_s(&*self.costs, ctx, f64::INFINITY);
-        if !(new.is_finite() && new > 0.0) {
-            return;
-        }
-        match self.hold_s {
-            Some(h) if (new - h).abs() <= HOLD_BAND * h => {}
-            _ => self.hold_s = Some(new),
-        }
+        self.cfg.targets.colocated_ms()
     }
 
     /// A planner with validated settings and a usable cost model.
@@ -194,7 +157,6 @@ impl Planner {
             last_target: None,
             log: VecDeque::new(),
             step_parts: VecDeque::new(),
-            hold_s: None,
         })
     }
 
@@ -296,7 +258,6 @@ impl Planner {
             ))),
             ttft_correction: f.ttft,
             tpot_correction: f.tpot,
-            hold_tpot_ms: self.hold_tpot_ms(),
         }
     }
 
@@ -477,7 +438,6 @@ impl Planner {
         self.completions.settle();
         let mut a = self.assess(snap);
         self.means = a.means;
-        self.update_hold(&a);
         if self.last_current != Some(a.current) {
             self.last_current = Some(a.current);
             self.config_since = now;

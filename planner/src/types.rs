@@ -285,9 +285,4 @@ pub struct Estimate {
     pub predicted: ConfigPrediction,
     pub ttft_correction: f64,
     pub tpot_correction: f64,
-    /// The TPOT colocated nodes are held to (auto) or would be (advise), ms: at most the
-    /// target ([`crate::Planner::colocated_tpot_ms`]); absent before the first tick and in off
-    /// mode.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hold_tpot_ms: Option<f64>,
 }

@@ -1,88 +1,66 @@
-//! The colocated hold: in auto mode colocated nodes are held to the TPOT at which their decode
-//! rate stops growing much with the batch (never above the target); advise shows it and holds
-//! nothing; off has none. It follows the calibrated costs, but only past its band.
+//! The colocated hold (`targets.colocated_tpot_ms`): colocated nodes held to a tighter TPOT
+//! than the target, in every mode (it is the operator's, like the target); the planner
+//! predicts colocated nodes paced to it; at most the target; validated; a live update sets
+//! or clears it.
 
 mod common;
 
 use std::time::Duration;
 
-use cleave_planner::{LinearCosts, Mode, Role, StepStats, HOLD_BAND, HOLD_RATE_SHARE};
-use common::{config, cpu_costs, limits, Sim};
+use cleave_planner::{Mode, PlannerUpdate, Role};
+use common::{config, limits, Sim};
 
-/// A decode step of 12 ms plus 3.5 ms a sequence: held at 12 / (1 - 0.8) / 0.85 = 70.6 ms.
-fn smol() -> LinearCosts {
-    LinearCosts { decode_fixed_s: 0.012, decode_s_per_seq: 0.0035, ..cpu_costs() }
+fn update(v: serde_json::Value) -> PlannerUpdate {
+    serde_json::from_value(v).unwrap()
 }
 
-fn want_ms(fixed_s: f64) -> f64 {
-    fixed_s / (1.0 - HOLD_RATE_SHARE) / cleave_planner::admission::MARGIN * 1e3
-}
-
-fn run(mode: Mode, tpot_ms: f64) -> Sim {
-    let cfg = config(mode, 3000.0, tpot_ms, limits(2, 2, 2, 2), false);
-    let mut sim = Sim::with_costs(cfg, &[Role::Both, Role::Both], smol());
-    for _ in 0..5 {
+#[test]
+fn colocated_nodes_are_held_to_the_hold_at_most_the_target_in_every_mode() {
+    for mode in [Mode::Off, Mode::Advise, Mode::Auto] {
+        let mut cfg = config(mode, 3000.0, 150.0, limits(2, 2, 2, 2), false);
+        assert_eq!(cfg.targets.colocated_ms(), 150.0, "none set: the target");
+        cfg.targets.colocated_tpot_ms = Some(70.0);
+        let mut sim = Sim::new(cfg, &[Role::Both, Role::Both]);
+        assert_eq!(sim.planner.colocated_tpot_ms(), 70.0, "{mode:?}");
+        // A target tightened past the hold binds.
+        sim.planner.update(&update(serde_json::json!({"targets": {"tpot_ms": 50.0}}))).unwrap();
+        assert_eq!(sim.planner.colocated_tpot_ms(), 50.0, "{mode:?}");
+        // 0 clears it; the target again.
+        sim.planner.update(&update(serde_json::json!({"targets": {"colocated_tpot_ms": 0.0}}))).unwrap();
+        assert_eq!((sim.planner.config().targets.colocated_tpot_ms, sim.planner.colocated_tpot_ms()), (None, 50.0));
+        // Any other value must be a positive number of milliseconds; a bad one changes nothing.
+        for bad in [-1.0, f64::INFINITY] {
+            let u = PlannerUpdate {
+                targets: Some(cleave_planner::TargetsUpdate { colocated_tpot_ms: Some(bad), ..Default::default() }),
+                ..Default::default()
+            };
+            let e = sim.planner.update(&u).unwrap_err().to_string();
+            assert!(e.contains("colocated_tpot_ms"), "{e}");
+            assert_eq!(sim.planner.config().targets.colocated_tpot_ms, None);
+        }
         sim.arrive(1.0, Duration::from_secs(1), 64, 64);
         sim.tick();
     }
-    sim
 }
 
+/// Paced colocated nodes are predicted at their hold: a hold near what a step of the
+/// batch takes predicts a longer TTFT (prompt chunks cut to the floor beside the decodes).
 #[test]
-fn auto_holds_colocated_nodes_below_a_loose_target() {
-    let sim = run(Mode::Auto, 150.0);
-    let p = &sim.planner;
-    let hold = p.hold_tpot_ms().expect("auto chose a hold");
-    assert!((hold - want_ms(0.012)).abs() < 1e-6, "{hold}");
-    assert_eq!(p.colocated_tpot_ms(), hold);
-    // What status shows.
-    assert_eq!(p.estimate(&sim.snapshot()).hold_tpot_ms, Some(hold));
-    // A target tighter than the hold is what binds.
-    let sim = run(Mode::Auto, 50.0);
-    assert_eq!((sim.planner.colocated_tpot_ms(), sim.planner.hold_tpot_ms()), (50.0, Some(50.0)));
-}
-
-#[test]
-fn advise_shows_the_hold_and_holds_nothing_and_off_has_none() {
-    let sim = run(Mode::Advise, 150.0);
-    assert!((sim.planner.hold_tpot_ms().unwrap() - want_ms(0.012)).abs() < 1e-6);
-    assert_eq!(sim.planner.colocated_tpot_ms(), 150.0);
-    let sim = run(Mode::Off, 150.0);
-    assert_eq!((sim.planner.hold_tpot_ms(), sim.planner.colocated_tpot_ms()), (None, 150.0));
-    // Before its first tick auto holds nothing either.
-    let cfg = config(Mode::Auto, 3000.0, 150.0, limits(2, 2, 2, 2), false);
-    let sim = Sim::with_costs(cfg, &[Role::Both], smol());
-    assert_eq!(sim.planner.colocated_tpot_ms(), 150.0);
-}
-
-/// Decode steps measured `f` times the model's: the model scales by `f`, so would the hold.
-fn steps(f: f64) -> StepStats {
-    StepStats {
-        decode_steps: 100,
-        decode_seqs: 800,
-        decode_seconds: 100.0 * f * (0.012 + 8.0 * 0.0035),
-        ..Default::default()
-    }
-}
-
-#[test]
-fn the_hold_follows_calibration_past_its_band_only() {
-    let mut sim = run(Mode::Auto, 150.0);
-    let first = sim.planner.colocated_tpot_ms();
-    // 5% slower steps: inside the band, the hold stays.
-    sim.planner.calibrate(sim.now, &steps(1.05));
-    sim.arrive(1.0, Duration::from_secs(1), 64, 64);
-    sim.tick();
-    assert_eq!(sim.planner.colocated_tpot_ms(), first);
-    assert!(0.05 < HOLD_BAND);
-    // 30% slower than the first: the hold moves with them.
-    sim.now += Duration::from_secs(120);
-    sim.planner.calibrate(sim.now, &steps(1.3));
-    sim.tick();
-    let moved = sim.planner.colocated_tpot_ms();
-    assert!((moved - 1.3 * first).abs() < 1e-6, "{first} -> {moved}");
-    // A target loosened later does not lift the hold; tightened, the target binds at once.
-    let u = serde_json::from_value(serde_json::json!({"targets": {"tpot_ms": 60.0}})).unwrap();
-    sim.planner.update(&u).unwrap();
-    assert_eq!(sim.planner.colocated_tpot_ms(), 60.0);
+fn the_planner_predicts_colocated_nodes_paced_to_their_hold() {
+    let run = |hold: Option<f64>| {
+        let mut cfg = config(Mode::Advise, 3000.0, 150.0, limits(2, 2, 2, 2), false);
+        cfg.targets.colocated_tpot_ms = hold;
+        let mut sim = Sim::new(cfg, &[Role::Both, Role::Both]);
+        for n in &mut sim.nodes {
+            n.paced = true;
+            n.running_seqs = 2;
+        }
+        for _ in 0..10 {
+            sim.arrive(0.3, Duration::from_secs(1), 512, 64);
+            sim.tick();
+        }
+        sim.planner.estimate(&sim.snapshot()).predicted.ttft_ms.expect("a bounded prediction")
+    };
+    let (free, held) = (run(None), run(Some(60.0)));
+    assert!(held > free, "held to 60 ms: TTFT {held} ms, to the 150-ms target: {free} ms");
 }

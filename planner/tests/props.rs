@@ -191,7 +191,7 @@ proptest! {
     ) {
         let cfg = PlannerConfig {
             mode: Mode::Auto,
-            targets: Targets { ttft_ms, tpot_ms, quantile: 0.9, attainment: 0.9 },
+            targets: Targets { ttft_ms, tpot_ms, quantile: 0.9, attainment: 0.9, colocated_tpot_ms: None },
             limits: l.clone(),
             window: Duration::from_secs(20),
             cooldown: Duration::ZERO,

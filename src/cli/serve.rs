@@ -136,6 +136,13 @@ pub struct PlannerArgs {
     /// Time-per-output-token target (ms).
     #[arg(long, default_value_t = 100.0)]
     pub tpot_target_ms: f64,
+    /// The time per output token (ms) colocated nodes are held to when tighter than
+    /// `--tpot-target-ms`: their pacing target and their SLO admission seats (fewer, faster
+    /// streams beside the prompts they prefill). Default: the TPOT target. Which is best
+    /// depends on the machine and the load: measure (BENCHMARKS.md, "Holding colocated nodes
+    /// below the TPOT target").
+    #[arg(long)]
+    pub colocated_tpot_target_ms: Option<f64>,
     /// Most nodes the planner may use in all (default: the live nodes).
     #[arg(long)]
     pub max_nodes: Option<u32>,
@@ -184,6 +191,7 @@ impl PlannerArgs {
         let mut c = cleave_planner::PlannerConfig { mode, ..Default::default() };
         c.targets.ttft_ms = self.ttft_target_ms;
         c.targets.tpot_ms = self.tpot_target_ms;
+        c.targets.colocated_tpot_ms = self.colocated_tpot_target_ms;
         if let Some(n) = self.max_nodes {
             c.limits.max_nodes = n;
         }

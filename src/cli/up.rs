@@ -102,6 +102,10 @@ pub struct UpArgs {
     /// The planner's time-per-output-token target (ms, p90).
     #[arg(long, default_value_t = 100.0)]
     pub tpot_target_ms: f64,
+    /// Colocated nodes held to this time per output token (ms) when tighter than the target
+    /// (see `cleave coordinator --colocated-tpot-target-ms`).
+    #[arg(long)]
+    pub colocated_tpot_target_ms: Option<f64>,
     /// Nodes pace prompt chunks beside running decodes to the TPOT target (the coordinator
     /// sends it to every node; `cleave_engine::sched::pacing`). Off by default: pacing protects
     /// TPOT at the expense of TTFT and does not yet know the TTFT target, so it costs a load
@@ -371,6 +375,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         ]);
         if let Some(p) = &args.planner_profile {
             cargs.extend(["--planner-profile".to_string(), p.display().to_string()]);
+        }
+        if let Some(ms) = args.colocated_tpot_target_ms {
+            cargs.extend(["--colocated-tpot-target-ms".to_string(), ms.to_string()]);
         }
         if args.pacing {
             cargs.push("--pacing".into());

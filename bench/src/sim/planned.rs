@@ -170,7 +170,7 @@ impl Control for Driver {
         self.ticks += 1;
         let snap = sim.snapshot(t);
         let decision = self.planner.tick(&snap);
-        // What the coordinator's planner actor sends colocated nodes after each tick.
+        // What the coordinator sends colocated nodes (their hold: a live update may change it).
         sim.set_colocated_hold(Some(self.planner.colocated_tpot_ms() / 1e3));
         if let Some(d) = decision {
             let mut refused = 0;

@@ -402,7 +402,8 @@ impl Cluster {
 }
 
 /// The times per output token nodes pace prompt chunks to, in microseconds: colocated nodes
-/// are held to the planner's hold (at most the target), every other node to the target.
+/// to their hold (`targets.colocated_tpot_ms`, at most the target), every other node to the
+/// target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pacing {
     pub tpot_us: u32,

@@ -302,8 +302,8 @@ impl Actor {
     /// With `--pacing`, keeps the nodes' pacing at the TPOT target, whatever the mode: a
     /// colocated node's prompt chunks are sized to keep its running decodes within it
     /// (`cleave_engine::sched::pacing`), which is the operator's target whether or not the
-    /// planner moves nodes. In auto mode colocated nodes pace to the planner's hold instead
-    /// ([`Planner::colocated_tpot_ms`], at most the target).
+    /// planner moves nodes. Colocated nodes pace to their hold instead
+    /// ([`Planner::colocated_tpot_ms`]: `targets.colocated_tpot_ms`, at most the target).
     async fn pacing(&mut self) {
         if !self.pace {
             return;
@@ -316,11 +316,7 @@ impl Actor {
         if want != self.pacing && want.is_some() {
             if let (Some(w), Some(old)) = (want, self.pacing) {
                 if w.colocated_us != old.colocated_us {
-                    tracing::info!(
-                        from_us = old.colocated_us,
-                        to_us = w.colocated_us,
-                        "the planner moved the colocated hold"
-                    );
+                    tracing::info!(from_us = old.colocated_us, to_us = w.colocated_us, "colocated nodes' hold changed");
                 }
             }
             self.pacing = want;
@@ -330,7 +326,7 @@ impl Actor {
 
     /// With `--slo-admission`, keeps the registry's seat caps on the targets, whatever the
     /// mode (they are the operator's targets whether or not the planner moves nodes); a
-    /// colocated node's seats on the planner's hold in auto mode.
+    /// colocated node's seats on its hold ([`Planner::colocated_tpot_ms`]).
     async fn admission(&mut self) {
         if !self.admit {
             return;

@@ -41,7 +41,7 @@ pub fn limits(max_prefill: u32, max_decode: u32, max_colocated: u32, max_nodes: 
 pub fn config(mode: Mode, ttft_ms: f64, tpot_ms: f64, limits: Limits, can_add_nodes: bool) -> PlannerConfig {
     PlannerConfig {
         mode,
-        targets: Targets { ttft_ms, tpot_ms, quantile: 0.9, attainment: 0.9 },
+        targets: Targets { ttft_ms, tpot_ms, quantile: 0.9, attainment: 0.9, colocated_tpot_ms: None },
         limits,
         window: Duration::from_secs(30),
         cooldown: Duration::from_secs(15),

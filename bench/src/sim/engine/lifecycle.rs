@@ -88,7 +88,7 @@ impl Sim<'_> {
 
     /// Holds colocated nodes' streams to `tpot_s` (their pacing, when the cluster paces, and
     /// their seats, under SLO admission), at most the TPOT target; None: to the target. What
-    /// the coordinator sends colocated nodes from the planner's hold.
+    /// the coordinator sends colocated nodes (`targets.colocated_tpot_ms`).
     pub(in crate::sim) fn set_colocated_hold(&mut self, tpot_s: Option<f64>) {
         self.colocated_hold_s = tpot_s.filter(|t| t.is_finite() && *t > 0.0);
     }

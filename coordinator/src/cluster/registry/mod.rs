@@ -556,8 +556,8 @@ impl Registry {
         n.prefix = load.prefix_hashes.iter().copied().collect();
         if let Some(a) = self.admission {
             let totals = seats::admission_totals(&load.steps);
-            // A colocated node's seats are sized to the planner's hold (prompts prefill beside
-            // its streams), any other's to the target.
+            // A colocated node's seats are sized to its hold (`targets.colocated_tpot_ms`:
+            // prompts prefill beside its streams), any other's to the target.
             n.seats.observe(&totals, a.tpot_target_for(n.reg.role == NodeRole::Both));
             n.prompts.observe(&totals);
         }
@@ -645,7 +645,7 @@ impl Registry {
                     reason: if a.colocated_tpot_target < a.tpot_target {
                         format!(
                             "every decode node holds as many streams as keep the {} ms TPOT target \
-                             ({} ms on colocated nodes: the planner's hold; SLO admission)",
+                             ({} ms on colocated nodes, their hold; SLO admission)",
                             a.tpot_target.as_secs_f64() * 1e3,
                             (a.colocated_tpot_target.as_secs_f64() * 1e4).round() / 10.0
                         )

@@ -441,7 +441,7 @@ fn slo_admission_holds_requests_for_a_seat_once_every_node_runs_over_the_tpot_ta
     assert!(r.node_states(t).iter().all(|s| s.seat_cap.is_none()));
 }
 
-/// The planner's hold sizes a colocated node's seats; a decode node's stay on the target.
+/// A colocated node's seats follow its hold; a decode node's stay on the target.
 #[test]
 fn a_colocated_nodes_seats_follow_the_hold_and_a_decode_nodes_the_target() {
     let t = Instant::now();
