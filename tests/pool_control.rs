@@ -453,7 +453,18 @@ fn colocated_nodes_pace_to_their_hold_and_decode_nodes_to_the_target() {
         let cfg = c.admin(reqwest::Method::GET, "/admin/planner", None).await;
         assert_eq!(cfg["config"]["targets"]["colocated_tpot_ms"], 40.0, "{cfg}");
         check_golden(c).await;
-        c.admin(reqwest::Method::PUT, "/admin/planner", Some(json!({"targets": {"colocated_tpot_ms": 25.0}}))).await;
+        // `cleave admin planner`, its flag joined to the targets its --json names.
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave"))
+            .args(["admin", "--url", &c.http, "--admin-token", common::ADMIN_TOKEN, "planner"])
+            .args(["--colocated-tpot-target-ms", "25", "--json", r#"{"targets": {"ttft_ms": 2500}}"#])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let cfg: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            (cfg["targets"]["colocated_tpot_ms"].as_f64(), cfg["targets"]["ttft_ms"].as_f64()),
+            (Some(25.0), Some(2500.0))
+        );
         paced(25.0, 100.0).await;
         // Cleared: the target for every node.
         let cfg =

@@ -50,6 +50,10 @@ pub enum AdminOp {
         ttft_target_ms: Option<f64>,
         #[arg(long)]
         tpot_target_ms: Option<f64>,
+        /// Colocated nodes held to this time per output token when tighter than the target
+        /// (0: the target again).
+        #[arg(long)]
+        colocated_tpot_target_ms: Option<f64>,
         /// Any other settings, as the JSON of `PUT /admin/planner` (merged with the flags).
         #[arg(long)]
         json: Option<String>,
@@ -79,7 +83,7 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
                 (reqwest::Method::POST, format!("/admin/nodes/{id}/role"), Some(b))
             }
             AdminOp::Remove { id } => (reqwest::Method::DELETE, format!("/admin/nodes/{id}"), None),
-            AdminOp::Planner { mode, ttft_target_ms, tpot_target_ms, json } => {
+            AdminOp::Planner { mode, ttft_target_ms, tpot_target_ms, colocated_tpot_target_ms, json } => {
                 let mut b: Value = match json {
                     Some(j) => serde_json::from_str(&j).context("--json is not valid JSON")?,
                     None => json!({}),
@@ -88,7 +92,15 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
                 if let Some(m) = mode {
                     obj.insert("mode".into(), json!(m));
                 }
-                let mut targets = serde_json::Map::new();
+                // The flags' targets join those the JSON names (a flag wins where both do).
+                let mut targets = match obj.remove("targets") {
+                    Some(Value::Object(t)) => t,
+                    Some(_) => anyhow::bail!("--json: \"targets\" must be a JSON object"),
+                    None => serde_json::Map::new(),
+                };
+                if let Some(t) = colocated_tpot_target_ms {
+                    targets.insert("colocated_tpot_ms".into(), json!(t));
+                }
                 if let Some(t) = ttft_target_ms {
                     targets.insert("ttft_ms".into(), json!(t));
                 }
