@@ -87,7 +87,8 @@
 //! sequence shares its node with `B` others on average. A prompt finds the node decoding with
 //! probability `w = 1 - e^-B` (the decoders are a Poisson population) and is then prefilled
 //! beside them in mixed steps of `c` tokens: what `T - (1 + B)` leaves, cut further where the
-//! nodes pace to the TPOT target (the step a paced node allows its freshest sequence, see
+//! nodes pace to their TPOT (the target, or the tighter `targets.colocated_tpot_ms` colocated
+//! nodes are held to; the step a paced node allows its freshest sequence, see
 //! `Model::paced_limit`); else in prefill-only steps of up to `T` tokens. Its service `S` blends
 //! the two *times* (`S = (1 - w) S_alone + w S_paced`, whole chunks then the remainder's step),
 //! and the node prefills `u = (lambda/k) S` of the time (`u >= 1`: unbounded). A decoding
