@@ -358,6 +358,27 @@ fn elementwise_ops_match_reference() {
             }
             assert_eq!(got[len], SENTINEL);
 
+            // Gates where the exponential saturates or vanishes, on a length with a tail.
+            let extreme: Vec<f32> =
+                [-200.0, -103.5, -88.5, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 87.0, 88.5, 103.5, 200.0]
+                    .into_iter()
+                    .cycle()
+                    .take(19)
+                    .collect();
+            let ones = vec![1f32; extreme.len()];
+            let mut want = vec![0f32; extreme.len()];
+            reference::silu_mul(&extreme, &ones, extreme.len(), &mut want).unwrap();
+            let mut got = vec![0f32; extreme.len()];
+            b.silu_mul(&extreme, &ones, extreme.len(), &mut got).unwrap();
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.is_finite() && (g - w).abs() <= 8.0 * f32::EPSILON * w.abs().max(1e-30),
+                    "{}: silu_mul({}) {g} vs {w}",
+                    b.name(),
+                    extreme[i]
+                );
+            }
+
             let mut want = gate.clone();
             reference::add_assign(&mut want, &up, len).unwrap();
             let mut got = gate.clone();
