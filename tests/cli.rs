@@ -87,6 +87,17 @@ fn bad_input_gives_clear_errors() {
     let out = cleave(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--device", "gpu"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("use cpu, cuda or cuda:N"));
+
+    // A bad planner target given to `cleave up` is named by the coordinator it starts (a
+    // negative number once went over as a flag of its own: "unexpected argument '-1'").
+    for flag in ["--colocated-tpot-target-ms=-1", "--tpot-target-ms=-5"] {
+        let out = cleave(&["up", "--model", model.to_str().unwrap(), "--port", "0", flag]);
+        assert!(!out.status.success(), "{flag}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let field = if flag.contains("colocated") { "targets.colocated_tpot_ms" } else { "targets.tpot_ms" };
+        assert!(stderr.contains(field) && stderr.contains("must be finite and > 0"), "{flag}: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("unexpected argument"), "{flag}: {stderr}");
+    }
 }
 
 /// Asked for a GPU where there is none (or in a build without the CUDA backend), the binary says

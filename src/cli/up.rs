@@ -368,16 +368,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             admin_token.clone(),
             "--planner".into(),
             mode.into(),
-            "--ttft-target-ms".into(),
-            args.ttft_target_ms.to_string(),
-            "--tpot-target-ms".into(),
-            args.tpot_target_ms.to_string(),
+            // `--flag=value`: a negative number passed apart reads as a flag of its own, and the
+            // coordinator would answer "unexpected argument" instead of naming the bad value.
+            format!("--ttft-target-ms={}", args.ttft_target_ms),
+            format!("--tpot-target-ms={}", args.tpot_target_ms),
         ]);
         if let Some(p) = &args.planner_profile {
             cargs.extend(["--planner-profile".to_string(), p.display().to_string()]);
         }
         if let Some(ms) = args.colocated_tpot_target_ms {
-            cargs.extend(["--colocated-tpot-target-ms".to_string(), ms.to_string()]);
+            cargs.push(format!("--colocated-tpot-target-ms={ms}"));
         }
         if args.pacing {
             cargs.push("--pacing".into());

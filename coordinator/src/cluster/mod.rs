@@ -402,8 +402,8 @@ impl Cluster {
 }
 
 /// The times per output token nodes pace prompt chunks to, in microseconds: colocated nodes
-/// to their hold (`targets.colocated_tpot_ms`, at most the target), every other node to the
-/// target.
+/// to their hold, every other node to the target. Invariant: `colocated_us <= tpot_us` (the
+/// hold is clamped where it is read, `Targets::colocated_ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pacing {
     pub tpot_us: u32,
@@ -414,7 +414,7 @@ impl Pacing {
     /// What a node in `role` paces to.
     pub fn for_role(&self, role: NodeRole) -> u32 {
         if role == NodeRole::Both {
-            self.colocated_us.min(self.tpot_us)
+            self.colocated_us
         } else {
             self.tpot_us
         }

@@ -309,16 +309,12 @@ impl Actor {
             return;
         }
         let us = |ms: f64| (ms.is_finite() && ms > 0.0).then(|| (ms * 1e3).round().min(f64::from(u32::MAX)) as u32);
+        // `colocated_tpot_ms` is at most the target (`Targets::colocated_ms`).
         let want = us(self.planner.config().targets.tpot_ms).map(|tpot_us| super::Pacing {
             tpot_us,
-            colocated_us: us(self.planner.colocated_tpot_ms()).unwrap_or(tpot_us).min(tpot_us),
+            colocated_us: us(self.planner.colocated_tpot_ms()).unwrap_or(tpot_us),
         });
         if want != self.pacing && want.is_some() {
-            if let (Some(w), Some(old)) = (want, self.pacing) {
-                if w.colocated_us != old.colocated_us {
-                    tracing::info!(from_us = old.colocated_us, to_us = w.colocated_us, "colocated nodes' hold changed");
-                }
-            }
             self.pacing = want;
             self.cluster.set_pacing(want).await;
         }

@@ -358,7 +358,7 @@ pub(super) struct Sim<'a> {
     /// seats as taken in the pool they will decode in).
     pending_remote: u64,
     pub(super) transitions: Vec<Transition>,
-    /// The TPOT colocated nodes are held to when the planner holds them below the target
+    /// The TPOT colocated nodes are held to when their hold is below the target
     /// ([`Sim::set_colocated_hold`]).
     colocated_hold_s: Option<f64>,
 }
@@ -902,13 +902,8 @@ impl<'a> Sim<'a> {
         ))
     }
 
-    /// Prompt tokens node `n`'s next step may carry beside its decodes when it paces to `tpot`
-    /// (the engine's rule, `cleave_engine::sched::pacing`): each decoding sequence may see the
-    /// step last `margin * tpot * generated - (now - first token)` (its mean within the target
-    /// were it to end after this step); the largest chunk whose step fits the least of those,
-    /// at least the floor. The engine measures its costs; here they are the cost model's.
     /// The TPOT node `n` is held to where the cluster's target is `target_s`: a colocated
-    /// node's hold when the planner set one below it.
+    /// node's hold (`targets.colocated_tpot_ms`, from the planner) when below it.
     fn held_tpot(&self, n: usize, target_s: f64) -> f64 {
         match self.colocated_hold_s {
             Some(h) if self.nodes[n].role == Role::Both => h.min(target_s),
@@ -916,6 +911,11 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Prompt tokens node `n`'s next step may carry beside its decodes when it paces to `tpot`
+    /// (the engine's rule, `cleave_engine::sched::pacing`): each decoding sequence may see the
+    /// step last `margin * tpot * generated - (now - first token)` (its mean within the target
+    /// were it to end after this step); the largest chunk whose step fits the least of those,
+    /// at least the floor. The engine measures its costs; here they are the cost model's.
     fn paced_budget(&self, n: usize, tpot: f64, budget: usize, now: f64) -> usize {
         use cleave_planner::{MIN_PACED_CHUNK, PACING_MARGIN};
         let node = &self.nodes[n];
@@ -991,11 +991,11 @@ impl<'a> Sim<'a> {
     /// it did.
     fn report(&mut self, n: usize, t: f64) -> bool {
         let Some(a) = self.cfg.admission else { return false };
-        let colocated = self.nodes[n].role == Role::Both;
-        let target = match self.colocated_hold_s {
-            Some(h) if colocated => a.tpot_target.min(std::time::Duration::from_secs_f64(h)),
-            _ => a.tpot_target_for(colocated),
+        let a = match self.colocated_hold_s.and_then(|h| std::time::Duration::try_from_secs_f64(h).ok()) {
+            Some(h) => a.holding_colocated(h),
+            None => a,
         };
+        let target = a.tpot_target_for(self.nodes[n].role == Role::Both);
         let node = &mut self.nodes[n];
         if t - node.reported_s < REPORT_S {
             return false;

@@ -642,18 +642,17 @@ impl Registry {
                     }
                 }
                 return Err(NoRoute {
-                    reason: if a.colocated_tpot_target < a.tpot_target {
+                    reason: {
+                        let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+                        let hold = if a.colocated_tpot_target < a.tpot_target {
+                            format!("{} ms on colocated nodes, their hold; ", ms(a.colocated_tpot_target))
+                        } else {
+                            String::new()
+                        };
                         format!(
                             "every decode node holds as many streams as keep the {} ms TPOT target \
-                             ({} ms on colocated nodes, their hold; SLO admission)",
-                            a.tpot_target.as_secs_f64() * 1e3,
-                            (a.colocated_tpot_target.as_secs_f64() * 1e4).round() / 10.0
-                        )
-                    } else {
-                        format!(
-                            "every decode node holds as many streams as keep the {} ms TPOT target \
-                             (SLO admission)",
-                            a.tpot_target.as_secs_f64() * 1e3
+                             ({hold}SLO admission)",
+                            ms(a.tpot_target)
                         )
                     },
                     wait: Some(Wait::Seats { max_wait: a.max_wait }),
